@@ -1,0 +1,19 @@
+"""Errors raised by the kernel wrappers.
+
+`kernels` sits at the bottom of the import graph (kernels <- platform), so it cannot reuse
+`eagleray.platform.errors`; this is its own small hierarchy. Every message names the argument,
+what was expected, what was got, and the fix.
+"""
+
+from __future__ import annotations
+
+
+class VerifyInputError(ValueError):
+    """An argument of a verification kernel has the wrong shape, dtype, stride or device."""
+
+    def __init__(self, arg: str, expected: str, got: str, fix: str) -> None:
+        self.arg = arg
+        self.expected = expected
+        self.got = got
+        self.fix = fix
+        super().__init__(f"{arg}: expected {expected}, got {got}. Fix: {fix}")

@@ -1,0 +1,102 @@
+"""What eagleray needs to know about a target model directory (HF config.json + safetensors)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from eagleray.platform.errors import EaglerayError
+from eagleray.platform.fingerprint import target_fingerprint, tokenizer_fingerprint, weight_shapes
+
+SUPPORTED_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """Read a JSON object from ``path``; a missing or malformed file is a clear error."""
+    if not path.is_file():
+        raise EaglerayError(f"{what}: {path} does not exist\n    fix: point at a directory that contains {path.name}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise EaglerayError(f"{what}: {path} is not valid JSON ({err})\n    fix: restore the file from the original checkpoint") from None
+    if not isinstance(data, dict):
+        raise EaglerayError(f"{what}: {path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def rope_of(config: dict[str, Any]) -> dict[str, Any]:
+    """Rope settings in one shape whether the config uses ``rope_theta``/``rope_scaling`` or ``rope_parameters``."""
+    params = dict(config.get("rope_parameters") or {})
+    scaling = config.get("rope_scaling") or {}
+    theta = params.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
+    kind = params.pop("rope_type", None) or scaling.get("rope_type") or scaling.get("type") or "default"
+    extra = {k: v for k, v in {**scaling, **params}.items() if k not in ("type", "rope_type")}
+    return {"rope_theta": float(theta), "rope_type": kind, **extra}
+
+
+@dataclass
+class TargetSpec:
+    """A target model directory and the architecture facts the guard and engine use."""
+
+    path: Path
+    config: dict[str, Any] = field(repr=False)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "TargetSpec":
+        p = Path(path)
+        if not p.is_dir():
+            raise EaglerayError(f"target: {p} is not a directory\n    fix: pass a Hugging Face model directory (config.json + *.safetensors) or 'smollm2'")
+        return cls(path=p, config=read_json(p / "config.json", "target"))
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config["hidden_size"])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.config["num_attention_heads"])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.config.get("num_key_value_heads") or self.num_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.config.get("head_dim") or self.hidden_size // self.num_heads)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+    @property
+    def max_positions(self) -> int:
+        return int(self.config.get("max_position_embeddings") or 0)
+
+    @property
+    def rope(self) -> dict[str, Any]:
+        return rope_of(self.config)
+
+    @property
+    def default_aux_layer_ids(self) -> list[int]:
+        """EAGLE-3's default: the inputs of layers 2, N//2 and N-3 (vLLM's convention)."""
+        n = self.num_layers
+        return [min(2, n), n // 2, max(n - 3, 0)]
+
+    @cached_property
+    def weight_shapes(self) -> dict[str, list[int]]:
+        return weight_shapes(self.path)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        return target_fingerprint(self.config, self.weight_shapes)
+
+    @cached_property
+    def tokenizer_fingerprint(self) -> str:
+        return tokenizer_fingerprint(self.path)
