@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl  # noqa: F401  (must be visible to the jit functions)
 
 # Counter index of the acceptance uniform (never a vocabulary id).
 ACCEPT_IDX = 2147483647

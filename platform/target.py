@@ -87,7 +87,7 @@ class TargetSpec:
     def default_aux_layer_ids(self) -> list[int]:
         """EAGLE-3's default: the inputs of layers 2, N//2 and N-3 (vLLM's convention)."""
         n = self.num_layers
-        return [min(2, n), n // 2, max(n - 3, 0)]
+        return sorted({min(2, n), n // 2, max(n - 3, 0)})
 
     @cached_property
     def weight_shapes(self) -> dict[str, list[int]]:

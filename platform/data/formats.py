@@ -34,10 +34,16 @@ def data_error(where: str, field: str, message: str, fix: str) -> DataError:
     return DataError(f"{where}: {Problem(field=field, message=message, fix=fix).render()}")
 
 
-def detect_form(row: Any, where: str) -> str:
-    """Which prompt column a row uses: the first of FORMS present in it."""
+def require_object(row: Any, where: str) -> Mapping[str, Any]:
+    """``row`` itself when it is a mapping (a JSON object), else a DataError."""
     if not isinstance(row, Mapping):
         raise data_error(where, "<row>", f"expected a JSON object, got {type(row).__name__}", "write one object per row")
+    return row
+
+
+def detect_form(row: Any, where: str) -> str:
+    """Which prompt column a row uses: the first of FORMS present in it."""
+    require_object(row, where)
     for form in FORMS:
         if form in row:
             return form
@@ -122,7 +128,7 @@ def record_of(
     if not messages or (form == "prompt" and not messages[0].content):
         report.skip(f"empty_{form}")
         return None
-    extra = {k: v for k, v in row.items() if k not in FORMS}
+    extra = {k: v for k, v in row.items() if k != form}
     return make_record(messages, source, {**meta, **extra})
 
 

@@ -88,21 +88,22 @@ def _input_ran_out(err: json.JSONDecodeError, text: str) -> bool:
     return err.msg.startswith("Unterminated string") or err.pos >= len(text.rstrip(_WHITESPACE)) - _NEAR_END
 
 
-def _malformed(buf: _TextBuffer, index: int, at: int, what: str) -> DataError:
+def _malformed(buf: _TextBuffer, index: int, start: int, at: int, what: str) -> DataError:
+    """A DataError for item ``index`` starting at byte ``start``, wrong at text position ``at``."""
     return DataError(
-        f"{buf.name}: item {index} (byte {buf.byte_offset(at)}): {what}\n"
+        f"{buf.name}: item {index} (starts at byte {start}): {what} at byte {buf.byte_offset(at)}\n"
         "    fix: repair or remove this item so the file is one valid JSON array"
     )
 
 
-def _decode_item(buf: _TextBuffer, decoder: json.JSONDecoder, index: int) -> tuple[Any, bool]:
+def _decode_item(buf: _TextBuffer, decoder: json.JSONDecoder, index: int, start: int) -> tuple[Any, bool]:
     """Decode the item at ``buf.pos``; (value, True), or (None, False) when the file ends inside it."""
     while True:
         try:
             value, end = decoder.raw_decode(buf.text, buf.pos)
         except json.JSONDecodeError as err:
             if not _input_ran_out(err, buf.text):
-                raise _malformed(buf, index, err.pos, f"invalid JSON: {err.msg}") from None
+                raise _malformed(buf, index, start, err.pos, f"invalid JSON: {err.msg.removesuffix(' at')}") from None
             if buf.fill():
                 continue
             return None, False
@@ -140,7 +141,7 @@ def iter_json_array(
     buf = _TextBuffer(stream, name, chunk_bytes)
     decoder = json.JSONDecoder()
     if buf.peek() != "[":
-        raise _malformed(buf, 0, buf.pos, "the file does not start with '[' (expected one JSON array)")
+        raise _malformed(buf, 0, 0, buf.pos, "the file does not start with '[' (expected one JSON array)")
     buf.pos += 1
     index, nxt = 0, buf.peek()
     while nxt != "]":
@@ -148,7 +149,7 @@ def iter_json_array(
         if nxt == "":
             _record_cut(buf, index, offset, report, allow_truncated)
             return
-        value, complete = _decode_item(buf, decoder, index)
+        value, complete = _decode_item(buf, decoder, index, offset)
         if not complete:
             _record_cut(buf, index, offset, report, allow_truncated)
             return
@@ -159,9 +160,9 @@ def iter_json_array(
             buf.pos += 1
             nxt = buf.peek()
             if nxt == "]":
-                raise _malformed(buf, index, buf.pos, "trailing ',' before ']'")
+                raise _malformed(buf, index, offset, buf.pos, "trailing ',' before ']'")
         elif nxt not in ("]", ""):
-            raise _malformed(buf, index, buf.pos, f"expected ',' or ']' after item {index - 1}, found {nxt!r}")
+            raise _malformed(buf, index - 1, offset, buf.pos, f"expected ',' or ']' after this item, found {nxt!r}")
     buf.pos += 1
     if buf.peek() != "":
-        raise _malformed(buf, index, buf.pos, "unexpected data after the closing ']'")
+        raise _malformed(buf, index, buf.byte_offset(buf.pos), buf.pos, "unexpected data after the closing ']'")

@@ -22,7 +22,7 @@ class LoadReport:
     role_aliases: Counter[str] = field(default_factory=Counter)  # "bing->assistant" -> messages mapped
     truncated_at_byte: int | None = None
     file_bytes: int | None = None
-    stopped_at_limit: bool = False
+    stopped_at_limit: bool = False  # the limit was reached; reading stopped there
     seconds: float = 0.0
 
     @property

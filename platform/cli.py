@@ -1,0 +1,59 @@
+"""The ``eagleray`` command line.
+
+Commands that live in higher layers (datagen, train, serve, bench, promote, quickstart) are
+named here by module path and imported only when run, so ``platform`` keeps its place at the
+bottom of the import graph (DESIGN.md, Layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Callable
+
+from eagleray.platform.errors import EaglerayError
+
+# command -> (module with `add_arguments(parser)` and `run(args) -> int`, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "models": ("eagleray.platform.cli_models", "prepare a packaged model and print its directory"),
+    "doctor": ("eagleray.platform.cli_doctor", "check that a draft can serve a target (the compatibility guard)"),
+    "chat": ("eagleray.platform.cli_chat", "one chat answer from a target model"),
+    "draft": ("eagleray.platform.cli_draft", "write an untrained EAGLE-3 draft for a target"),
+    "bench": ("eagleray.jobs.bench", "benchmarks (verify, spec) that print a table and write JSON"),
+    "quickstart": ("eagleray.jobs.quickstart", "the whole loop on this machine with defaults"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser; only the chosen command's module is imported (start-up stays fast)."""
+    parser = argparse.ArgumentParser(prog="eagleray", description="EAGLE-3 speculative decoding on Ray.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = next((a for a in argv if a in COMMANDS), None)
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(_module=module)
+        if name == chosen:
+            _load(module, "add_arguments")(p)
+    return parser
+
+
+def _load(module: str, attr: str) -> Callable:
+    return getattr(importlib.import_module(module), attr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(_load(args._module, "run")(args) or 0)
+    except EaglerayError as err:
+        print(f"eagleray {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,19 @@
+"""Prompt loaders: ShareGPT, MT-bench, HumanEval and JSONL/Parquet/JSON files, as one record type."""
+
+from eagleray.platform.data.loader import BUILTIN_SOURCES, LoadResult, iter_prompts, load_prompts
+from eagleray.platform.data.records import Message, PromptRecord, dedup, make_record, prompt_id_for, prompt_turns
+from eagleray.platform.data.report import LoadReport
+
+__all__ = [
+    "BUILTIN_SOURCES",
+    "LoadReport",
+    "LoadResult",
+    "Message",
+    "PromptRecord",
+    "dedup",
+    "iter_prompts",
+    "load_prompts",
+    "make_record",
+    "prompt_id_for",
+    "prompt_turns",
+]

@@ -1,0 +1,93 @@
+"""Llama decoder building blocks: RMSNorm, gated MLP, self-attention, decoder layer (TP-aware)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eagleray.platform.models.arch import LlamaArch
+from eagleray.platform.models.attention import AttentionMetadata, paged_attention
+from eagleray.platform.models.rope import RotaryEmbedding
+from eagleray.platform.models.tp import ColumnParallelLinear, RowParallelLinear, TPInfo, default_weight_loader, divide, new_param
+
+KVLayer = tuple[torch.Tensor, torch.Tensor]  # one layer's K, V [num_blocks, block_size, Hkv_local, D]
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * weight, computed in fp32 like transformers."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = new_param((dim,), dtype, device, default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., dim] -> [..., dim]
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class MLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, arch: LlamaArch, tp: TPInfo, device=None):
+        super().__init__()
+        h, i, dt = arch.hidden_size, arch.intermediate_size, arch.dtype
+        self.gate_proj = ColumnParallelLinear(h, i, arch.mlp_bias, tp, dt, device, "intermediate_size")
+        self.up_proj = ColumnParallelLinear(h, i, arch.mlp_bias, tp, dt, device, "intermediate_size")
+        self.down_proj = RowParallelLinear(i, h, arch.mlp_bias, tp, dt, device, "intermediate_size")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H] -> [T, H]
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))  # inner [T, I/tp]
+
+
+class SelfAttention(nn.Module):
+    """GQA self-attention with rotary embeddings; heads split across TP ranks.
+
+    ``in_features`` is the q/k/v input width (2H for the EAGLE-3 draft layer, H otherwise).
+    """
+
+    def __init__(self, arch: LlamaArch, tp: TPInfo, device=None, in_features: int | None = None):
+        super().__init__()
+        d, dt = arch.head_dim, arch.dtype
+        inp = in_features or arch.hidden_size
+        self.heads = divide(arch.num_heads, tp.world, "num_attention_heads")
+        self.kv_heads = divide(arch.num_kv_heads, tp.world, "num_key_value_heads")
+        self.head_dim = d
+        self.scale = d ** -0.5
+        self.sliding_window = arch.sliding_window
+        self.q_proj = ColumnParallelLinear(inp, arch.num_heads * d, arch.qkv_bias, tp, dt, device, "num_attention_heads*head_dim")
+        self.k_proj = ColumnParallelLinear(inp, arch.num_kv_heads * d, arch.qkv_bias, tp, dt, device, "num_key_value_heads*head_dim")
+        self.v_proj = ColumnParallelLinear(inp, arch.num_kv_heads * d, arch.qkv_bias, tp, dt, device, "num_key_value_heads*head_dim")
+        self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, arch.o_bias, tp, dt, device, "num_attention_heads*head_dim")
+        self.q_norm = RMSNorm(d, arch.rms_norm_eps, dt, device) if arch.qk_norm else None
+        self.k_norm = RMSNorm(d, arch.rms_norm_eps, dt, device) if arch.qk_norm else None
+        self.rotary = RotaryEmbedding(arch.rope, d, device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                cache: KVLayer | None) -> torch.Tensor:  # x [T, in] -> [T, H]
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.heads, self.head_dim)  # [T, Hq/tp, D]
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)  # [T, Hkv/tp, D]
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)  # [T, Hkv/tp, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = paged_attention(q, k, v, positions, attn, cache, self.scale, self.sliding_window)  # [T, Hq/tp, D]
+        return self.o_proj(o.reshape(t, self.heads * self.head_dim))  # [T, H]
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm Llama layer: h + attn(norm(h)), then + mlp(norm(.))."""
+
+    def __init__(self, arch: LlamaArch, tp: TPInfo, device=None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.dtype, device)
+        self.self_attn = SelfAttention(arch, tp, device)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.dtype, device)
+        self.mlp = MLP(arch, tp, device)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                cache: KVLayer | None) -> torch.Tensor:  # h [T, H] -> [T, H]
+        h = h + self.self_attn(self.input_layernorm(h), positions, attn, cache)  # [T, H]
+        return h + self.mlp(self.post_attention_layernorm(h))  # [T, H]

@@ -1,0 +1,175 @@
+"""Tensor-parallel building blocks over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
+
+World size 1 (or no process group) means plain single-process layers: every collective is
+skipped. Each parameter carries a ``weight_loader(param, full)`` that takes the *full*
+checkpoint tensor and copies this rank's shard, so checkpoints stay unsharded on disk.
+
+Sharding (Megatron style):
+
+- :class:`ColumnParallelLinear`: weight [out/tp, in]; output stays sharded along the last dim.
+- :class:`RowParallelLinear`: weight [out, in/tp]; partial outputs are all-reduced, bias added once.
+- :class:`VocabParallelEmbedding`: rows [V_pad/tp, H] per rank; lookups outside the shard give 0,
+  then all-reduce.
+- :class:`ParallelLMHead`: same row shards as the embedding (so tying shares the Parameter);
+  local logits [T, V_pad/tp] are all-gathered and trimmed to [T, V].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from eagleray.platform.errors import EaglerayError
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    """This process's place in the tensor-parallel group."""
+
+    rank: int = 0
+    world: int = 1
+    group: object | None = None  # a torch.distributed ProcessGroup, None = the default group
+
+    @classmethod
+    def current(cls) -> "TPInfo":
+        """The default process group if one is initialised, else a single process."""
+        if dist.is_available() and dist.is_initialized():
+            return cls(rank=dist.get_rank(), world=dist.get_world_size())
+        return cls()
+
+
+def divide(n: int, world: int, what: str) -> int:
+    """``n // world``, or a clear error when ``n`` does not split evenly."""
+    if n % world:
+        raise EaglerayError(f"{what}={n} is not divisible by the tensor-parallel size {world}\n"
+                            f"    fix: choose a tensor-parallel size that divides {what}")
+    return n // world
+
+
+def all_reduce(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
+    """Sum ``x`` over the group in place (identity at world 1)."""
+    if tp.world > 1:
+        dist.all_reduce(x, group=tp.group)
+    return x
+
+
+def all_gather_last(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
+    """Concatenate every rank's ``x`` [..., n] along the last dim -> [..., n*world]."""
+    if tp.world == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp.world)]
+    dist.all_gather(parts, x.contiguous(), group=tp.group)
+    return torch.cat(parts, dim=-1)
+
+
+def _copy_loader(param: torch.Tensor, full: torch.Tensor) -> None:
+    if tuple(param.shape) != tuple(full.shape):
+        raise EaglerayError(f"weight shape {tuple(full.shape)} does not match the model's {tuple(param.shape)}\n"
+                            f"    fix: the checkpoint does not belong to this config.json")
+    param.data.copy_(full)
+
+
+def _shard_loader(dim: int, rank: int, world: int):
+    """A loader that copies slice ``rank`` of ``world`` equal parts of ``full`` along ``dim``."""
+    def load(param: torch.Tensor, full: torch.Tensor) -> None:
+        if full.shape[dim] != param.shape[dim] * world:
+            raise EaglerayError(f"weight shape {tuple(full.shape)} does not shard into {tuple(param.shape)} "
+                                f"x{world} along dim {dim}\n    fix: the checkpoint does not belong to this config.json")
+        _copy_loader(param, full.chunk(world, dim=dim)[rank])
+    return load
+
+
+def new_param(shape: tuple[int, ...], dtype: torch.dtype, device, loader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    return p
+
+
+def default_weight_loader(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a replicated tensor (shapes must match exactly)."""
+    _copy_loader(param, full)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows: x [T, in] -> y [T, out/tp]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo,
+                 dtype: torch.dtype, device=None, what: str = "out_features"):
+        super().__init__()
+        self.tp = tp
+        local = divide(out_features, tp.world, what)
+        self.weight = new_param((local, in_features), dtype, device, _shard_loader(0, tp.rank, tp.world))
+        self.bias = new_param((local,), dtype, device, _shard_loader(0, tp.rank, tp.world)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out/tp]
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split by input columns: x [T, in/tp] -> y [T, out] (all-reduced)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo,
+                 dtype: torch.dtype, device=None, what: str = "in_features"):
+        super().__init__()
+        self.tp = tp
+        local = divide(in_features, tp.world, what)
+        self.weight = new_param((out_features, local), dtype, device, _shard_loader(1, tp.rank, tp.world))
+        self.bias = new_param((out_features,), dtype, device, default_weight_loader) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in/tp] -> [T, out]
+        y = all_reduce(nn.functional.linear(x, self.weight), self.tp)  # [T, out]
+        return y if self.bias is None else y + self.bias
+
+
+def _vocab_loader(rank: int, local: int, vocab: int):
+    """Copy rows [rank*local, rank*local+local) of a [vocab, H] tensor; padding rows become 0."""
+    def load(param: torch.Tensor, full: torch.Tensor) -> None:
+        if full.shape[0] != vocab or full.shape[1:] != param.shape[1:]:
+            raise EaglerayError(f"vocab weight shape {tuple(full.shape)} does not match ({vocab}, {param.shape[1]})\n"
+                                f"    fix: the checkpoint does not belong to this config.json")
+        start = rank * local
+        rows = full[start:start + local]  # [<=local, H]
+        param.data.zero_()
+        param.data[: rows.shape[0]].copy_(rows)
+    return load
+
+
+class VocabParallelEmbedding(nn.Module):
+    """ids [T] -> [T, H]; each rank holds a contiguous block of ceil(V/tp) rows."""
+
+    def __init__(self, vocab: int, hidden: int, tp: TPInfo, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.tp, self.vocab = tp, vocab
+        self.local = -(-vocab // tp.world)  # rows per rank (last rank padded)
+        self.start = tp.rank * self.local
+        self.weight = new_param((self.local, hidden), dtype, device, _vocab_loader(tp.rank, self.local, vocab))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [T] -> [T, H]
+        if self.tp.world == 1:
+            return nn.functional.embedding(ids, self.weight)
+        local_ids = ids - self.start  # [T]
+        inside = (local_ids >= 0) & (local_ids < self.local)  # [T]
+        out = nn.functional.embedding(torch.where(inside, local_ids, 0), self.weight)  # [T, H]
+        out = out * inside.unsqueeze(-1).to(out.dtype)  # [T, H]
+        return all_reduce(out, self.tp)
+
+
+class ParallelLMHead(nn.Module):
+    """hidden [T, H] -> logits [T, V] with the vocab rows sharded like :class:`VocabParallelEmbedding`."""
+
+    def __init__(self, vocab: int, hidden: int, tp: TPInfo, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.tp, self.vocab = tp, vocab
+        self.local = -(-vocab // tp.world)
+        self.weight = new_param((self.local, hidden), dtype, device, _vocab_loader(tp.rank, self.local, vocab))
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        """Share the embedding's Parameter (tie_word_embeddings)."""
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [T, H] -> [T, V]
+        local = nn.functional.linear(hidden, self.weight)  # [T, V_pad/tp]
+        return all_gather_last(local, self.tp)[..., : self.vocab]  # [T, V]

@@ -1,0 +1,118 @@
+"""Config schemas at eagleray's boundaries (YAML files and HTTP/user_config payloads).
+
+Every model forbids unknown fields and describes every field; errors name the dotted field
+(see :func:`eagleray.platform.config.parse_config`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from eagleray.platform.config import StrictModel
+
+
+class TargetConfig(StrictModel):
+    model: str = Field("smollm2", description="Target model: a Hugging Face directory, or 'smollm2' for the packaged SmolLM2-135M-Instruct.")
+    dtype: Literal["fp32", "bf16"] = Field("fp32", description="Weight/activation dtype. fp32 on CPU for exact comparisons.")
+    tensor_parallel_size: int = Field(1, ge=1, description="Number of tensor-parallel ranks (one process per GPU; gloo on CPU).")
+    max_model_len: int | None = Field(None, ge=16, description="Context length served; default the target's max_position_embeddings.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs; auto picks cuda when available.")
+
+
+class TreeConfig(StrictModel):
+    depth: int = Field(5, ge=1, le=16, description="Draft steps per tree (longest path).")
+    topk: int = Field(4, ge=1, le=16, description="Children expanded per node.")
+    num_draft_tokens: int = Field(8, ge=1, le=128, description="Total tree nodes verified per step (excluding the root).")
+
+    @model_validator(mode="after")
+    def _enough_nodes(self) -> "TreeConfig":
+        if self.num_draft_tokens < self.depth:
+            raise ValueError(f"num_draft_tokens ({self.num_draft_tokens}) must be >= depth ({self.depth}) to reach full depth")
+        return self
+
+
+class PolicyConfig(StrictModel):
+    watchdog_window: int = Field(64, ge=4, description="Verification steps over which the acceptance watchdog averages τ.")
+    watchdog_min_tau: float = Field(1.05, ge=1.0, description="The watchdog fires when mean τ over the window stays below this.")
+    on_low_acceptance: Literal["warn", "disable", "rollback"] = Field("warn", description="What the watchdog does: log+metric only, turn speculation off, or roll back to the previous draft.")
+    adaptive: bool = Field(True, description="Lower k or turn speculation off when it is measured slower than plain decoding; turn it back on when it pays.")
+
+
+class DraftConfig(StrictModel):
+    source: str = Field(description="Draft checkpoint: a directory, 'models:/<name>@<alias>' (MLflow registry), or 'random' (untrained, for checks).")
+    algorithm: Literal["eagle3", "eagle"] | None = Field(None, description="Speculative algorithm; derived from the draft when unset, refused when it disagrees.")
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="Chain length k drafted per step (chain mode).")
+    tree: TreeConfig | None = Field(None, description="Draft an EAGLE top-k tree instead of a chain.")
+    policy: PolicyConfig = Field(default_factory=PolicyConfig, description="Acceptance watchdog and adaptive speculation.")
+
+
+class MlflowConfig(StrictModel):
+    tracking_uri: str | None = Field(None, description="MLflow tracking URI; default sqlite under $EAGLERAY_HOME/mlflow.")
+    experiment: str = Field("eagleray", description="Experiment name for runs.")
+    registered_model: str = Field("eagleray-draft", description="Registered model name for drafts.")
+
+
+class ServingConfig(StrictModel):
+    target: TargetConfig = Field(default_factory=TargetConfig, description="The target model.")
+    draft: DraftConfig | None = Field(None, description="The draft; none serves plain decoding.")
+    host: str = Field("127.0.0.1", description="HTTP bind address.")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
+    model_name: str = Field("eagleray", description="Model id reported by /v1/models and accepted in requests.")
+    max_num_seqs: int = Field(16, ge=1, description="Maximum sequences batched per engine step.")
+    api_key: str | None = Field(None, description="Bearer token required on every route when set (always required for admin routes).")
+    alias_poll_seconds: float | None = Field(None, gt=0, description="Poll the MLflow alias of draft.source this often and hot-swap on change.")
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="Registry used to resolve models:/ URIs.")
+
+
+class GenerationConfig(StrictModel):
+    max_tokens: int = Field(256, ge=1, description="Maximum response tokens per prompt.")
+    temperature: float = Field(0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    seed: int = Field(0, description="Base seed; each prompt derives its own from its id.")
+
+
+class DatagenConfig(StrictModel):
+    prompts: list[str] = Field(description="Prompt sources: 'sharegpt', or JSONL/Parquet paths (messages/conversations/prompt).")
+    output_dir: str = Field(description="Where Parquet shards, the manifest and the errors table are written.")
+    target: TargetConfig = Field(default_factory=TargetConfig, description="Target that regenerates responses and gives hidden states.")
+    limit: int | None = Field(None, ge=1, description="Use at most this many prompt records.")
+    shuffle_seed: int | None = Field(None, description="Shuffle prompts with this seed before the limit.")
+    backend: Literal["eagleray", "vllm", "transformers"] = Field("eagleray", description="Regeneration backend.")
+    generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Sampling settings for regeneration.")
+    aux_layer_ids: list[int] | None = Field(None, description="Target layers to capture; default EAGLE-3's (2, N//2, N-3).")
+    rows_per_shard: int = Field(256, ge=1, description="Rows per Parquet shard.")
+    num_workers: int = Field(1, ge=1, description="Actor-pool size of the model stages.")
+    batch_size: int = Field(8, ge=1, description="Rows per model batch.")
+    hold_out_eval: bool = Field(True, description="Drop prompts that also occur in MT-bench or HumanEval.")
+
+
+class TrainingConfig(StrictModel):
+    data_dir: str = Field(description="Datagen output directory (shards + manifest), or 'online'.")
+    target: TargetConfig = Field(default_factory=TargetConfig, description="Target the draft is for.")
+    output_dir: str = Field(description="Where checkpoints are written.")
+    draft_vocab_size: int = Field(32000, ge=1, description="Draft vocabulary size (capped at the target's vocab).")
+    ttt_steps: int = Field(7, ge=1, le=16, description="Unrolled training-time-test steps.")
+    loss_decay: float = Field(0.8, gt=0.0, le=1.0, description="Weight of step i is loss_decay**i.")
+    learning_rate: float = Field(5e-5, gt=0.0, description="AdamW peak learning rate.")
+    warmup_steps: int = Field(50, ge=0, description="Linear warmup steps before cosine decay.")
+    max_steps: int = Field(1000, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(8, ge=1, description="Sequences per step per worker.")
+    max_seq_len: int = Field(2048, ge=16, description="Sequences are truncated to this many tokens.")
+    grad_clip: float = Field(0.5, gt=0.0, description="Gradient norm clip.")
+    num_workers: int = Field(1, ge=1, description="Ray Train workers (DDP).")
+    use_gpu: bool = Field(False, description="Train on GPUs.")
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="Tracking and registry.")
+
+
+class PromotionConfig(StrictModel):
+    candidate: str = Field(description="Candidate draft: 'models:/<name>/<version>' or a directory.")
+    alias: str = Field("champion", description="Alias set on the candidate when it wins.")
+    target: TargetConfig = Field(default_factory=TargetConfig, description="Target used for the measurement.")
+    prompts: list[str] = Field(default_factory=lambda: ["mtbench", "humaneval"], description="Held-out prompt sets.")
+    limit: int = Field(16, ge=1, description="Prompts per set.")
+    max_tokens: int = Field(64, ge=1, description="Tokens generated per prompt.")
+    min_tau_gain: float = Field(0.05, ge=0.0, description="Candidate τ must beat the champion's by this fraction.")
+    min_speedup: float = Field(1.0, gt=0.0, description="Candidate must be at least this much faster than plain decoding.")
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="Registry holding the versions and alias.")

@@ -1,0 +1,144 @@
+"""eagleray's target decoder against transformers on tiny random models (fp32)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eagleray.platform.errors import EaglerayError
+from eagleray.platform.models.attention import AttentionMetadata
+from eagleray.platform.models.llama import LlamaModel
+
+
+ATOL = 1e-4
+VOCAB = 96  # conftest.SMALL
+VARIANTS = ["llama_tied", "llama_untied_mha", "llama3_rope", "llama_linear_rope_bias", "mistral_window", "qwen2", "qwen3"]
+
+
+def _hf_states(ref, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """transformers logits [B, T, V] and the inputs of layers 0..N (N = pre-final-norm state)."""
+    captured = {}
+    hook = ref.model.norm.register_forward_pre_hook(lambda mod, args: captured.setdefault("pre", args[0]))
+    try:
+        with torch.no_grad():
+            out = ref(ids, output_hidden_states=True)
+    finally:
+        hook.remove()
+    states = list(out.hidden_states[:-1]) + [captured["pre"]]  # [N+1] x [B, T, H]
+    return out.logits, states
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_logits_and_aux_match_transformers(variant, tiny_dirs, hf_model):
+    path = tiny_dirs[variant]
+    n = 4
+    ids_aux = [0, 2, n]
+    model = LlamaModel.from_dir(path, aux_layer_ids=ids_aux)
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))  # [B, T]
+    logits, aux = model.forward_full(ids)  # [B, T, V], [B, T, 3H]
+    ref_logits, states = _hf_states(hf_model(path), ids)
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    h = model.hidden_size
+    for j, k in enumerate(ids_aux):
+        torch.testing.assert_close(aux[..., j * h:(j + 1) * h], states[k], atol=ATOL, rtol=0)
+
+
+def test_bf16_load_is_close_to_fp32(tiny_dirs):
+    path = tiny_dirs["llama_tied"]
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
+    full, _ = LlamaModel.from_dir(path).forward_full(ids)  # [1, T, V]
+    half = LlamaModel.from_dir(path, dtype="bf16")
+    assert half.norm.weight.dtype == torch.bfloat16
+    low, _ = half.forward_full(ids)
+    torch.testing.assert_close(low.float(), full, atol=0.05, rtol=0.05)
+
+
+def _paged_forward(model, seqs, ctx_lens, block_tables, block_size, cache, tree_masks=None, positions=None):
+    """One varlen forward of the new tokens ``seqs[b][ctx_lens[b]:]`` -> logits [T, V]."""
+    new = [s[c:] for s, c in zip(seqs, ctx_lens)]
+    ids = torch.cat(new)  # [T]
+    if positions is None:
+        positions = torch.cat([torch.arange(c, c + len(s)) for s, c in zip(new, ctx_lens)])  # [T]
+    attn = AttentionMetadata.build([len(s) for s in new], ctx_lens, block_tables, block_size, tree_masks)
+    hidden, _ = model(ids, positions, attn, cache)
+    return model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("variant", ["llama_tied", "mistral_window"])
+def test_paged_prefill_chunk_and_decode_equal_full_forward(variant, tiny_dirs):
+    model = LlamaModel.from_dir(tiny_dirs[variant])
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in (13, 6)]  # final lengths
+    block_size, cache = 4, model.make_kv_cache(num_blocks=12, block_size=4)
+    tables = [[7, 2, 9, 0], [5, 11, -1, -1]]  # non-contiguous blocks, -1 = unused
+    with torch.inference_mode():
+        # prefill (first 8 / 3 tokens), a chunk (to 12 / 5), then one decode token each
+        _paged_forward(model, [s[:8] for s in seqs[:1]] + [seqs[1][:3]], [0, 0], tables, block_size, cache)
+        _paged_forward(model, [seqs[0][:12], seqs[1][:5]], [8, 3], tables, block_size, cache)
+        last = _paged_forward(model, seqs, [12, 5], tables, block_size, cache)  # [2, V]
+        for b, s in enumerate(seqs):
+            full, _ = model.forward_full(s.unsqueeze(0))  # [1, T, V]
+            torch.testing.assert_close(last[b], full[0, -1], atol=ATOL, rtol=0)
+
+
+def test_tree_mask_forward_equals_chain_forwards(tiny_dirs):
+    model = LlamaModel.from_dir(tiny_dirs["llama_untied_mha"])
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, VOCAB, (7,), generator=g)  # [P]
+    tree = torch.randint(0, VOCAB, (5,), generator=g)  # nodes r, a, b, c, d
+    parents = [-1, 0, 0, 1, 2]  # r -> {a, b}; a -> c; b -> d
+    depth = [0, 1, 1, 2, 2]
+    mask = torch.eye(5, dtype=torch.bool)  # [5, 5] node i sees its ancestors and itself
+    for i, p in enumerate(parents):
+        while p >= 0:
+            mask[i, p], p = True, parents[p]
+    block_size, cache, tables = 4, model.make_kv_cache(num_blocks=6, block_size=4), [[3, 1, 4]]
+    p = len(prompt)
+    with torch.inference_mode():
+        _paged_forward(model, [prompt], [0], tables, block_size, cache)
+        positions = torch.tensor(depth) + p  # [5]
+        logits = _paged_forward(model, [torch.cat([prompt, tree])], [p], tables, block_size, cache,
+                                tree_masks=[mask], positions=positions)  # [5, V]
+    for i in range(5):
+        path, node = [], i
+        while node >= 0:
+            path.insert(0, node)
+            node = parents[node]
+        chain = torch.cat([prompt, tree[path]]).unsqueeze(0)  # [1, P + depth + 1]
+        full, _ = model.forward_full(chain)
+        torch.testing.assert_close(logits[i], full[0, -1], atol=ATOL, rtol=0)
+
+
+def _edit_config(path, tmp_path, **changes):
+    import shutil
+
+    out = tmp_path / "edited"
+    shutil.copytree(path, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(changes)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"model_type": "gpt2"}, "model_type"),
+])
+def test_unsupported_config_is_refused(changes, field, tiny_dirs, tmp_path):
+    path = _edit_config(tiny_dirs["llama_tied"], tmp_path, **changes)
+    with pytest.raises(EaglerayError, match=field):
+        LlamaModel.from_dir(path)
+
+
+def test_aux_ids_out_of_range_are_refused(tiny_dirs):
+    with pytest.raises(EaglerayError, match=r"outside \[0, 4\]"):
+        LlamaModel.from_dir(tiny_dirs["llama_tied"], aux_layer_ids=[2, 5])
+
+
+def test_wrong_checkpoint_names_missing_tensors(tiny_dirs, tmp_path):
+    path = _edit_config(tiny_dirs["llama_tied"], tmp_path, num_hidden_layers=5)
+    with pytest.raises(EaglerayError, match="missing tensors"):
+        LlamaModel.from_dir(path)
