@@ -6,6 +6,7 @@ import argparse
 
 from eagleray.platform.chat import chat_once
 from eagleray.platform.smollm2 import resolve_target
+from eagleray.platform.target import TargetSpec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,5 +17,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    print(chat_once(resolve_target(args.target), args.prompt, max_tokens=args.max_tokens, system=args.system))
+    target = TargetSpec.from_dir(resolve_target(args.target))  # clear error for a bad directory
+    print(chat_once(target.path, args.prompt, max_tokens=args.max_tokens, system=args.system))
     return 0

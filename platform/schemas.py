@@ -73,19 +73,36 @@ class GenerationConfig(StrictModel):
     seed: int = Field(0, description="Base seed; each prompt derives its own from its id.")
 
 
+class DatagenTesting(StrictModel):
+    kill_extract_worker_after_shards: int | None = Field(None, ge=0, description="Testing only: the hidden-state worker SIGKILLs itself once (marker file in output_dir) after writing this many shards, mid-write, to prove a killed worker loses nothing.")
+    chunk_delay_s: float = Field(0.0, ge=0.0, description="Testing only: sleep this long per shard in the hidden-state stage (slows a run so a test can kill the driver mid-run).")
+
+
 class DatagenConfig(StrictModel):
-    prompts: list[str] = Field(description="Prompt sources: 'sharegpt', or JSONL/Parquet paths (messages/conversations/prompt).")
-    output_dir: str = Field(description="Where Parquet shards, the manifest and the errors table are written.")
+    prompts: list[str] = Field(description="Prompt sources: 'sharegpt', 'mtbench', 'humaneval', or JSONL/Parquet paths (messages/conversations/prompt).")
+    output_dir: str = Field(description="Where Parquet shards, the manifest and the errors table are written (a filesystem every Ray worker can reach).")
     target: TargetConfig = Field(default_factory=TargetConfig, description="Target that regenerates responses and gives hidden states.")
-    limit: int | None = Field(None, ge=1, description="Use at most this many prompt records.")
+    limit: int | None = Field(None, ge=1, description="Use at most this many prompts (after turn splitting, dedup and hold-out).")
     shuffle_seed: int | None = Field(None, description="Shuffle prompts with this seed before the limit.")
-    backend: Literal["eagleray", "vllm", "transformers"] = Field("eagleray", description="Regeneration backend.")
+    split_turns: bool = Field(True, description="One prompt per assistant turn of a multi-turn conversation (platform.data.prompt_turns).")
+    backend: Literal["eagleray", "vllm", "transformers"] = Field("eagleray", description="Regeneration backend: eagleray's engine, vLLM through ray.data.llm, or transformers generate.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Sampling settings for regeneration.")
     aux_layer_ids: list[int] | None = Field(None, description="Target layers to capture; default EAGLE-3's (2, N//2, N-3).")
-    rows_per_shard: int = Field(256, ge=1, description="Rows per Parquet shard.")
-    num_workers: int = Field(1, ge=1, description="Actor-pool size of the model stages.")
-    batch_size: int = Field(8, ge=1, description="Rows per model batch.")
-    hold_out_eval: bool = Field(True, description="Drop prompts that also occur in MT-bench or HumanEval.")
+    max_seq_len: int = Field(2048, ge=16, description="Prompt + response tokens kept per row; longer rows are truncated (column 'truncated').")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="Prompts longer than this are recorded as errors (prompt_too_long); default max_seq_len - generation.max_tokens.")
+    rows_per_shard: int = Field(256, ge=1, description="Prompts per Parquet shard (one shard = one unit of work and of resume).")
+    num_workers: int = Field(1, ge=1, description="Actor-pool size of each model stage (regeneration and hidden states).")
+    cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs reserved per model-stage actor.")
+    gpus_per_worker: float = Field(0.0, ge=0.0, description="GPUs reserved per model-stage actor (0 on CPU).")
+    batch_size: int = Field(8, ge=1, description="Prompts per generate() call in the regeneration stage.")
+    forward_tokens: int = Field(8192, ge=16, description="Token budget of one packed target forward in the hidden-state stage.")
+    hold_out_eval: bool = Field(True, description="Drop prompts whose id or normalised user text occurs in MT-bench or HumanEval.")
+    retry_failed: bool = Field(False, description="On a rerun, retry prompts recorded in the errors table instead of skipping them.")
+    progress_seconds: float = Field(30.0, gt=0.0, description="Print a progress line (rows/s, tokens/s, ETA) this often.")
+    est_tokens_per_second: float | None = Field(None, gt=0.0, description="Generated tokens/s per worker used for the time estimate; default a rough guess from model size and device.")
+    disk_headroom: float = Field(1.2, ge=1.0, description="Refuse to start unless free space >= estimated output size x this factor.")
+    ray_address: str | None = Field(None, description="Ray cluster address; default RAY_ADDRESS or a local instance.")
+    testing: DatagenTesting = Field(default_factory=DatagenTesting, description="Fault-injection hooks used by eagleray's own tests; leave unset.")
 
 
 class TrainingConfig(StrictModel):

@@ -21,6 +21,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
     "mistral_window": ("mistral", dict(tie_word_embeddings=False, sliding_window=5, head_dim=16)),
     "qwen2": ("qwen2", dict(tie_word_embeddings=True)),
+    "llama_odd_vocab": ("llama", dict(tie_word_embeddings=False, vocab_size=97)),
     "qwen3": ("qwen3", dict(tie_word_embeddings=False, head_dim=32)),
 }
 
@@ -36,6 +37,8 @@ def write_tiny(out: Path, kind: str, overrides: dict, seed: int = 0) -> Path:
     """Save a random transformers model of ``kind`` (fp32) to ``out``; biases/norms randomised too."""
     from transformers import AutoModelForCausalLM
 
+    from eagleray.platform.tiny import tiny_tokenizer
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_config(kind, overrides)).float().eval()
     with torch.no_grad():
@@ -43,6 +46,7 @@ def write_tiny(out: Path, kind: str, overrides: dict, seed: int = 0) -> Path:
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)  # make biases and norm weights matter
     model.save_pretrained(str(out), safe_serialization=True)
+    tiny_tokenizer().save_pretrained(str(out))  # drafts record the tokenizer fingerprint
     return out
 
 

@@ -1,0 +1,58 @@
+"""Chat-templated token ids and the loss mask of one prompt + regenerated response.
+
+Loss mask (int8, one per token): 1 for the tokens of the regenerated assistant turn — from the
+first token after the generation prompt (``<|im_start|>assistant\\n`` for ChatML) up to and
+including the end-of-turn token (the tokenizer's eos) — and 0 for everything else: system and
+user turns, earlier assistant turns of a multi-turn prompt (they were not regenerated), the
+generation prompt itself and template text after the end-of-turn token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eagleray.platform.errors import EaglerayError
+
+
+class RowError(EaglerayError):
+    """One row cannot be processed; recorded in the errors table with ``kind``."""
+
+    def __init__(self, kind: str, message: str):
+        self.kind = kind
+        super().__init__(message)
+
+
+@dataclass
+class Tokenized:
+    input_ids: list[int]  # [T]
+    loss_mask: list[int]  # [T], 0/1
+    truncated: bool
+
+
+def _ids(tok, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    out = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                  return_dict=True)
+    return list(out["input_ids"])
+
+
+def prompt_ids(tok, messages: list[dict]) -> list[int]:
+    """Token ids of the prompt with the generation prompt appended."""
+    return _ids(tok, messages, add_generation_prompt=True)
+
+
+def tokenize_with_mask(tok, messages: list[dict], response: str, max_seq_len: int) -> Tokenized:
+    """Template ``messages`` + the assistant ``response``; mask = the response's tokens (see module doc)."""
+    prefix = prompt_ids(tok, messages)  # [P]
+    full = _ids(tok, [*messages, {"role": "assistant", "content": response}], add_generation_prompt=False)  # [T]
+    if full[: len(prefix)] != prefix:
+        raise RowError("template_mismatch", "the chat template of prompt+response does not start with the "
+                       "templated prompt, so the assistant tokens cannot be located")
+    end = len(full)
+    eos = tok.eos_token_id
+    if eos is not None:
+        tail = full[len(prefix):]
+        if eos in tail:
+            end = len(prefix) + tail.index(eos) + 1  # include the end-of-turn token
+    mask = [0] * len(prefix) + [1] * (end - len(prefix)) + [0] * (len(full) - end)
+    truncated = len(full) > max_seq_len
+    return Tokenized(full[:max_seq_len], mask[:max_seq_len], truncated)

@@ -1,0 +1,20 @@
+"""Public entry points of the verification kernels.
+
+`kernels/` is a namespace subpackage (no `__init__.py`, see DESIGN.md Layout), so the public
+import is::
+
+    from eagleray.kernels.verify import verify_chain, verify_chain_reduced, verify_tree
+
+Each has a PyTorch reference with identical semantics and random draws (`*_reference`).
+"""
+
+from eagleray.kernels.errors import VerifyInputError
+from eagleray.kernels.verify_chain import verify_chain, verify_chain_reference
+from eagleray.kernels.verify_common import LaunchConfig
+from eagleray.kernels.verify_reduced import t2d_index, verify_chain_reduced, verify_chain_reduced_reference
+from eagleray.kernels.verify_tree import verify_tree, verify_tree_reference
+
+__all__ = [
+    "LaunchConfig", "VerifyInputError", "t2d_index", "verify_chain", "verify_chain_reduced",
+    "verify_chain_reduced_reference", "verify_chain_reference", "verify_tree", "verify_tree_reference",
+]

@@ -1,0 +1,23 @@
+"""Engine configuration (pydantic, extra=forbid, every field described)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from eagleray.platform.config import StrictModel
+from eagleray.platform.schemas import DraftConfig, TargetConfig
+
+
+class EngineConfig(StrictModel):
+    target: TargetConfig = Field(default_factory=TargetConfig, description="The target model (directory or 'smollm2').")
+    draft: DraftConfig | None = Field(None, description="The EAGLE-3 draft; None serves plain decoding.")
+    max_num_seqs: int = Field(16, ge=1, description="Maximum sequences in one engine step (continuous batching).")
+    max_num_batched_tokens: int = Field(8192, ge=16, description="Token budget of one prefill step.")
+    block_size: int = Field(16, ge=1, description="Tokens per paged KV block.")
+    num_kv_blocks: int | None = Field(None, ge=1, description="KV blocks (shared by target and draft); default fits max_num_seqs full-length sequences.")
+    verify_backend: Literal["auto", "kernel", "reference"] = Field(
+        "auto", description="Verification implementation: Triton kernel on CUDA and PyTorch reference on CPU ('auto'), or forced.")
+    seed: int = Field(0, description="Seed of the engine generator that seeds requests without their own seed.")
+    plain_probe_interval: int = Field(32, ge=2, description="Adaptive policy: run one plain (or speculative) probe step every this many steps.")

@@ -1,0 +1,106 @@
+"""Model runners: the target (forward with aux capture, paged KV) and the EAGLE-3 draft.
+
+Both take a flat varlen batch described by :class:`ForwardBatch` and own their KV cache; the
+block ids are shared (the block manager hands out one table per sequence for both caches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eagleray.platform.models.attention import AttentionMetadata, KVCache
+from eagleray.platform.models.eagle3 import Eagle3Draft
+from eagleray.platform.models.llama import LlamaModel
+
+
+@dataclass
+class ForwardBatch:
+    """Flat batch of new tokens, sequence by sequence."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn: AttentionMetadata
+    last_index: torch.Tensor  # [B] index in T of each sequence's last new token
+
+    @classmethod
+    def build(cls, tokens: list[list[int]], positions: list[list[int]], context_lens: list[int],
+              block_tables: list[list[int]], block_size: int, device: torch.device,
+              tree_masks: list[torch.Tensor | None] | None = None) -> "ForwardBatch":
+        query_lens = [len(t) for t in tokens]
+        width = max((len(b) for b in block_tables), default=0)
+        table = torch.full((len(block_tables), max(width, 1)), -1, dtype=torch.int32)  # [B, max_blocks]
+        for i, blocks in enumerate(block_tables):
+            table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        attn = AttentionMetadata.build(query_lens, context_lens, table.to(device), block_size, tree_masks, device)
+        ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.int64, device=device)  # [T]
+        pos = torch.tensor([p for seq in positions for p in seq], dtype=torch.int64, device=device)  # [T]
+        last = torch.tensor(query_lens, device=device).cumsum(0) - 1  # [B]
+        return cls(ids, pos, attn, last)
+
+
+class TargetRunner:
+    """Runs the target decoder over a :class:`ForwardBatch`; captures aux states when asked."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
+        self.model = model
+        self.block_size = block_size
+        self.device = model.norm.weight.device
+        self.kv: KVCache = model.make_kv_cache(num_blocks, block_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.arch.vocab_size
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, logits_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> logits [S, V] fp32 at ``logits_index`` (default: every token), aux [T, A] or None."""
+        hidden, aux = self.model(batch.input_ids, batch.positions, batch.attn, self.kv)  # [T, H], [T, A]
+        if logits_index is not None:
+            hidden = hidden[logits_index]  # [S, H]
+        return self.model.compute_logits(hidden).float(), aux
+
+    def move_kv(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy K/V of every layer from ``src_slots`` to ``dst_slots`` (tree compaction). [n] int64 each."""
+        copy_slots(self.kv, src_slots, dst_slots)
+
+
+class DraftRunner:
+    """Runs the EAGLE-3 draft layer; its one-layer cache uses the target's block ids."""
+
+    def __init__(self, draft: Eagle3Draft, num_blocks: int, block_size: int):
+        self.draft = draft
+        self.block_size = block_size
+        self.device = draft.norm.weight.device
+        self.kv: KVCache = draft.make_kv_cache(num_blocks, block_size)
+
+    @property
+    def num_aux(self) -> int:
+        return self.draft.num_aux
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor, from_aux: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, n_aux*H_t] (from_aux) or [T, H] -> normed [T, H], next_hidden [T, H]."""
+        h = self.draft.combine_hidden_states(hidden) if from_aux else hidden  # [T, H]
+        return self.draft(batch.input_ids, batch.positions, h, batch.attn, self.kv)
+
+    @torch.inference_mode()
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, Vd] fp32
+        return self.draft.compute_logits(normed).float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.draft.to_target_ids(draft_ids)
+
+    @property
+    def d2t(self) -> torch.Tensor:
+        return self.draft.d2t
+
+
+def copy_slots(kv: KVCache, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """K/V [L, num_blocks, block_size, Hkv, D]: slot dst[i] <- slot src[i] in every layer."""
+    if src.numel() == 0:
+        return
+    for cache in (kv.k, kv.v):
+        flat = cache.view(cache.shape[0], -1, *cache.shape[3:])  # [L, num_blocks*block_size, Hkv, D]
+        flat[:, dst] = flat[:, src]  # the right side is gathered first, so overlaps are safe

@@ -1,0 +1,55 @@
+"""Config schemas: strict, described, loadable from YAML, errors naming the dotted field."""
+
+import pytest
+
+from eagleray.platform import schemas
+from eagleray.platform.config import load_yaml_config, parse_config
+from eagleray.platform.errors import ConfigError
+
+MODELS = [schemas.TargetConfig, schemas.DraftConfig, schemas.ServingConfig, schemas.DatagenConfig,
+          schemas.TrainingConfig, schemas.PromotionConfig, schemas.TreeConfig, schemas.PolicyConfig]
+
+
+@pytest.mark.parametrize("cls", MODELS, ids=lambda c: c.__name__)
+def test_every_field_is_described_and_extra_forbidden(cls):
+    assert cls.model_config.get("extra") == "forbid"
+    for name, field in cls.model_fields.items():
+        assert field.description, f"{cls.__name__}.{name} has no description"
+
+
+def test_unknown_nested_field_named_with_dotted_path(tmp_path):
+    f = tmp_path / "serve.yaml"
+    f.write_text("target:\n  model: smollm2\n  tensor_paralel_size: 2\ndraft:\n  source: x\n  num_speculative_tokens: 0\n")
+    with pytest.raises(ConfigError) as err:
+        load_yaml_config(schemas.ServingConfig, f)
+    text = str(err.value)
+    assert "target.tensor_paralel_size" in text and "correct its spelling" in text
+    assert "draft.num_speculative_tokens" in text and "2 problem(s)" in text
+
+
+def test_wrong_type_and_missing_field():
+    with pytest.raises(ConfigError) as err:
+        parse_config(schemas.DatagenConfig, {"prompts": "sharegpt", "generation": {"temperature": -1}})
+    text = str(err.value)
+    assert "prompts" in text and "output_dir" in text and "generation.temperature" in text
+
+
+def test_tree_needs_enough_nodes():
+    with pytest.raises(ConfigError, match="num_draft_tokens"):
+        parse_config(schemas.TreeConfig, {"depth": 6, "num_draft_tokens": 3})
+
+
+def test_yaml_syntax_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("target: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_yaml_config(schemas.ServingConfig, bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_yaml_config(schemas.ServingConfig, tmp_path / "nope.yaml")
+
+
+def test_defaults_load_from_empty_yaml(tmp_path):
+    f = tmp_path / "empty.yaml"
+    f.write_text("")
+    cfg = load_yaml_config(schemas.ServingConfig, f)
+    assert cfg.target.model == "smollm2" and cfg.draft is None
