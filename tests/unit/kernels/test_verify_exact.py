@@ -53,8 +53,9 @@ def _random_case(bsz=40, k=4, vocab=V, seed=0):
     logits = torch.randn(bsz, k + 1, vocab, generator=g) * 2
     q = torch.softmax(torch.randn(bsz, k, vocab, generator=g) + logits[:, :k], -1)
     draft = torch.multinomial(q.reshape(-1, vocab), 1, generator=g).reshape(bsz, k)
-    draft[3, 1:] = -1  # padded rows: fewer drafts
-    draft[4, :] = -1
+    if bsz > 4:
+        draft[3, 1:] = -1  # padded rows: fewer drafts
+        draft[4, :] = -1
     temp = torch.rand(bsz, generator=g) + 0.3
     temp[::3] = 0.0  # mixed batch: greedy and sampled rows
     seeds = torch.randint(-(2**62), 2**62, (bsz,), generator=g)
