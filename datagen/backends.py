@@ -120,6 +120,6 @@ def vllm_regenerate(rows, cfg: DatagenConfig, model_dir: str):
     def post(row: dict) -> dict:
         err = row.get("__inference_error__") or ""
         return {"chunk_id": row["chunk_id"], "prompt_id": row["prompt_id"], "conversation": row["conversation"],
-                "source": row["source"], "response": row.get("generated_text") or "", "error": str(err)}
+                "source": row["source"], "order": row["order"], "response": row.get("generated_text") or "", "error": str(err)}
 
     return build_processor(vllm_processor_config(cfg, model_dir), preprocess=pre, postprocess=post)(rows)

@@ -16,6 +16,7 @@ Typical use by the engine::
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -57,7 +58,7 @@ class LlamaModel(nn.Module):
         spec = TargetSpec.from_dir(path)
         arch = LlamaArch.from_config(spec.config)
         if dtype is not None:
-            arch = _with_dtype(arch, parse_dtype(dtype))
+            arch = replace(arch, dtype=parse_dtype(dtype))
         with torch.device(device or "cpu"):
             model = cls(arch, tp, device, aux_layer_ids)
         model.load_checkpoint(spec.path)
@@ -124,9 +125,3 @@ class LlamaModel(nn.Module):
         device = device or self.norm.weight.device
         return KVCache.allocate(self.arch.num_layers, num_blocks, block_size, attn.kv_heads, attn.head_dim,
                                 dtype or self.arch.dtype, device)
-
-
-def _with_dtype(arch: LlamaArch, dtype: torch.dtype) -> LlamaArch:
-    from dataclasses import replace
-
-    return replace(arch, dtype=dtype)

@@ -1,0 +1,73 @@
+"""``python -m eagleray.jobs.datagen --config FILE`` (also ``ray job submit ... -- python -m ...``).
+
+Regenerates responses with the target and writes aux hidden-state shards; see eagleray.datagen.
+A rerun with the same config resumes: finished prompts are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from eagleray.platform.config import load_yaml_config, parse_config
+from eagleray.platform.errors import EaglerayError
+from eagleray.platform.schemas import DatagenConfig
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="datagen YAML config (see jobs/configs/datagen-*.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
+                   help="override a config field, dotted, value as JSON or a bare string (e.g. --set limit=100)")
+    p.add_argument("--dry-run", action="store_true", help="print the prompt counts and the estimate, write nothing")
+
+
+def _override(data: dict, item: str) -> None:
+    key, sep, raw = item.partition("=")
+    if not sep:
+        raise EaglerayError(f"--set {item!r}: expected FIELD=VALUE\n    fix: e.g. --set generation.max_tokens=64")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    node = data
+    *parents, last = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = value
+
+
+def load_config(path: str, overrides: list[str]) -> DatagenConfig:
+    cfg = load_yaml_config(DatagenConfig, path)
+    if not overrides:
+        return cfg
+    data = cfg.model_dump(exclude_unset=True)
+    for item in overrides:
+        _override(data, item)
+    return parse_config(DatagenConfig, data, source=path)
+
+
+def run(args: argparse.Namespace) -> int:
+    from eagleray.datagen.pipeline import dry_run, run_datagen
+
+    cfg = load_config(args.config, args.set)
+    if args.dry_run:
+        dry_run(cfg, emit=lambda s: print(s, flush=True))
+        return 0
+    manifest = run_datagen(cfg, emit=lambda s: print(s, flush=True))
+    return 0 if manifest["rows"] > 0 or manifest["errors"] == 0 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eagleray.jobs.datagen", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except EaglerayError as err:
+        print(f"datagen: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

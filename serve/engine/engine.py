@@ -1,0 +1,266 @@
+"""LLMEngine: add requests, step (prefill | plain decode | speculative decode), stream, generate.
+
+    engine = LLMEngine.from_config(EngineConfig(draft=DraftConfig(source="random")))
+    outs = engine.generate(["Hello"], SamplingParams(max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Callable, Iterable
+
+import torch
+
+from eagleray.platform.errors import EaglerayError
+from eagleray.platform.models.eagle3 import Eagle3Draft
+from eagleray.platform.models.llama import LlamaModel
+from eagleray.serve.engine.block_manager import BlockManager
+from eagleray.serve.engine.config import EngineConfig
+from eagleray.serve.engine.metrics import EngineMetrics
+from eagleray.serve.engine.model_runner import DraftRunner, ForwardBatch, TargetRunner
+from eagleray.serve.engine.outputs import Detokenizer, RequestOutput, make_output
+from eagleray.serve.engine.policy import AcceptanceWatchdog, AdaptivePolicy
+from eagleray.serve.engine.sampling import SamplingParams, filter_logits, sample_rows
+from eagleray.serve.engine.scheduler import Scheduler
+from eagleray.serve.engine.sequence import Sequence
+from eagleray.serve.engine.spec_step import SeqResult, SpecContext, chain_step, tree_step
+from eagleray.serve.engine.verify import ChainVerifier
+
+logger = logging.getLogger(__name__)
+Prompt = str | list[int] | list[dict]  # text, token ids, or OpenAI chat messages
+
+
+class LLMEngine:
+    def __init__(self, target: LlamaModel, tokenizer, config: EngineConfig, draft: Eagle3Draft | None = None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.device = target.norm.weight.device
+        self.max_model_len = min(config.target.max_model_len or target.arch.max_positions or 4096, target.arch.max_positions or 1 << 30)
+        nblocks = config.num_kv_blocks or config.max_num_seqs * ((self.max_model_len + config.block_size - 1) // config.block_size + 4)
+        self.blocks = BlockManager(nblocks, config.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.target = TargetRunner(target, nblocks, config.block_size)
+        self.metrics = EngineMetrics()
+        self.detok = Detokenizer(tokenizer)
+        self.eos_id = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        self._rng = random.Random(config.seed)
+        self._seqs: dict[str, Sequence] = {}
+        self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
+        self.spec: SpecContext | None = None
+        self.previous_draft: Eagle3Draft | None = None
+        dcfg = config.draft
+        self.tree = dcfg.tree if dcfg is not None else None
+        k_max = dcfg.num_speculative_tokens if dcfg is not None else 0
+        self.policy = AdaptivePolicy(k_max, dcfg.policy.adaptive if dcfg else False, config.plain_probe_interval,
+                                     can_lower_k=self.tree is None)
+        self.watchdog = AcceptanceWatchdog(dcfg.policy, self._on_low_acceptance) if dcfg else None
+        if draft is not None:
+            if dcfg is None:
+                raise EaglerayError("a draft model was given but config.draft is None\n    fix: set config.draft (num_speculative_tokens, tree, policy)")
+            self._install_draft(draft)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, workdir=None) -> "LLMEngine":
+        from eagleray.serve.engine.loader import load_models
+
+        target, draft, tokenizer, _ = load_models(config.target, config.draft, workdir)
+        return cls(target, tokenizer, config, draft)
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    on_output: Callable[[RequestOutput], None] | None = None) -> str:
+        """Queue a request; ``on_output`` is called with each step's delta (streaming)."""
+        params = params or SamplingParams()
+        ids = self._tokenize(prompt)
+        if not ids:
+            raise EaglerayError("prompt is empty\n    fix: pass a non-empty prompt")
+        if len(ids) >= self.max_model_len:
+            raise EaglerayError(f"prompt has {len(ids)} tokens, max_model_len is {self.max_model_len}\n    fix: shorten the prompt")
+        rid = request_id or f"req-{len(self._seqs)}-{self._rng.getrandbits(32):08x}"
+        if rid in self._seqs:
+            raise EaglerayError(f"request_id {rid!r} is already in use\n    fix: pass a unique request_id")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        seq = Sequence(ids, params, rid, seed=seed, generator=torch.Generator(device=self.device).manual_seed(seed))
+        self._seqs[rid] = seq
+        if on_output is not None:
+            self._callbacks[rid] = on_output
+        self.scheduler.add(seq)
+        return rid
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            out = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+            return list(out["input_ids"])
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return [int(t) for t in prompt]
+
+    def abort(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None and not seq.finished:
+            seq.finish_reason = "abort"
+            self.scheduler.abort(seq)
+        self._callbacks.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ----------------------------------------------------------------- drafts
+    def _install_draft(self, draft: Eagle3Draft) -> None:
+        runner = DraftRunner(draft, self.blocks.num_blocks, self.blocks.block_size)
+        self.spec = SpecContext(self.target, runner, ChainVerifier(self.config.verify_backend, draft.d2t, self.target.vocab_size))
+        self.metrics.speculation_enabled = True
+
+    def swap_draft(self, draft: Eagle3Draft) -> None:
+        """Hot-swap between steps: running sequences are recomputed so no draft state crosses the swap."""
+        if self.spec is not None:
+            self.previous_draft = self.spec.draft.draft
+        for seq in list(self.scheduler.running):
+            self.scheduler._preempt(seq)
+        self._install_draft(draft)
+        self.policy.enable()
+        if self.watchdog is not None:
+            self.watchdog.reset()
+
+    def _on_low_acceptance(self, action: str, tau: float) -> None:
+        self.metrics.watchdog_fired = True
+        if action == "disable":
+            self.policy.disable(f"acceptance watchdog (τ={tau:.3f})")
+        elif action == "rollback":
+            if self.previous_draft is None:
+                self.policy.disable(f"acceptance watchdog (τ={tau:.3f}); no previous draft to roll back to")
+            else:
+                logger.warning("acceptance watchdog: rolling back to the previous draft")
+                self._pending_rollback = True
+
+    # ----------------------------------------------------------------- step
+    def _lookahead(self, k: int) -> int:
+        if k == 0:
+            return 1
+        if self.tree is not None:
+            return max(self.tree.num_draft_tokens + 1, self.tree.topk * (self.tree.depth - 1))
+        return k + 1
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns an output (delta) for every request that advanced."""
+        if getattr(self, "_pending_rollback", False):
+            self._pending_rollback = False
+            self.swap_draft(self.previous_draft)
+        k = self.policy.choose() if self.spec is not None else 0
+        batch = self.scheduler.schedule(self._lookahead(k))
+        if batch is None:
+            return []
+        t0 = time.perf_counter()
+        if batch.is_prefill:
+            results = self._prefill(batch.seqs)
+        elif k == 0:
+            results = self._plain(batch.seqs)
+        else:
+            results = self._speculate(batch.seqs, k)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        outputs = [self._commit(seq, res) for seq, res in zip(batch.seqs, results)]
+        emitted = sum(len(o.delta_token_ids) for o in outputs)
+        kind = self.metrics.prefill if batch.is_prefill else (self.metrics.speculative if k else self.metrics.plain)
+        kind.add(emitted, seconds)
+        if not batch.is_prefill and self.spec is not None:
+            self.policy.observe(k, emitted, seconds)
+        self.metrics.current_k = self.policy.k if self.policy.speculating else 0
+        self.metrics.speculation_enabled = self.spec is not None and self.policy.speculating
+        self.metrics.num_preemptions = self.scheduler.num_preemptions
+        for out in outputs:
+            cb = self._callbacks.get(out.request_id)
+            if cb is not None:
+                cb(out)
+        return outputs
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """logits [B, V] -> one token per sequence with its own sampling parameters."""
+        dev = logits.device
+        top_k = torch.tensor([s.params.top_k for s in seqs], device=dev)
+        top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)
+        temp = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32, device=dev)
+        return sample_rows(filter_logits(logits, top_k, top_p), temp, [s.generator for s in seqs]).tolist()
+
+    def _prefill(self, seqs: list[Sequence]) -> list[SeqResult]:
+        tokens = [s.tokens[s.num_cached:] for s in seqs]
+        positions = [list(range(s.num_cached, s.num_tokens)) for s in seqs]
+        batch = ForwardBatch.build(tokens, positions, [s.num_cached for s in seqs], [s.block_table for s in seqs],
+                                   self.blocks.block_size, self.device)
+        logits, aux = self.target.forward(batch, batch.last_index)  # [B, V], [T, A]
+        aux_parts = aux.split([len(t) for t in tokens]) if aux is not None else [None] * len(seqs)
+        return [SeqResult([t], a, 0, 0) for t, a in zip(self._sample(seqs, logits), aux_parts)]
+
+    def _plain(self, seqs: list[Sequence]) -> list[SeqResult]:
+        starts = [s.num_tokens - 1 for s in seqs]
+        batch = ForwardBatch.build([[s.last_token] for s in seqs], [[p] for p in starts], starts,
+                                   [s.block_table for s in seqs], self.blocks.block_size, self.device)
+        logits, aux = self.target.forward(batch)  # [B, V], [B, A]
+        aux_rows = aux.split(1) if aux is not None else [None] * len(seqs)
+        return [SeqResult([t], a, 0, 0) for t, a in zip(self._sample(seqs, logits), aux_rows)]
+
+    def _speculate(self, seqs: list[Sequence], k: int) -> list[SeqResult]:
+        if self.tree is not None:
+            results = tree_step(self.spec, seqs, self.tree.depth, self.tree.topk, self.tree.num_draft_tokens)
+        else:
+            results = chain_step(self.spec, seqs, k)
+        max_pos = self.tree.depth if self.tree is not None else k
+        for seq, res in zip(seqs, results):
+            seq.spec.record(res.num_draft_tokens, res.num_accepted, max_pos)
+            self.metrics.record_verification(res.num_draft_tokens, res.num_accepted, max_pos)
+            if self.watchdog is not None:
+                self.watchdog.observe(res.num_accepted)
+        return results
+
+    def _commit(self, seq: Sequence, res: SeqResult) -> RequestOutput:
+        """Append accepted tokens, keep committed KV (compacting tree paths), roll back the rest."""
+        old_cached = seq.num_cached
+        room = self.max_model_len - seq.num_tokens
+        kept = seq.append_tokens(res.tokens[:max(room, 1)], self.eos_id)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        if res.src_positions is not None:
+            self._compact(seq, res.src_positions[:len(kept)], old_cached)
+        seq.num_cached = seq.num_tokens - 1
+        if self.spec is not None and res.aux is not None:
+            seq.append_aux(res.aux[:seq.num_cached - old_cached])  # [n, A] rows of the newly committed positions
+        seq.step += 1
+        self.blocks.truncate(seq, seq.num_tokens)
+        text, delta_text = self.detok.update(seq)
+        if seq.finish_reason is None and seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+            self.detok.forget(seq)
+            self.metrics.num_requests_finished += 1
+            self._callbacks_done(seq)
+        return make_output(seq, kept, text, delta_text)
+
+    def _compact(self, seq: Sequence, src_positions: list[int], start: int) -> None:
+        bs = self.blocks.block_size
+        slot = lambda pos: seq.block_table[pos // bs] * bs + pos % bs  # noqa: E731
+        pairs = [(slot(s), slot(start + i)) for i, s in enumerate(src_positions) if s != start + i]
+        if pairs:
+            src, dst = (torch.tensor(x, dtype=torch.int64, device=self.device) for x in zip(*pairs))
+            self.target.move_kv(src, dst)
+
+    def _callbacks_done(self, seq: Sequence) -> None:
+        self._seqs.pop(seq.request_id, None)
+
+    # ----------------------------------------------------------------- offline API
+    def generate(self, prompts: Iterable[Prompt], params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion (continuous batching); outputs in prompt order."""
+        prompts = list(prompts)
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise EaglerayError(f"{len(prompts)} prompts but {len(plist)} sampling params\n    fix: pass one SamplingParams or one per prompt")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]

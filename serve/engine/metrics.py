@@ -1,0 +1,80 @@
+"""Engine-wide speculative and throughput metrics, exported under vLLM's names."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from eagleray.serve.engine.sequence import SpecStats
+
+VLLM_NAMES = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+              "spec_decode_num_accepted_tokens_per_pos")
+
+
+@dataclass
+class StepTimes:
+    """Decode throughput by step kind (prefill excluded)."""
+
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.seconds += seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class EngineMetrics:
+    spec: SpecStats = field(default_factory=SpecStats)
+    plain: StepTimes = field(default_factory=StepTimes)  # plain decode steps
+    speculative: StepTimes = field(default_factory=StepTimes)  # speculative decode steps
+    prefill: StepTimes = field(default_factory=StepTimes)
+    num_requests_finished: int = 0
+    num_preemptions: int = 0
+    watchdog_fired: bool = False
+    speculation_enabled: bool = True
+    current_k: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def record_verification(self, num_draft_tokens: int, num_accepted: int, max_pos: int) -> None:
+        self.spec.record(num_draft_tokens, num_accepted, max_pos)
+
+    @property
+    def generation_tokens(self) -> int:
+        return self.plain.tokens + self.speculative.tokens + self.prefill.tokens
+
+    def snapshot(self) -> dict:
+        """A flat dict of counters/gauges (vLLM names for the speculative counters)."""
+        busy = self.plain.seconds + self.speculative.seconds + self.prefill.seconds
+        return {
+            "spec_decode_num_drafts": self.spec.num_drafts,
+            "spec_decode_num_draft_tokens": self.spec.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.spec.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.spec.accepted_per_pos),
+            "spec_decode_mean_acceptance_length": self.spec.mean_acceptance_length,
+            "spec_decode_watchdog_fired": int(self.watchdog_fired),
+            "spec_decode_enabled": int(self.speculation_enabled),
+            "spec_decode_current_k": self.current_k,
+            "generation_tokens": self.generation_tokens,
+            "tokens_per_s": self.generation_tokens / busy if busy > 0 else 0.0,
+            "plain_decode_tokens_per_s": self.plain.tokens_per_s,
+            "spec_decode_tokens_per_s": self.speculative.tokens_per_s,
+            "num_requests_finished": self.num_requests_finished,
+            "num_preemptions": self.num_preemptions,
+        }
+
+    def prometheus(self, prefix: str = "eagleray:") -> str:
+        """Prometheus text exposition of :meth:`snapshot` (per-position counts as a labelled series)."""
+        lines = []
+        for name, value in self.snapshot().items():
+            if isinstance(value, list):
+                lines += [f'{prefix}{name}{{position="{i}"}} {v}' for i, v in enumerate(value)]
+            else:
+                lines.append(f"{prefix}{name} {value}")
+        return "\n".join(lines) + "\n"

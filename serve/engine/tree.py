@@ -1,0 +1,103 @@
+"""EAGLE top-k draft trees: construction bookkeeping, attention masks and tree verification.
+
+A tree has M draft nodes under a root (the sequence's last committed token). Node i (1..M) holds
+``tokens[i-1]`` with parent ``parents[i-1]`` (0 = root) and depth ``depths[i-1]``; nodes are
+ordered parents-first. The target verifies all M+1 tokens in one forward with :meth:`DraftTree.mask`.
+
+Verification (:func:`verify_tree_reference`): greedy rows walk down while a child equals the
+target argmax. Sampled rows use recursive rejection with deterministic (top-k) proposals: at a
+node the children are tried in order, child x accepted with probability p'(x) where p' is the
+target distribution with earlier rejected siblings removed and renormalised; if all are rejected
+the next token is drawn from p'. Each emitted token is distributed exactly as p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [M] int64 target ids of the draft nodes
+    parents: torch.Tensor  # [M] int64 parent node index (0 = root)
+    depths: torch.Tensor  # [M] int64 depth of each node (1 = child of the root)
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.numel())
+
+    def mask(self) -> torch.Tensor:
+        """[M+1, M+1] bool: node i may attend to node j iff j is i or an ancestor of i (root = 0)."""
+        m = self.size + 1
+        mask = torch.eye(m, dtype=torch.bool)  # [M+1, M+1]
+        for i in range(1, m):
+            mask[i] |= mask[int(self.parents[i - 1])]
+        return mask
+
+    def children(self) -> list[list[int]]:
+        """children[n]: node indices whose parent is node n, in node order."""
+        out: list[list[int]] = [[] for _ in range(self.size + 1)]
+        for i, p in enumerate(self.parents.tolist()):
+            out[p].append(i + 1)
+        return out
+
+
+def select_nodes(scores: list[float], parents: list[int], depths: list[int], budget: int) -> list[int]:
+    """Top ``budget`` candidates by score (ties: creation order) ordered parents-first.
+
+    Candidates are indexed in creation order, ``parents[i]`` is a candidate index or -1 (root); a
+    child's score never exceeds its parent's (log probs add), so the top set is ancestor-closed.
+    """
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:budget]
+    chosen = set(order)
+    for i in order:
+        p = parents[i]
+        if p >= 0 and p not in chosen:
+            raise AssertionError(f"draft tree selection is not ancestor-closed at candidate {i} (engine bug)")
+    return sorted(order, key=lambda i: (depths[i], i))
+
+
+def build_tree(cand_tokens: list[int], cand_parents: list[int], cand_depths: list[int], chosen: list[int]) -> DraftTree:
+    """A DraftTree from the chosen candidate indices (parents-first)."""
+    node_of = {c: n + 1 for n, c in enumerate(chosen)}
+    parents = [0 if cand_parents[c] < 0 else node_of[cand_parents[c]] for c in chosen]
+    return DraftTree(torch.tensor([cand_tokens[c] for c in chosen], dtype=torch.int64),
+                     torch.tensor(parents, dtype=torch.int64),
+                     torch.tensor([cand_depths[c] for c in chosen], dtype=torch.int64))
+
+
+def verify_tree_reference(logits: torch.Tensor, tree: DraftTree, temperature: float,
+                          generator: torch.Generator | None) -> tuple[list[int], list[int]]:
+    """logits [M+1, V] (filtered) -> (accepted path node indices incl. root 0, emitted tokens).
+
+    Emitted tokens are the accepted drafts followed by one recovered/bonus token.
+    """
+    kids = tree.children()
+    toks = tree.tokens.tolist()
+    node, path, out = 0, [0], []
+    while True:
+        row = logits[node].float()  # [V]
+        if temperature == 0:
+            want = int(row.argmax())
+            nxt = next((c for c in kids[node] if toks[c - 1] == want), None)
+            if nxt is None:
+                return path, out + [want]
+        else:
+            p = (row / temperature).softmax(-1)  # [V]
+            nxt = None
+            for c in kids[node]:
+                x = toks[c - 1]
+                mass = float(p.sum())
+                if mass > 0 and float(torch.rand((), generator=generator)) * mass < float(p[x]):
+                    nxt = c
+                    break
+                p[x] = 0.0
+            if nxt is None:
+                if float(p.sum()) <= 0:
+                    p = (row / temperature).softmax(-1)  # every candidate token had all the mass
+                return path, out + [int(torch.multinomial(p, 1, generator=generator))]
+        path.append(nxt)
+        out.append(toks[nxt - 1])
+        node = nxt
