@@ -29,7 +29,7 @@ from eagleray.kernels.verify_common import DEFAULT_CONFIG, LaunchConfig
 FULL_GRID = dict(B=(1, 8, 64, 256), K=(1, 3, 7), V=(32000, 128256), dtype=("fp32", "bf16"), mode=("greedy", "sampled"))
 QUICK_GRID = dict(B=(1, 4), K=(1, 3), V=(64,), dtype=("fp32", "bf16"), mode=("greedy", "sampled"))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-KEY_CASE = dict(B=64, K=7, V=128256, dtype="fp32")
+KEY_CASE = dict(bsz=64, k=7, vocab=128256, dtype="fp32")
 
 
 def make_case(bsz, k, vocab, dtype, mode, device, seed=0):
@@ -165,3 +165,78 @@ def sweep_configs(device) -> tuple[LaunchConfig, list]:
         if total < best_t:
             best, best_t = cfg, total
     return best, results
+
+
+IMPLS = ("eagleray", "torch_ref", "vllm_v1", "vllm_mrv2")
+
+
+def _impl_fn(impl, case, cfg):
+    if impl == "eagleray":
+        return eagleray_fn(case, cfg)
+    if impl == "torch_ref":
+        return reference_fn(case)
+    return vllm_v1_fn(case) if impl == "vllm_v1" else vllm_mrv2_fn(case)
+
+
+def _time(fn, device, graph) -> tuple[float, str]:
+    if device.type != "cuda":  # CPU smoke run (interpreter): one wall-clock call
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6, "wall"
+    return time_us(fn, graph)
+
+
+def run_grid(grid, device, cfg, bw) -> list[dict]:
+    records = []
+    for bsz, k, vocab, dtype, mode in product(grid["B"], grid["K"], grid["V"], grid["dtype"], grid["mode"]):
+        case = make_case(bsz, k, vocab, dtype, mode, device)
+        need, reads = roofline_bytes(bsz, k, vocab, dtype, mode)
+        roof_us = need / bw * 1e6
+        for impl in IMPLS:
+            rec = dict(impl=impl, mode=mode, B=bsz, K=k, V=vocab, dtype=dtype)
+            try:
+                us, timer = _time(_impl_fn(impl, case, cfg), device, graph=impl != "torch_ref")
+            except Exception as err:  # noqa: BLE001  recorded in the JSON and printed, never dropped
+                rec.update(us=None, roofline_fraction=None, error=f"{type(err).__name__}: {str(err)[:200]}")
+                records.append(rec)
+                print(f"{impl:10s} {mode:8s} B={bsz} K={k} V={vocab} {dtype}: FAILED {rec['error']}")
+                continue
+            rec.update(us=round(us, 2), roofline_fraction=round(roof_us / us, 3), roofline_us=round(roof_us, 2),
+                       bytes=need, bytes_read=reads if impl == "eagleray" else None, timer=timer)
+            records.append(rec)
+            print(f"{impl:10s} {mode:8s} B={bsz:3d} K={k} V={vocab:6d} {dtype}: {us:9.1f} us  roof {rec['roofline_fraction']:.3f}")
+        del case
+    return records
+
+
+def run(argv: list[str]) -> dict:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="eagleray bench verify")
+    ap.add_argument("--quick", action="store_true", help="tiny grid (CPU interpreter smoke run)")
+    ap.add_argument("--out", type=pathlib.Path, default=None, help="write the JSON here")
+    ap.add_argument("--vllm-kernels", default=".vllm_kernels", help="folder made by kernels/vllm_extract.py")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the tile-size sweep")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(pathlib.Path(args.vllm_kernels).resolve()))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (TRITON_INTERPRET)",
+                torch=torch.__version__, triton=triton.__version__,
+                command="python -m eagleray.jobs.bench verify " + " ".join(argv))
+    cfg, sweep = None, []
+    if device.type == "cuda":
+        meta["copy_bandwidth_GBps"] = round(copy_bandwidth(device) / 1e9, 1)
+        meta["gpu_check"] = check_gpu(device)
+        print("gpu check:", json.dumps(meta["gpu_check"]))
+        if not args.no_sweep:
+            cfg, sweep = sweep_configs(device)
+    bw = meta.get("copy_bandwidth_GBps", 4300.0) * 1e9
+    meta["config"] = vars(cfg) if cfg is not None else "default"
+    records = run_grid(QUICK_GRID if args.quick else FULL_GRID, device, cfg, bw)
+    result = dict(meta=meta, sweep=sweep, records=records)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+    return result

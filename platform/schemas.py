@@ -105,22 +105,59 @@ class DatagenConfig(StrictModel):
     testing: DatagenTesting = Field(default_factory=DatagenTesting, description="Fault-injection hooks used by eagleray's own tests; leave unset.")
 
 
+class OnlineDataConfig(StrictModel):
+    prompts: list[str] = Field(description="Conversations whose LAST message is the assistant response to learn (JSONL/Parquet/JSON paths, 'sharegpt'); the target computes hidden states per batch.")
+    limit: int | None = Field(None, ge=1, description="Use at most this many conversations from each source.")
+    vocab_count_rows: int = Field(2000, ge=1, description="Conversations tokenized up front to count tokens for the draft vocabulary.")
+
+
+class TrainTesting(StrictModel):
+    kill_worker_at_step: int | None = Field(None, ge=1, description="Testing only: rank 0 SIGKILLs itself once (marker file in output_dir) after this optimizer step, to prove a run resumes from its last checkpoint.")
+
+
 class TrainingConfig(StrictModel):
-    data_dir: str = Field(description="Datagen output directory (shards + manifest), or 'online'.")
+    data_dir: str = Field(description="Datagen output directory (shards + manifest.json + vocab_counts.npy), or 'online' (see `online`).")
+    online: OnlineDataConfig | None = Field(None, description="Online data: required when data_dir is 'online'.")
     target: TargetConfig = Field(default_factory=TargetConfig, description="Target the draft is for.")
-    output_dir: str = Field(description="Where checkpoints are written.")
-    draft_vocab_size: int = Field(32000, ge=1, description="Draft vocabulary size (capped at the target's vocab).")
+    output_dir: str = Field(description="Where checkpoints and the final draft are written (Ray Train storage under output_dir/ray).")
+    init_from: str | None = Field(None, description="Start from this draft (directory or models:/name@alias) instead of a fresh one; its vocab and aux layers are kept.")
+    aux_layer_ids: list[int] | None = Field(None, description="Target layers the draft reads; default the dataset's (offline) or EAGLE-3's (2, N//2, N-3) (online).")
+    draft_vocab_size: int = Field(32000, ge=1, description="Draft vocabulary size (capped at the target's vocab), the most frequent loss-masked tokens.")
+    init_lm_head_from_target: bool = Field(True, description="Initialise the draft lm_head from the target's lm_head rows of the draft vocab.")
     ttt_steps: int = Field(7, ge=1, le=16, description="Unrolled training-time-test steps.")
     loss_decay: float = Field(0.8, gt=0.0, le=1.0, description="Weight of step i is loss_decay**i.")
-    learning_rate: float = Field(5e-5, gt=0.0, description="AdamW peak learning rate.")
+    learning_rate: float = Field(5e-5, gt=0.0, description="AdamW peak learning rate (betas 0.9, 0.95).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     warmup_steps: int = Field(50, ge=0, description="Linear warmup steps before cosine decay.")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Cosine decays to learning_rate x this at max_steps.")
     max_steps: int = Field(1000, ge=1, description="Optimizer steps.")
     batch_size: int = Field(8, ge=1, description="Sequences per step per worker.")
     max_seq_len: int = Field(2048, ge=16, description="Sequences are truncated to this many tokens.")
+    shuffle_buffer: int = Field(256, ge=1, description="Rows shuffled (and grouped by length) together.")
     grad_clip: float = Field(0.5, gt=0.0, description="Gradient norm clip.")
+    autocast: Literal["auto", "bf16", "off"] = Field("auto", description="bf16 autocast: auto = on for CUDA, off on CPU.")
+    seed: int = Field(0, description="Seed of the draft init and data order.")
+    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of prompt ids held out for evaluation (simulated τ).")
+    eval_batches: int | None = Field(50, ge=1, description="At most this many held-out batches are evaluated.")
+    checkpoint_every: int = Field(100, ge=1, description="Save a resumable checkpoint every N steps (and at the end).")
+    log_every: int = Field(10, ge=1, description="Log metrics to MLflow every N steps (rank 0).")
+    backend: Literal["ray", "local"] = Field("ray", description="Ray Train TorchTrainer (DDP over num_workers), or one in-process worker (debugging, tests).")
     num_workers: int = Field(1, ge=1, description="Ray Train workers (DDP).")
-    use_gpu: bool = Field(False, description="Train on GPUs.")
+    use_gpu: bool = Field(False, description="Train on GPUs (one per worker).")
+    cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs reserved per Ray Train worker.")
+    max_failures: int = Field(1, ge=0, description="Worker-group restarts (from the latest checkpoint) before the run fails.")
+    ray_address: str | None = Field(None, description="Ray cluster address; default RAY_ADDRESS or a local instance.")
+    register: bool = Field(True, description="Register the final draft as a model version in the MLflow registry.")
+    alias: str | None = Field("candidate", description="Alias set on the registered version (promotion later moves 'champion').")
+    evaluate_with_engine: bool = Field(False, description="After training, jobs/train.py measures real τ with eagleray's engine bench and logs it to the same MLflow run (needs serve.engine).")
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="Tracking and registry.")
+    testing: TrainTesting = Field(default_factory=TrainTesting, description="Fault-injection hooks used by eagleray's own tests; leave unset.")
+
+    @model_validator(mode="after")
+    def _online_needs_prompts(self) -> "TrainingConfig":
+        if self.data_dir == "online" and self.online is None:
+            raise ValueError("data_dir is 'online' but `online` is not set; add online.prompts (conversations ending with the assistant answer)")
+        return self
 
 
 class PromotionConfig(StrictModel):

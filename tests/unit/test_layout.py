@@ -80,3 +80,10 @@ def test_wheel_contains_every_module(tmp_path):
     missing = sorted(want - names)
     assert not missing, f"wheel lacks {missing}"
     assert not any(n.startswith("eagleray/tests/") for n in names)
+
+
+def test_pyproject_lists_exactly_the_package_folders():
+    import tomllib
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"eagleray"} | {"eagleray." + ".".join(p.parent.relative_to(REPO).parts) for p in _modules()}
+    assert listed == found, f"missing from pyproject: {sorted(found - listed)}; listed but absent: {sorted(listed - found)}"

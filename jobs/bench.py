@@ -1,0 +1,27 @@
+"""Benchmark jobs: `python -m eagleray.jobs.bench SUITE [suite options]`.
+
+Suites print a table and write JSON (see each suite's --help). Available: `verify` (Triton
+verification kernels vs the PyTorch reference and vLLM). Room for more (e.g. `spec`, end-to-end).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# suite name -> module with a `run(argv) -> dict` function
+SUITES = {"verify": "eagleray.kernels.bench_verify"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUITES:
+        print(f"usage: python -m eagleray.jobs.bench SUITE [options]; suites: {', '.join(SUITES)}",
+              file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    importlib.import_module(SUITES[argv[0]]).run(argv[1:])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,83 @@
+"""The Ray Serve application: ``eagleray.serve.app:build_app`` for ``serve run`` / ``serve deploy``.
+
+    serve run eagleray.serve.app:build_app config=jobs/configs/serving-smollm2-cpu.yaml
+    serve deploy jobs/configs/serve-smollm2-cpu.yaml       # a Serve config whose args hold `serving`
+
+``args``: either ``config`` (a ServingConfig YAML path) or ``serving`` (the ServingConfig inline).
+The engine deployment gets the draft as its ``user_config`` so a config update hot-swaps it.
+With ``target.tensor_parallel_size > 1`` the engine replica is placed in a STRICT_PACK placement
+group of one bundle per rank (Serve schedules the replica's child actors, the TP workers, into it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+from ray import serve
+from ray.serve import Application
+
+from eagleray.platform.config import StrictModel, load_yaml_config, parse_config
+from eagleray.platform.schemas import ServingConfig
+from eagleray.serve.engine_server import EngineServer
+from eagleray.serve.ingress import OpenAIIngress, app as fastapi_app
+
+
+class AppArgs(StrictModel):
+    config: str | None = Field(None, description="Path of a ServingConfig YAML file.")
+    serving: dict[str, Any] | None = Field(None, description="ServingConfig given inline (as in a Serve config file's args).")
+
+    @model_validator(mode="after")
+    def _one(self) -> "AppArgs":
+        if (self.config is None) == (self.serving is None):
+            raise ValueError("give exactly one of 'config' (a ServingConfig YAML path) or 'serving' (inline)")
+        return self
+
+    def load(self) -> ServingConfig:
+        if self.config is not None:
+            return load_yaml_config(ServingConfig, self.config)
+        return parse_config(ServingConfig, self.serving, source="build_app args", prefix="serving")
+
+
+def engine_options(cfg: ServingConfig) -> dict[str, Any]:
+    """Deployment options of the engine: one replica; a STRICT_PACK placement group for TP ranks."""
+    tp = cfg.target.tensor_parallel_size
+    gpu = cfg.target.device == "cuda" or (cfg.target.device == "auto" and tp > 1)
+    opts: dict[str, Any] = {"num_replicas": 1, "max_ongoing_requests": max(64, 4 * cfg.max_num_seqs),
+                            "health_check_period_s": 10, "graceful_shutdown_timeout_s": 30}
+    if tp > 1:
+        bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
+        opts["placement_group_bundles"] = [dict(bundle) for _ in range(tp)]
+        opts["placement_group_strategy"] = "STRICT_PACK"
+        opts["ray_actor_options"] = dict(bundle)
+    else:
+        opts["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1 if cfg.target.device == "cuda" else 0}
+    return opts
+
+
+def user_config_of(cfg: ServingConfig) -> dict[str, Any] | None:
+    if cfg.draft is None or cfg.draft.source == "random":
+        return None
+    out: dict[str, Any] = {"draft": cfg.draft.source}
+    if cfg.alias_poll_seconds is not None:
+        out["alias_poll_seconds"] = cfg.alias_poll_seconds
+    return out
+
+
+def build(cfg: ServingConfig) -> Application:
+    """The application for a validated ServingConfig."""
+    serving = cfg.model_dump(mode="json")
+    engine_dep = serve.deployment(EngineServer, name="EagleRayEngine", **engine_options(cfg))
+    user_config = user_config_of(cfg)
+    if user_config is not None:
+        engine_dep = engine_dep.options(user_config=user_config)
+    ingress_cls = serve.ingress(fastapi_app)(OpenAIIngress)
+    ingress_dep = serve.deployment(ingress_cls, name="EagleRayIngress", num_replicas=1,
+                                   max_ongoing_requests=max(128, 8 * cfg.max_num_seqs),
+                                   ray_actor_options={"num_cpus": 0})
+    return ingress_dep.bind(engine_dep.bind(serving), serving)
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Ray Serve application builder (``import_path: eagleray.serve.app:build_app``)."""
+    return build(parse_config(AppArgs, dict(args), source="build_app args").load())

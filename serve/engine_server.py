@@ -1,0 +1,170 @@
+"""The engine deployment: owns the target and the draft, drives the step loop, hot-swaps drafts.
+
+Its methods are called through a Ray Serve handle by the ingress (``generate`` streams plain
+dicts: one ``start`` or ``error`` item, then ``delta`` items). ``reconfigure(user_config)`` is
+Ray Serve's lightweight update: ``{"draft": "models:/name@alias" | "/path", "alias_poll_seconds": 30}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from pydantic import Field
+
+from eagleray.platform.config import StrictModel, parse_config
+from eagleray.platform.draft_factory import make_random_draft
+from eagleray.platform.schemas import ServingConfig
+from eagleray.platform.smollm2 import resolve_target
+from eagleray.platform.target import TargetSpec
+from eagleray.serve.draft_source import ResolvedDraft, registry_version, resolve
+from eagleray.serve.engine.config import EngineConfig
+from eagleray.serve.engine.engine import LLMEngine
+from eagleray.serve.engine.sampling import SamplingParams
+from eagleray.serve.hotswap import DraftManager
+from eagleray.serve.loop import EngineLoop
+from eagleray.serve.metrics import ServeMetrics
+from eagleray.serve.protocol import APIError
+from eagleray.serve.responses import Delta
+
+logger = logging.getLogger(__name__)
+
+
+class EngineUserConfig(StrictModel):
+    draft: str | None = Field(None, description="Draft to serve: 'models:/<name>@<alias>', 'models:/<name>/<version>' or a directory.")
+    alias_poll_seconds: float | None = Field(None, gt=0, description="Poll a models:/ alias this often and hot-swap when it moves.")
+
+
+def initial_draft(cfg: ServingConfig, spec: TargetSpec) -> ResolvedDraft | None:
+    """The start-up draft: 'random' is written for the target; anything else is resolved."""
+    if cfg.draft is None:
+        return None
+    if cfg.draft.source == "random":
+        out = Path(tempfile.mkdtemp(prefix="eagleray-serve-")) / "random-draft"
+        return ResolvedDraft(make_random_draft(spec, out), "random", "random")
+    return resolve(cfg.draft.source, cfg.mlflow)
+
+
+class EngineServer:
+    """Ray Serve deployment class (wrapped with ``serve.deployment`` in :mod:`eagleray.serve.app`)."""
+
+    def __init__(self, serving: dict[str, Any]):
+        self.cfg = parse_config(ServingConfig, serving, prefix="serving")
+        self.spec = TargetSpec.from_dir(resolve_target(self.cfg.target.model, self.cfg.target.dtype))
+        first = initial_draft(self.cfg, self.spec)
+        draft_cfg = self.cfg.draft.model_copy(update={"source": str(first.path)}) if first else None
+        engine_cfg = EngineConfig(target=self.cfg.target.model_copy(update={"model": str(self.spec.path)}), draft=draft_cfg,
+                                  max_num_seqs=self.cfg.max_num_seqs)
+        self.engine = LLMEngine.from_config(engine_cfg)
+        self.loop = EngineLoop(self.engine)
+        self.metrics = ServeMetrics(self.cfg.model_name)
+        self.drafts = DraftManager(self.engine, self.loop, self.spec, self.cfg, self.metrics, first)
+        self.metrics.set_watchdog("ok")
+        self._poller: asyncio.Task | None = None
+        logger.info("engine ready: target %s, draft %s, max_model_len %d", self.spec.path, self.drafts.version,
+                    self.engine.max_model_len)
+
+    # ------------------------------------------------------------------ requests
+    def _prompt_ids(self, payload: dict[str, Any]) -> list[int]:
+        prompt, field = payload["prompt"], payload["prompt_field"]
+        tok = self.engine.tokenizer
+        if payload["kind"] == "chat":
+            if not getattr(tok, "chat_template", None):
+                raise APIError(400, "this model has no chat template; use /v1/completions", param="messages", code="no_chat_template")
+            return list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        if isinstance(prompt, str):
+            return list(tok(prompt, add_special_tokens=True)["input_ids"])
+        vocab = self.spec.vocab_size
+        bad = [t for t in prompt if not 0 <= int(t) < vocab]
+        if bad:
+            raise APIError(400, f"{field}: token ids {bad[:5]} are outside [0, {vocab})", param=field, code="invalid_value")
+        return [int(t) for t in prompt]
+
+    def prepare(self, payload: dict[str, Any]) -> tuple[list[int], SamplingParams]:
+        """Tokenize and check the request against the context; raises :class:`APIError` (4xx)."""
+        ids = self._prompt_ids(payload)
+        ctx, field = self.engine.max_model_len, payload["prompt_field"]
+        if not ids:
+            raise APIError(400, f"{field}: the prompt has no tokens", param=field, code="invalid_value")
+        if len(ids) >= ctx:
+            raise APIError(400, f"{field}: the prompt has {len(ids)} tokens; this model's context is {ctx} tokens "
+                           f"(at least one must be left to generate)", param=field, code="context_length_exceeded")
+        max_tokens, limit_field = payload["max_tokens"], payload["limit_field"]
+        if max_tokens is not None and len(ids) + max_tokens > ctx:
+            raise APIError(400, f"{limit_field}={max_tokens} plus the prompt's {len(ids)} tokens exceeds the context of "
+                           f"{ctx} tokens; ask for at most {ctx - len(ids)}", param=limit_field, code="context_length_exceeded")
+        params = SamplingParams(**payload["params"], max_tokens=max_tokens or ctx - len(ids))
+        return ids, params
+
+    async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream one request: {'kind': 'error'|'start', ...} then {'kind': 'delta', ...} per step."""
+        try:
+            ids, params = self.prepare(payload)
+        except APIError as err:
+            self.metrics.record_error(err.status)
+            yield {"kind": "error", **err.to_dict()}
+            return
+        yield {"kind": "start", "prompt_tokens": len(ids)}
+        async for out in self.loop.stream(ids, params):
+            d = Delta(out.delta_text, len(out.token_ids), len(ids), out.finished, out.finish_reason,
+                      self.drafts.version, out.spec)
+            if out.finished:
+                self.metrics.record_request(len(out.token_ids), out.spec)
+                self.metrics.set_watchdog(self.drafts.watchdog_state())
+                self.metrics.set_draft(self.drafts.version)
+            yield {"kind": "delta", **d.to_dict()}
+
+    # ------------------------------------------------------------------ status
+    async def info(self) -> dict[str, Any]:
+        return {"model": self.cfg.model_name, "max_model_len": self.engine.max_model_len,
+                "target": str(self.spec.path), "draft_version": self.drafts.version}
+
+    async def health(self) -> dict[str, Any]:
+        self.loop.ensure_started()
+        return {"status": "ok" if self.loop.alive else "unhealthy", "model": self.cfg.model_name,
+                "in_flight": self.loop.num_in_flight, "steps": self.loop.steps, "step_errors": self.loop.step_errors,
+                "last_error": self.loop.last_error, **self.drafts.status(),
+                "metrics": self.metrics.to_dict(), "engine": self.engine.metrics.snapshot()}
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check: the step loop must be alive once started."""
+        if self.loop._task is not None and not self.loop.alive:
+            raise RuntimeError(f"engine step loop died: {self.loop.last_error}")
+
+    # ------------------------------------------------------------------ drafts
+    async def swap(self, source: str) -> dict[str, Any]:
+        self.loop.ensure_started()
+        return (await self.drafts.swap(source)).to_dict()
+
+    async def rollback(self) -> dict[str, Any]:
+        self.loop.ensure_started()
+        return (await self.drafts.rollback()).to_dict()
+
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Ray Serve user_config update: swap to ``draft`` (refusals are logged and counted, not raised)."""
+        ucfg = parse_config(EngineUserConfig, user_config or {}, prefix="user_config")
+        self.loop.ensure_started()
+        if ucfg.draft is not None:
+            await self.drafts.swap(ucfg.draft)
+        if self._poller is not None:
+            self._poller.cancel()
+            self._poller = None
+        if ucfg.alias_poll_seconds is not None and ucfg.draft and "@" in ucfg.draft:
+            self._poller = asyncio.get_running_loop().create_task(self._poll(ucfg.draft, ucfg.alias_poll_seconds))
+
+    async def _poll(self, uri: str, every: float) -> None:
+        name = uri.split(":/", 1)[1].split("@", 1)[0]
+        while True:
+            await asyncio.sleep(every)
+            try:
+                version = await asyncio.to_thread(registry_version, uri, self.cfg.mlflow)
+            except Exception as err:  # noqa: BLE001 - registry unreachable: logged and counted, poll again
+                logger.warning("alias poll of %s failed: %s", uri, err)
+                self.metrics.record_swap("poll_error")
+                continue
+            if f"{name}/{version}" != self.drafts.version:
+                logger.info("alias %s moved to version %s; hot-swapping", uri, version)
+                await self.drafts.swap(uri)

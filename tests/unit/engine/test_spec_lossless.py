@@ -1,0 +1,51 @@
+"""Greedy speculative output equals plain greedy output token for token (fp32), chain and tree."""
+
+from __future__ import annotations
+
+import pytest
+
+from eagleray.serve.engine import SamplingParams
+
+from .conftest import PROMPTS, make_engine
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(target, tokenizer):
+    return [o.token_ids for o in make_engine(target, tokenizer).generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_chain_greedy_equals_plain(target, tokenizer, copy_draft, plain_outputs, k):
+    engine = make_engine(target, tokenizer, copy_draft, k=k)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain_outputs
+    snap = engine.metrics.snapshot()
+    assert snap["spec_decode_num_accepted_tokens"] > 0, "the copy draft should be accepted sometimes"
+    assert len(snap["spec_decode_num_accepted_tokens_per_pos"]) == k
+
+
+@pytest.mark.parametrize("tree", [dict(depth=2, topk=2, num_draft_tokens=3), dict(depth=4, topk=3, num_draft_tokens=8)])
+def test_tree_greedy_equals_plain(target, tokenizer, copy_draft, plain_outputs, tree):
+    engine = make_engine(target, tokenizer, copy_draft, tree=tree)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain_outputs
+    assert engine.metrics.spec.num_accepted_tokens > 0
+
+
+def test_random_draft_lossless_and_rollback(target, tokenizer, random_draft, plain_outputs):
+    engine = make_engine(target, tokenizer, random_draft, k=3)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain_outputs
+    assert engine.blocks.num_free == engine.blocks.num_blocks, "finished requests must return every KV block"
+
+
+def test_batch_invariance(target, tokenizer, copy_draft, plain_outputs):
+    """A request's greedy output does not depend on what else is in the batch (or on preemption)."""
+    alone = make_engine(target, tokenizer, copy_draft, k=2).generate(PROMPTS[:1], GREEDY)[0].token_ids
+    crowded = make_engine(target, tokenizer, copy_draft, k=2, max_num_seqs=3, num_kv_blocks=9, block_size=4)
+    outs = crowded.generate(PROMPTS[1:] + PROMPTS[:1] + PROMPTS[2:3], GREEDY)
+    assert alone == plain_outputs[0] == outs[3].token_ids
+    assert outs[0].token_ids == plain_outputs[1]
+    assert crowded.scheduler.num_preemptions > 0, "the small cache should force a preemption"

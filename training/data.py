@@ -1,0 +1,172 @@
+"""Offline training data: datagen's hidden-state shards, streamed, shuffled and padded into batches.
+
+Shard format (written by ``eagleray.datagen.shards``; read here directly because ``training`` may
+not import ``datagen``): ``<data_dir>/shards/shard-*.parquet`` with columns ``prompt_id`` str,
+``num_tokens`` int32, ``input_ids`` list<int32> [T], ``loss_mask`` list<int8> [T], ``aux_hidden``
+and ``final_hidden`` large_binary (little-endian bf16, row-major [T, n_aux*H] and [T, H]);
+``manifest.json`` (dataset_id, target_fingerprint, aux_layer_ids, hidden_size, ...) and
+``vocab_counts.npy`` [V] (counts of loss-masked tokens).
+
+Splits: a row is held out for evaluation when a hash of its ``prompt_id`` falls below
+``eval_fraction`` (stable across runs and ranks). Ranks: shards are dealt round-robin when there
+are at least as many shards as ranks, else rows are. Every rank cycles its share forever (epoch
+e reshuffles with seed+e), so DDP ranks never run out at different steps. Batches are padded
+(right) after grouping rows of similar length inside a shuffle buffer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from eagleray.platform.errors import DataError
+from eagleray.training.ttt import TTTBatch
+
+MANIFEST, VOCAB_COUNTS, SHARDS_GLOB = "manifest.json", "vocab_counts.npy", "shards/shard-*.parquet"
+COLUMNS = ["prompt_id", "num_tokens", "input_ids", "loss_mask", "aux_hidden", "final_hidden"]
+Row = dict[str, Any]
+
+
+def read_manifest(data_dir: str | Path) -> dict[str, Any]:
+    path = Path(data_dir) / MANIFEST
+    if not path.is_file():
+        raise DataError(f"training.data_dir: {path} does not exist\n    fix: point data_dir at a finished datagen "
+                        f"output (python -m eagleray.jobs.datagen writes manifest.json at the end), or use 'online'")
+    return json.loads(path.read_text())
+
+
+def read_vocab_counts(data_dir: str | Path) -> torch.Tensor:
+    """Token counts [V] int64 over loss-masked tokens (datagen's vocab_counts.npy)."""
+    path = Path(data_dir) / VOCAB_COUNTS
+    if not path.is_file():
+        raise DataError(f"training.data_dir: {path} does not exist\n    fix: rerun datagen to finish the dataset")
+    return torch.from_numpy(np.load(path)).to(torch.int64)
+
+
+def shard_files(data_dir: str | Path) -> list[Path]:
+    files = sorted(Path(data_dir).glob(SHARDS_GLOB))
+    if not files:
+        raise DataError(f"training.data_dir: no {SHARDS_GLOB} under {data_dir}\n    fix: run datagen into this directory first")
+    return files
+
+
+def is_eval(prompt_id: str, eval_fraction: float) -> bool:
+    """Stable held-out split by prompt id."""
+    if eval_fraction <= 0:
+        return False
+    h = int.from_bytes(hashlib.sha256(prompt_id.encode()).digest()[:8], "little") / 2 ** 64
+    return h < eval_fraction
+
+
+def decode_bf16(buf: bytes, num_tokens: int) -> torch.Tensor:
+    """Little-endian bf16 bytes -> float32 [T, W]."""
+    if sys.byteorder != "little":
+        raise DataError("bf16 shards are little-endian; this reader supports little-endian hosts only")
+    if num_tokens <= 0 or len(buf) % (2 * num_tokens):
+        raise DataError(f"hidden-state blob of {len(buf)} bytes does not hold {num_tokens} bf16 rows")
+    return torch.frombuffer(bytearray(buf), dtype=torch.bfloat16).view(num_tokens, -1).float()
+
+
+def iter_rows(files: list[Path], *, rank: int = 0, world: int = 1, split: str = "train", eval_fraction: float = 0.0,
+              seed: int = 0, epoch: int = 0, shuffle: bool = True) -> Iterator[Row]:
+    """This rank's raw rows of one epoch (hidden states still encoded)."""
+    order = list(files)
+    if shuffle:
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    by_shard = len(order) >= world
+    mine = order[rank::world] if by_shard else order
+    index = 0
+    for path in mine:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=16, columns=COLUMNS):
+            for row in batch.to_pylist():
+                take = by_shard or index % world == rank
+                index += 1
+                if take and is_eval(row["prompt_id"], eval_fraction) == (split == "eval") and row["num_tokens"] >= 2:
+                    yield row
+
+
+def group(rows: Iterator[Row], batch_size: int, buffer: int, rng: random.Random | None) -> Iterator[list[Row]]:
+    """Batches of ``batch_size`` rows: a shuffle buffer, sorted by length inside it, batch order shuffled."""
+    pending: list[Row] = []
+    for row in rows:
+        pending.append(row)
+        if len(pending) >= max(buffer, batch_size):
+            yield from _flush(pending, batch_size, rng)
+            pending = []
+    if pending:
+        yield from _flush(pending, batch_size, rng)
+
+
+def _flush(rows: list[Row], batch_size: int, rng: random.Random | None) -> Iterator[list[Row]]:
+    if rng is not None:
+        rng.shuffle(rows)
+        rows.sort(key=lambda r: r["num_tokens"])
+    batches = [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
+    if rng is not None:
+        rng.shuffle(batches)
+    yield from batches
+
+
+def pad_tokens(rows: list[Row], max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """input_ids [B, T] int64, loss_mask [B, T] float, lengths (truncated to max_seq_len)."""
+    lens = [min(len(r["input_ids"]), max_seq_len) for r in rows]
+    t = max(lens)
+    ids = torch.zeros(len(rows), t, dtype=torch.int64)  # [B, T]
+    mask = torch.zeros(len(rows), t, dtype=torch.float32)  # [B, T]
+    for b, (r, n) in enumerate(zip(rows, lens)):
+        ids[b, :n] = torch.as_tensor(r["input_ids"][:n], dtype=torch.int64)
+        mask[b, :n] = torch.as_tensor(r["loss_mask"][:n], dtype=torch.float32)
+    return ids, mask, lens
+
+
+def pad_hidden(parts: list[torch.Tensor], lens: list[int]) -> torch.Tensor:
+    """Per-row [T_b, W] -> [B, T, W] (zeros after each row's length)."""
+    out = torch.zeros(len(parts), max(lens), parts[0].shape[-1], dtype=torch.float32)  # [B, T, W]
+    for b, (x, n) in enumerate(zip(parts, lens)):
+        out[b, :n] = x[:n]
+    return out
+
+
+def collate(rows: list[Row], max_seq_len: int) -> TTTBatch:
+    """Decode and pad shard rows into a :class:`TTTBatch`."""
+    ids, mask, lens = pad_tokens(rows, max_seq_len)
+    aux = pad_hidden([decode_bf16(r["aux_hidden"], r["num_tokens"]) for r in rows], lens)  # [B, T, n_aux*H]
+    final = pad_hidden([decode_bf16(r["final_hidden"], r["num_tokens"]) for r in rows], lens)  # [B, T, H]
+    return TTTBatch(ids, mask, aux, final)
+
+
+def train_batches(files: list[Path], *, batch_size: int, max_seq_len: int, rank: int, world: int, seed: int,
+                  eval_fraction: float, shuffle_buffer: int, skip: int = 0) -> Iterator[TTTBatch]:
+    """Endless stream of this rank's training batches; ``skip`` batches are passed over undecoded (resume)."""
+    epoch, produced = 0, 0
+    while True:
+        rows = iter_rows(files, rank=rank, world=world, eval_fraction=eval_fraction, seed=seed, epoch=epoch)
+        n_epoch = 0
+        for rows_b in group(rows, batch_size, shuffle_buffer, random.Random(seed * 7919 + epoch * 31 + rank)):
+            n_epoch += 1
+            produced += 1
+            if produced > skip:
+                yield collate(rows_b, max_seq_len)
+        if n_epoch == 0:
+            raise DataError(f"rank {rank} of {world} got no training rows from {len(files)} shard(s)\n"
+                            f"    fix: lower eval_fraction or num_workers, or generate more data")
+        epoch += 1
+
+
+def eval_batches(files: list[Path], *, batch_size: int, max_seq_len: int, eval_fraction: float,
+                 max_batches: int | None = None) -> Iterator[TTTBatch]:
+    """The held-out rows once, in a fixed order (all ranks' data; run on one rank)."""
+    rows = iter_rows(files, split="eval", eval_fraction=eval_fraction, shuffle=False)
+    for n, rows_b in enumerate(group(rows, batch_size, batch_size, None)):
+        if max_batches is not None and n >= max_batches:
+            return
+        yield collate(rows_b, max_seq_len)

@@ -1,0 +1,94 @@
+"""Where the training loop runs: a Ray Train worker, or one local process (same loop, same checkpoints).
+
+A session knows the worker's rank/world/device, hands out the latest checkpoint directory to
+resume from, and reports metrics with an optional checkpoint directory (copied into storage).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class Session:
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+
+    def latest_checkpoint(self) -> Path | None:
+        """A local directory with the latest reported checkpoint, or None for a fresh run."""
+        raise NotImplementedError
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None = None) -> None:
+        """Record metrics; with ``checkpoint_dir`` also persist it as the newest checkpoint. Collective in Ray."""
+        raise NotImplementedError
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world > 1 and dist.is_initialized():
+            dist.all_reduce(x)
+        return x
+
+    def barrier(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.barrier()
+
+
+@dataclass
+class LocalSession(Session):
+    """One process; checkpoints in ``root``/step-NNNNNNN, the newest ``keep`` kept."""
+
+    root: Path
+    keep: int = 2
+    device: torch.device = field(default_factory=lambda: torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    last_checkpoint: Path | None = None
+
+    def latest_checkpoint(self) -> Path | None:
+        found = sorted(self.root.glob("step-*"))
+        return found[-1] if found else None
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None = None) -> None:
+        self.reports.append(dict(metrics))
+        if checkpoint_dir is None:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        dst = self.root / f"step-{int(metrics['step']):07d}"
+        if dst.exists():
+            shutil.rmtree(dst)
+        shutil.copytree(checkpoint_dir, dst)
+        self.last_checkpoint = dst
+        for old in sorted(self.root.glob("step-*"))[:-self.keep]:
+            shutil.rmtree(old)
+
+
+class RaySession(Session):
+    """Inside ``TorchTrainer``: rank/world from the train context, checkpoints through ``ray.train``."""
+
+    def __init__(self) -> None:
+        import ray.train
+        import ray.train.torch
+
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.device = ray.train.torch.get_device()
+        self._tmp = Path(tempfile.mkdtemp(prefix="eagleray-resume-"))
+
+    def latest_checkpoint(self) -> Path | None:
+        import ray.train
+
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is None:
+            return None
+        return Path(ckpt.to_directory(str(self._tmp / "latest")))
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None = None) -> None:
+        import ray.train
+
+        ckpt = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir is not None else None
+        ray.train.report(metrics, checkpoint=ckpt)
