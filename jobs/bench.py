@@ -6,6 +6,7 @@ verification kernels vs the PyTorch reference and vLLM). Room for more (e.g. `sp
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 
@@ -21,6 +22,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     importlib.import_module(SUITES[argv[0]]).run(argv[1:])
     return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`eagleray bench SUITE ...`: the suite's own options follow its name."""
+    p.add_argument("suite", choices=sorted(SUITES), help="benchmark suite")
+    p.add_argument("options", nargs=argparse.REMAINDER, help="the suite's options (see `eagleray bench SUITE --help`)")
+
+
+def run(args: argparse.Namespace) -> int:
+    return main([args.suite, *args.options])
 
 
 if __name__ == "__main__":

@@ -240,3 +240,20 @@ def run(argv: list[str]) -> dict:
         args.out.write_text(json.dumps(result, indent=1))
         print(f"wrote {args.out}")
     return result
+
+
+def markdown_table(result: dict) -> str:
+    """BENCHMARKS.md table: one line per case, microseconds (roofline fraction) per impl."""
+    rows = {}
+    for r in result["records"]:
+        key = (r["mode"], r["B"], r["K"], r["V"], r["dtype"])
+        cell = "error" if r["us"] is None else f"{r['us']:.1f} ({r['roofline_fraction']:.2f})"
+        rows.setdefault(key, {})[r["impl"]] = cell
+        rows[key]["roof"] = r.get("roofline_us")
+    lines = ["| mode | B | K | V | dtype | roofline us | " + " | ".join(IMPLS) + " |",
+             "|---|---|---|---|---|---|" + "---|" * len(IMPLS)]
+    for key in sorted(rows):
+        cells = rows[key]
+        lines.append("| " + " | ".join(str(x) for x in key) + f" | {cells['roof']} | "
+                     + " | ".join(cells.get(i, "-") for i in IMPLS) + " |")
+    return "\n".join(lines)

@@ -38,10 +38,11 @@ Q_NONE, Q_FULL, Q_REDUCED = 0, 1, 2
 class LaunchConfig:
     """Tile sizes; the benchmark sweeps these on the GPU. batch_block > 1 is for the interpreter."""
 
+    # Defaults: the fastest of the sweep on an H200 (docs/bench/verify-h200.json, "sweep").
     block_v: int = 4096  # vocab elements per program in the full logits pass
-    warps: int = 8  # warps per program in the full logits pass
-    recover_block_v: int = 4096  # vocab elements per program in the recovery pass
-    recover_warps: int = 8
+    warps: int = 4  # warps per program in the full logits pass
+    recover_block_v: int = 2048  # vocab elements per program in the recovery pass
+    recover_warps: int = 4
     batch_block: int = 1  # logit rows (pass 1) / batch rows (other passes) per program
 
     @staticmethod

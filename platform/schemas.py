@@ -147,7 +147,7 @@ class TrainingConfig(StrictModel):
     cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs reserved per Ray Train worker.")
     max_failures: int = Field(1, ge=0, description="Worker-group restarts (from the latest checkpoint) before the run fails.")
     ray_address: str | None = Field(None, description="Ray cluster address; default RAY_ADDRESS or a local instance.")
-    register: bool = Field(True, description="Register the final draft as a model version in the MLflow registry.")
+    register_model: bool = Field(True, description="Register the final draft as a model version in the MLflow registry.")
     alias: str | None = Field("candidate", description="Alias set on the registered version (promotion later moves 'champion').")
     evaluate_with_engine: bool = Field(False, description="After training, jobs/train.py measures real τ with eagleray's engine bench and logs it to the same MLflow run (needs serve.engine).")
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="Tracking and registry.")

@@ -26,17 +26,21 @@ class ServeMetrics:
         keys = ("model_name",)
 
         def counter(name: str, desc: str, extra: tuple[str, ...] = ()):
-            return serve_metrics.Counter(name, description=desc, tag_keys=keys + extra).set_default_tags(tags)
+            metric = serve_metrics.Counter(name, description=desc, tag_keys=keys + extra)
+            metric.set_default_tags(tags)
+            return metric
 
         def gauge(name: str, desc: str, extra: tuple[str, ...] = ()):
-            return serve_metrics.Gauge(name, description=desc, tag_keys=keys + extra).set_default_tags(tags)
+            metric = serve_metrics.Gauge(name, description=desc, tag_keys=keys + extra)
+            metric.set_default_tags(tags)
+            return metric
 
         self.num_drafts = counter("spec_decode_num_drafts", "Verification steps that carried draft tokens (vLLM name).")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed (vLLM name).")
         self.num_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted (vLLM name).")
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens by draft position (vLLM name).", ("position",))
-        self.tau = gauge("eagleray_mean_acceptance_length", "τ = 1 + accepted/drafts over the recent window.")
+        self.tau = gauge("eagleray_mean_acceptance_length", "tau = 1 + accepted/drafts over the recent window (mean acceptance length).")
         self.tokens_per_s = gauge("eagleray_generation_tokens_per_second", "Generated tokens per second over the recent window.")
         self.draft_info = gauge("eagleray_draft_info", "1 for the draft version being served.", ("draft_version",))
         self.watchdog = gauge("eagleray_watchdog_state", "Acceptance watchdog: 0 ok, 1 fired, 2 speculation off, 3 rolled back.")

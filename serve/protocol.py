@@ -148,7 +148,7 @@ def validation_error(err: ValidationError) -> APIError:
         p = _param_of(e["loc"]) or "body"
         hint = "unknown field; remove it or fix its spelling" if e["type"] == "extra_forbidden" else e["msg"]
         msgs.append(f"{p}: {hint}")
-    code = _CODES.get(first["type"], "invalid_type" if first["type"].endswith("_type") else "invalid_value")
+    code = _CODES.get(first["type"], "invalid_type" if first["type"].endswith(("_type", "_parsing")) else "invalid_value")
     return APIError(400, "; ".join(msgs), param=param, code=code)
 
 

@@ -108,14 +108,11 @@ class TTTModel(nn.Module):
             positions = torch.arange(t, device=ids.device) + i  # [T]
             normed, hidden = self.step(step_ids, positions, hidden, cache)  # [B, T, H] each
             logits = self.draft.compute_logits(normed[:, :n])  # [B, n, Vd]
-            lm = mask[:, 1 + i:]  # [B, n]
-            m = lm * in_vocab[:, 1 + i:].float()  # [B, n]
-            ce = -(probs[:, 1 + i:] * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # [B, n]
-            num, den = (ce * m).sum(), m.sum()
-            losses.append(self.loss_decay ** i * num / den.clamp_min(1.0))
-            hit = (self.draft_ids[logits.argmax(-1)] == argmax[:, 1 + i:]).float() * lm  # [B, n]
-            correct.append(F.pad(hit.detach(), (0, t - n)))  # [B, T-1]
-            stats.append(torch.stack([num.detach(), den, hit.sum().detach(), lm.sum()]))
+            sl = slice(1 + i, None)  # target positions t+1+i of slots 0..n-1
+            ploss, row, hit = step_terms(logits, probs[:, sl], mask[:, sl], in_vocab[:, sl], argmax[:, sl], self.draft_ids)
+            losses.append(self.loss_decay ** i * ploss)
+            correct.append(F.pad(hit, (0, t - 1 - n)))  # [B, T-1]
+            stats.append(row)
         stats_t = F.pad(torch.stack(stats), (0, 0, 0, self.ttt_steps - k))  # [ttt_steps, 4], zero rows if T <= k
         return TTTOutput(loss=torch.stack(losses).sum(), stats=stats_t, tau=_sim_tau(correct, mask))
 
@@ -131,6 +128,21 @@ class TTTModel(nn.Module):
         pre = layer.mlp(layer.post_attention_layernorm(h)) + h  # [B, T, H]
         normed = d.norm(pre)  # [B, T, H]
         return normed, (normed if d.norm_output else pre)
+
+
+def step_terms(logits: torch.Tensor, probs: torch.Tensor, loss_mask: torch.Tensor, in_vocab: torch.Tensor,
+               target_argmax: torch.Tensor, draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One TTT step's loss terms (module doc): logits [B, n, Vd], probs [B, n, Vd], masks/argmax [B, n].
+
+    Returns ploss [] (with grad), stats row [4] (ploss numerator, trained positions, hits, loss-masked
+    positions; detached) and hits [B, n] (draft argmax mapped to target ids == target argmax, masked).
+    """
+    m = loss_mask * in_vocab.float()  # [B, n] trained positions
+    ce = -(probs * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # [B, n]
+    num, den = (ce * m).sum(), m.sum()
+    hit = (draft_ids[logits.argmax(-1)] == target_argmax).float() * loss_mask  # [B, n]
+    row = torch.stack([num.detach(), den, hit.sum(), loss_mask.sum()])
+    return num / den.clamp_min(1.0), row, hit.detach()
 
 
 def ttt_attention(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor,

@@ -1,0 +1,118 @@
+"""datagen on a real local Ray cluster (`ray start --head`): the driver is killed mid-run, then the
+job is resubmitted with the real `ray job submit` CLI and resumes; every prompt ends up exactly once.
+
+The cluster is this test's own (own temp dir and ports, started with --block in its own process
+group) and is stopped by signalling that group, never with a machine-wide `ray stop`.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagleray.datagen import shards
+from eagleray.datagen.manifest import MANIFEST
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "datagen"))
+from conftest import datagen_config, expected_ids  # noqa: E402
+
+BIN = Path(sys.executable).parent
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "datagen_prompts.jsonl"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    return {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+            "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _wait_for(pred, timeout: float, what: str, proc=None):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process exited ({proc.returncode}) while waiting for {what}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    port, dash = _free_port(), _free_port()
+    temp = Path(f"/tmp/ray-dg-{os.getpid()}")
+    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+           "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true", "--num-cpus=2",
+           "--object-store-memory=200000000", f"--temp-dir={temp}", "--disable-usage-stats"]
+    log = open(tmp_path_factory.mktemp("ray") / "ray-start.log", "w")
+    head = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{dash}"
+    try:
+        _wait_for(lambda: _job_api_up(url), 60, "the Ray dashboard job API", head)
+        yield {"gcs": f"127.0.0.1:{port}", "dashboard": url}
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(timeout=10)
+        log.close()
+
+
+def _job_api_up(url: str) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/api/version", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def test_driver_killed_then_ray_job_submit_resumes(cluster, tiny_target, tmp_path):
+    out = tmp_path / "out"
+    cfg = datagen_config(tiny_target, FIXTURE, out, rows_per_shard=2, testing={"chunk_delay_s": 1.0})
+    cfg_path = tmp_path / "datagen.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    job = [sys.executable, "-m", "eagleray.jobs.datagen", "--config", str(cfg_path)]
+
+    # 1. A driver connected to the cluster, SIGKILLed as soon as its first shard lands.
+    driver = subprocess.Popen(job, env={**_env(), "RAY_ADDRESS": cluster["gcs"]}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _wait_for(lambda: shards.shard_files(out), 90, "the first shard", driver)
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait(timeout=10)
+    assert not (out / MANIFEST).exists(), "the run finished before the driver was killed"
+    first = {p: p.stat().st_mtime_ns for p in shards.shard_files(out)}
+    assert 0 < len(first) < 10
+
+    # 2. The same config through the real `ray job submit` CLI (blocking; streams the job's output).
+    submit = [str(BIN / "ray"), "job", "submit", "--address", cluster["dashboard"], "--",
+              *job, "--set", "testing.chunk_delay_s=0"]
+    res = subprocess.run(submit, env=_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "already done" in res.stdout and "datagen summary" in res.stdout, res.stdout[-3000:]
+
+    # 3. Every prompt exactly once; shards of the killed run were kept, not redone.
+    seen = Counter(shards.written_ids(out)) + Counter(e["prompt_id"] for e in shards.read_errors(out))
+    assert set(seen) == expected_ids(cfg) and max(seen.values()) == 1
+    assert all(p.exists() and p.stat().st_mtime_ns == t for p, t in first.items())
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["rows"] + manifest["errors"] == len(seen) == 20

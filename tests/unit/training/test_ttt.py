@@ -1,0 +1,92 @@
+"""TTT loss and unroll: hand-computed loss, target vocab mapping, shapes, and equality with the inference draft."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from eagleray.platform.models.attention import AttentionMetadata
+from eagleray.platform.target import TargetSpec
+from eagleray.training.build import draft_module, new_draft, target_embed_and_head
+from eagleray.training.ttt import TTTBatch, TTTModel, step_terms, summarize
+
+
+def test_step_terms_hand_computed():
+    # one row, two positions, draft vocab of 2 (target ids 3 and 7)
+    logits = torch.tensor([[[0.0, math.log(3.0)], [1.0, 1.0]]])  # q = [.25, .75], [.5, .5]
+    probs = torch.tensor([[[0.5, 0.5], [1.0, 0.0]]])
+    mask = torch.tensor([[1.0, 1.0]])
+    in_vocab = torch.tensor([[True, False]])  # position 1: target argmax outside the draft vocab
+    draft_ids = torch.tensor([3, 7])
+    argmax = torch.tensor([[7, 5]])
+    ploss, row, hit = step_terms(logits, probs, mask, in_vocab, argmax, draft_ids)
+    want = -(0.5 * math.log(0.25) + 0.5 * math.log(0.75))  # only position 0 is trained
+    assert ploss.item() == pytest.approx(want, rel=1e-6)
+    assert row.tolist() == pytest.approx([want, 1.0, 1.0, 2.0])  # hit at 0 (draft 1 -> target 7), miss at 1
+    assert hit.tolist() == [[1.0, 0.0]]
+    m = summarize(torch.stack([row, torch.tensor([0.0, 0.0, 0.0, 0.0])]), torch.tensor([3.0, 2.0]), 0.8)
+    assert m["acc_0"] == 0.5 and m["sim_tau"] == 1.5 and m["sim_tau_product"] == pytest.approx(1.5)
+
+
+@pytest.fixture(scope="module")
+def model(train_target):
+    spec = TargetSpec.from_dir(train_target)
+    counts = torch.arange(spec.vocab_size, dtype=torch.float32)  # the highest ids are the most frequent
+    embed, head = target_embed_and_head(train_target)
+    init = new_draft(spec, counts, 64, seed=1, target_head=head)
+    return TTTModel(draft_module(init), embed, head, init.t2d, ttt_steps=3).eval(), spec
+
+
+def _batch(spec, b=2, t=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n_aux = len(spec.default_aux_layer_ids)
+    return TTTBatch(torch.randint(0, spec.vocab_size, (b, t), generator=g), torch.ones(b, t),
+                    torch.randn(b, t, n_aux * spec.hidden_size, generator=g), torch.randn(b, t, spec.hidden_size, generator=g))
+
+
+def test_targets_are_restricted_to_the_draft_vocab(model):
+    m, spec = model
+    final = torch.randn(2, 5, spec.hidden_size)
+    probs, argmax, in_vocab = m.targets(final)
+    logits = final @ m.target_head.T  # [2, 5, V]
+    assert m.draft_ids.tolist() == list(range(spec.vocab_size - 64, spec.vocab_size))
+    torch.testing.assert_close(probs, torch.softmax(logits[..., m.draft_ids], -1))
+    assert torch.equal(argmax, logits.argmax(-1))
+    assert torch.equal(in_vocab, argmax >= spec.vocab_size - 64)
+
+
+def test_unroll_shapes_and_loss_is_finite(model):
+    m, spec = model
+    out = m(_batch(spec))
+    assert out.loss.dim() == 0 and torch.isfinite(out.loss)
+    assert out.stats.shape == (3, 4) and out.tau.shape == (2,)
+    assert out.stats[:, 3].tolist() == [22.0, 20.0, 18.0]  # loss-masked targets per step: B*(T-1-i)
+    short = m(_batch(spec, t=3))  # fewer tokens than steps: missing steps are zero rows
+    assert short.stats.shape == (3, 4) and short.stats[2].abs().sum() == 0
+
+
+def test_step0_and_step1_equal_the_inference_draft(model):
+    """TTT slot t, step 1 == the engine's draft: a causal pass over the prefix, then one token at t+1."""
+    m, spec = model
+    d = m.draft
+    d._shared_embed = []
+    from eagleray.platform.models.tp import TPInfo, VocabParallelEmbedding
+
+    emb = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, TPInfo(), torch.float32)
+    emb.weight.data.copy_(m.embed)
+    d.share_embedding(emb)
+    batch = _batch(spec, b=1, t=10, seed=3)
+    ids, aux = batch.input_ids[0], batch.aux[0]
+    with torch.no_grad():
+        hidden0 = d.combine_hidden_states(batch.aux)  # [1, T, H]
+        cache: list = []
+        n0, h0 = m.step(torch.nn.functional.pad(ids[1:], (0, 1))[None], torch.arange(10), hidden0, cache)
+        n1, _ = m.step(torch.nn.functional.pad(ids[2:], (0, 2))[None], torch.arange(10) + 1, h0, cache)
+        t = 6  # slot: prefix x_1..x_{t+1} at positions 0..t, then x_{t+2} at t+1 with the fed-back hidden
+        inp = torch.cat([ids[1:t + 2], ids[t + 2:t + 3]])
+        hid = torch.cat([d.combine_hidden_states(aux[:t + 1]), h0[0, t:t + 1]])
+        ref, _ = d(inp, torch.arange(t + 2), hid, AttentionMetadata.build([t + 2]))
+    torch.testing.assert_close(n0[0, :t + 1], ref[:t + 1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(n1[0, t], ref[t + 1], atol=1e-5, rtol=1e-5)

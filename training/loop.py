@@ -1,0 +1,181 @@
+"""The per-worker training loop (Ray Train worker or local process): TTT steps, logging, checkpoints, eval.
+
+Optimiser: AdamW(betas 0.9, 0.95), linear warmup then cosine to ``min_lr_ratio``, grad-norm clip
+(0.5), bf16 autocast on CUDA (``autocast: auto``). A checkpoint directory holds ``draft/`` (the
+vLLM-loadable draft with its metadata) and ``state.pt`` (step, optimiser, scheduler); resuming
+restores both and skips the batches already consumed. Metrics go to MLflow from rank 0 only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from eagleray.platform.schemas import TrainingConfig
+from eagleray.training.build import draft_module, export
+from eagleray.training.plan import Plan, batch_streams, make_plan
+from eagleray.training.session import Session
+from eagleray.training.ttt import TTTBatch, TTTModel, summarize
+
+STATE, DRAFT = "state.pt", "draft"
+
+
+def lr_lambda(cfg: TrainingConfig):
+    """Multiplier of the peak lr at optimizer step s (0-based): linear warmup, then cosine."""
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        span = max(1, cfg.max_steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+def use_bf16(cfg: TrainingConfig, device: torch.device) -> bool:
+    return cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
+
+
+def save_checkpoint(out: Path, model: TTTModel, plan: Plan, opt, sched, step: int, notes: dict[str, Any]) -> Path:
+    export(model.draft, plan.init, out / DRAFT, plan.metadata({"step": step, **notes}))
+    torch.save({"step": step, "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, out / STATE)
+    return out
+
+
+def restore(ckpt: Path | None, model: TTTModel, opt, sched) -> int:
+    """Load a checkpoint directory into model/optimiser/scheduler; returns its step (0 without one)."""
+    if ckpt is None:
+        return 0
+    from safetensors.torch import load_file
+
+    weights = load_file(str(ckpt / DRAFT / "model.safetensors"))
+    model.draft.load_state_dict({k: v for k, v in weights.items() if k not in ("d2t", "t2d")})
+    state = torch.load(ckpt / STATE, map_location="cpu", weights_only=True)
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    return int(state["step"])
+
+
+@torch.no_grad()
+def evaluate(model: TTTModel, batches: Iterable[TTTBatch], device: torch.device, amp: bool) -> dict[str, float]:
+    """Held-out ploss_i, acc_i, sim_tau (see training.ttt) prefixed ``eval/``."""
+    model.eval()
+    stats = torch.zeros(model.ttt_steps, 4, device=device)
+    tau = torch.zeros(2, device=device)
+    n = 0
+    for batch in batches:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            out = model(batch.to(device))
+        stats += out.stats
+        tau += out.tau
+        n += 1
+    model.train()
+    if n == 0:
+        return {}
+    return {f"eval/{k}": v for k, v in summarize(stats.cpu(), tau.cpu(), model.loss_decay).items()}
+
+
+class Meter:
+    """Sums of TTT stats between two log points, reduced over ranks."""
+
+    def __init__(self, k: int, device: torch.device):
+        self.k, self.device = k, device
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums = torch.zeros(self.k * 4 + 3, device=self.device)  # stats [k*4], tau [2], tokens
+        self.started = time.perf_counter()
+
+    def add(self, out, tokens: int) -> None:
+        self.sums += torch.cat([out.stats.flatten(), out.tau, torch.tensor([float(tokens)], device=self.device)])
+
+    def reduce(self, session: Session, decay: float) -> dict[str, float]:
+        s = session.all_reduce_sum(self.sums.clone()).cpu()
+        k = self.k
+        metrics = summarize(s[:k * 4].view(k, 4), s[k * 4:k * 4 + 2], decay)
+        metrics["tokens_per_s"] = float(s[-1]) / max(1e-9, time.perf_counter() - self.started)
+        self.reset()
+        return metrics
+
+
+def train_worker(cfg: TrainingConfig, session: Session, run_id: str | None = None) -> dict[str, float]:
+    """Train until ``max_steps``; returns the last reported metrics (rank 0 has the eval ones)."""
+    torch.manual_seed(cfg.seed)
+    plan = make_plan(cfg)
+    dev = session.device
+    model = TTTModel(draft_module(plan.init), plan.embed, plan.head, plan.init.t2d, cfg.ttt_steps, cfg.loss_decay).to(dev)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    step = restore(session.latest_checkpoint(), model, opt, sched)
+    resumed_from = step
+    net = model
+    if session.world > 1:
+        net = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None, broadcast_buffers=False)
+    train, eval_factory = batch_streams(plan, session.rank, session.world, dev, skip=step)
+    logger = _step_logger(cfg, run_id) if session.rank == 0 else None
+    meter, amp, metrics = Meter(cfg.ttt_steps, dev), use_bf16(cfg, dev), {}
+    while step < cfg.max_steps:
+        batch = next(train).to(dev)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+            out = net(batch)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+        lr = sched.get_last_lr()[0]
+        opt.step()
+        sched.step()
+        step += 1
+        meter.add(out, int(batch.loss_mask.sum()))
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            metrics = {**meter.reduce(session, cfg.loss_decay), "lr": lr, "grad_norm": grad_norm}
+            if logger is not None:
+                logger(metrics, step)
+        if step % cfg.checkpoint_every == 0 or step == cfg.max_steps:
+            metrics = _checkpoint(cfg, session, plan, model, opt, sched, step, metrics, eval_factory, amp, logger, resumed_from)
+        _maybe_die(cfg, session, step)
+    return metrics
+
+
+def _checkpoint(cfg, session, plan, model, opt, sched, step, metrics, eval_factory, amp, logger, resumed_from):
+    """Rank 0 saves (and at the end evaluates); every rank reports (Ray's report is collective)."""
+    metrics = {**metrics, "step": step, "resumed_from_step": resumed_from}
+    with tempfile.TemporaryDirectory(prefix="eagleray-ckpt-") as tmp:
+        ckpt = None
+        if session.rank == 0:
+            if step == cfg.max_steps:
+                metrics.update(evaluate(model, eval_factory(), session.device, amp))
+                if logger is not None:
+                    logger({k: v for k, v in metrics.items() if k.startswith("eval/")}, step)
+            notes = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+            ckpt = save_checkpoint(Path(tmp), model, plan, opt, sched, step, notes)
+        session.report(metrics, ckpt)
+    return metrics
+
+
+def _step_logger(cfg: TrainingConfig, run_id: str | None):
+    if run_id is None:
+        return None
+    from eagleray.training.tracking import StepLogger
+
+    return StepLogger(cfg.mlflow.tracking_uri, run_id)
+
+
+def _maybe_die(cfg: TrainingConfig, session: Session, step: int) -> None:
+    """Testing hook: rank 0 SIGKILLs itself once at ``testing.kill_worker_at_step``."""
+    at = cfg.testing.kill_worker_at_step
+    if at is None or step != at or session.rank != 0:
+        return
+    marker = Path(cfg.output_dir) / ".test-worker-killed"
+    if marker.exists():
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"pid {os.getpid()} killed itself after step {step}\n")
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,112 @@
+"""Online training data: the target computes aux and final hidden states per batch (no shard storage).
+
+Input: conversations whose last message is the assistant answer to learn (best: answers the
+target itself generated). Each is chat-templated with the target's tokenizer; the loss mask
+covers the last assistant message's tokens (from the end of the generation prompt through the
+tokenizer's eos, like datagen). Rows are split across ranks by index; held-out rows by prompt id.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from eagleray.platform.data.loader import iter_prompts
+from eagleray.platform.errors import DataError
+from eagleray.platform.models.attention import AttentionMetadata
+from eagleray.platform.models.llama import LlamaModel
+from eagleray.platform.schemas import TrainingConfig
+from eagleray.training.data import Row, group, is_eval, pad_hidden, pad_tokens
+from eagleray.training.ttt import TTTBatch
+
+
+def tokenize(tok, messages: list[dict], max_seq_len: int) -> tuple[list[int], list[int]] | None:
+    """(input_ids, loss_mask) of a conversation ending with an assistant message; None if it does not."""
+    if len(messages) < 2 or messages[-1]["role"] != "assistant":
+        return None
+    prefix = list(tok.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"])
+    full = list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=False, return_dict=True)["input_ids"])
+    if full[:len(prefix)] != prefix:
+        return None
+    end = len(full)
+    tail = full[len(prefix):]
+    if tok.eos_token_id is not None and tok.eos_token_id in tail:
+        end = len(prefix) + tail.index(tok.eos_token_id) + 1
+    mask = [0] * len(prefix) + [1] * (end - len(prefix)) + [0] * (len(full) - end)
+    return full[:max_seq_len], mask[:max_seq_len]
+
+
+def iter_online_rows(cfg: TrainingConfig, tok, *, split: str = "train") -> Iterator[Row]:
+    """Tokenized rows of every online source (in file order)."""
+    assert cfg.online is not None
+    for source in cfg.online.prompts:
+        for rec in iter_prompts(source, limit=cfg.online.limit):
+            if is_eval(rec.prompt_id, cfg.eval_fraction) != (split == "eval"):
+                continue
+            out = tokenize(tok, [m.to_dict() for m in rec.messages], cfg.max_seq_len)
+            if out is not None and sum(out[1]) > 0:
+                yield {"prompt_id": rec.prompt_id, "input_ids": out[0], "loss_mask": out[1], "num_tokens": len(out[0])}
+
+
+def online_vocab_counts(cfg: TrainingConfig, tok, vocab_size: int) -> torch.Tensor:
+    """Counts [V] of loss-masked tokens over the first ``online.vocab_count_rows`` conversations."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    n = 0
+    for row in iter_online_rows(cfg, tok):
+        ids = torch.tensor(row["input_ids"])[torch.tensor(row["loss_mask"], dtype=torch.bool)]
+        counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+        n += 1
+        if n >= cfg.online.vocab_count_rows:
+            break
+    if n == 0:
+        raise DataError(f"training.online.prompts {cfg.online.prompts}: no conversation ends with an assistant message\n"
+                        f"    fix: give conversations whose last message is the answer to learn (e.g. datagen's regenerated responses)")
+    return counts
+
+
+class OnlineTarget:
+    """The target on the training device, filling a batch's aux/final hidden states."""
+
+    def __init__(self, target_dir: Path, aux_layer_ids: list[int], device: torch.device, dtype: str):
+        from eagleray.platform.models.tp import TPInfo
+
+        self.model = LlamaModel.from_dir(target_dir, dtype=dtype, device=device, tp=TPInfo(), aux_layer_ids=aux_layer_ids)
+        self.device = device
+
+    @torch.inference_mode()
+    def batch(self, rows: list[Row], max_seq_len: int) -> TTTBatch:
+        ids, mask, lens = pad_tokens(rows, max_seq_len)  # [B, T]
+        flat = torch.cat([ids[b, :n] for b, n in enumerate(lens)]).to(self.device)  # [sum T]
+        pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)  # [sum T]
+        final, aux = self.model(flat, pos, AttentionMetadata.build(lens), None)  # [sum T, H], [sum T, n_aux*H]
+        aux_parts = list(aux.float().cpu().split(lens))
+        final_parts = list(final.float().cpu().split(lens))
+        return TTTBatch(ids, mask, pad_hidden(aux_parts, lens), pad_hidden(final_parts, lens))
+
+
+def online_batches(cfg: TrainingConfig, tok, target: OnlineTarget, *, rank: int, world: int,
+                   skip: int = 0) -> Iterator[TTTBatch]:
+    """Endless stream of this rank's online batches (epoch e reshuffles with seed+e)."""
+    epoch, produced = 0, 0
+    while True:
+        rows = (r for i, r in enumerate(iter_online_rows(cfg, tok)) if i % world == rank)
+        n_epoch = 0
+        for rows_b in group(rows, cfg.batch_size, cfg.shuffle_buffer, random.Random(cfg.seed * 7919 + epoch * 31 + rank)):
+            n_epoch += 1
+            produced += 1
+            if produced > skip:
+                yield target.batch(rows_b, cfg.max_seq_len)
+        if n_epoch == 0:
+            raise DataError(f"rank {rank} of {world} got no online training rows\n    fix: add conversations or lower num_workers")
+        epoch += 1
+
+
+def online_eval_batches(cfg: TrainingConfig, tok, target: OnlineTarget) -> Iterator[TTTBatch]:
+    rows = iter_online_rows(cfg, tok, split="eval")
+    for n, rows_b in enumerate(group(rows, cfg.batch_size, cfg.batch_size, None)):
+        if cfg.eval_batches is not None and n >= cfg.eval_batches:
+            return
+        yield target.batch(rows_b, cfg.max_seq_len)

@@ -1,0 +1,98 @@
+"""Run a training job end to end: MLflow run -> Ray Train ``TorchTrainer`` (DDP) or one local worker ->
+final draft (vLLM format) -> MLflow artifacts + registered version.
+
+    from eagleray.training.trainer import train
+    result = train(cfg)            # TrainResult(run_id, draft_dir, metrics, version)
+
+Fault tolerance (backend "ray"): ``FailureConfig(max_failures)``; a killed worker restarts the
+worker group, which resumes from the latest checkpoint reported through ``ray.train.report``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from eagleray.platform.registry import DraftVersion
+from eagleray.platform.schemas import TrainingConfig
+from eagleray.training.loop import DRAFT, train_worker
+from eagleray.training.session import LocalSession
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    run_id: str
+    draft_dir: Path  # the final draft (config.json + model.safetensors)
+    metrics: dict[str, float] = field(default_factory=dict)
+    version: DraftVersion | None = None
+
+
+def ray_worker_entry(config: dict[str, Any]) -> None:
+    """``train_loop_per_worker`` of the TorchTrainer (module-level so Ray can pickle it)."""
+    import torch
+
+    from eagleray.training.session import RaySession
+
+    cfg = TrainingConfig.model_validate_json(config["cfg"])
+    torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
+    train_worker(cfg, RaySession(), config.get("run_id"))
+
+
+def _fit_ray(cfg: TrainingConfig, run_id: str) -> tuple[Path, dict[str, float]]:
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    if not ray.is_initialized():
+        ray.init(address=cfg.ray_address, ignore_reinit_error=True, log_to_driver=True)
+    storage = Path(cfg.output_dir).resolve() / "ray"
+    trainer = TorchTrainer(
+        ray_worker_entry,
+        train_loop_config={"cfg": cfg.model_dump_json(), "run_id": run_id},
+        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
+                                     resources_per_worker={"CPU": cfg.cpus_per_worker}),
+        run_config=RunConfig(name=f"train-{run_id[:12]}", storage_path=str(storage),
+                             failure_config=FailureConfig(max_failures=cfg.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
+    )
+    result = trainer.fit()
+    if result.checkpoint is None:
+        raise RuntimeError(f"Ray Train finished without a checkpoint (error: {result.error})")
+    local = Path(result.checkpoint.to_directory(str(Path(cfg.output_dir).resolve() / "final-checkpoint")))
+    return local, dict(result.metrics or {})
+
+
+def _fit_local(cfg: TrainingConfig, run_id: str) -> tuple[Path, dict[str, float]]:
+    session = LocalSession(Path(cfg.output_dir) / "checkpoints")
+    metrics = train_worker(cfg, session, run_id)
+    return session.latest_checkpoint(), metrics
+
+
+def train(cfg: TrainingConfig, emit: Callable[[str], None] = print, run_name: str | None = None) -> TrainResult:
+    """Train, then log the draft and register it (see module doc). ``cfg`` is not modified."""
+    from eagleray.training.plan import make_plan
+    from eagleray.training.tracking import finish_run, start_run
+
+    cfg = cfg.model_copy(deep=True)
+    plan = make_plan(cfg)  # fail fast on config/data problems, before Ray starts
+    facts = {"target_fingerprint": plan.spec.fingerprint, "tokenizer_fingerprint": plan.spec.tokenizer_fingerprint,
+             "aux_layer_ids": plan.aux_layer_ids, "dataset_id": plan.dataset_id,
+             "draft_vocab_size": plan.init.config["draft_vocab_size"], "target_dir": str(plan.target_dir)}
+    run_id = start_run(cfg, facts, run_name)
+    emit(f"train: MLflow run {run_id} ({cfg.mlflow.tracking_uri}), backend={cfg.backend}, workers={cfg.num_workers}")
+    ckpt, metrics = (_fit_ray if cfg.backend == "ray" else _fit_local)(cfg, run_id)
+    final = Path(cfg.output_dir) / "final-draft"
+    if final.exists():
+        shutil.rmtree(final)
+    shutil.copytree(ckpt / DRAFT, final)
+    tags = {k: facts[k] for k in ("target_fingerprint", "tokenizer_fingerprint", "aux_layer_ids", "dataset_id")}
+    version = finish_run(cfg, run_id, final, metrics, tags)
+    summary = ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k.startswith("eval/") and ("acc" in k or "tau" in k))
+    emit(f"train: done at step {metrics.get('step')}: {summary}; draft {final}"
+         + (f"; registered {version.uri}" + (f" @{cfg.alias}" if cfg.alias else "") if version else ""))
+    return TrainResult(run_id, final, metrics, version)
