@@ -72,10 +72,12 @@ def _ray_init(cfg: DatagenConfig) -> None:
 
 
 def _model_stage_args(cfg: DatagenConfig) -> dict[str, Any]:
+    import ray.data
+
     # Ray Data gives actor-pool workers max_restarts=-1 and max_task_retries=-1 by default (Ray 2.60,
     # actor_pool_map_operator.py): a killed worker is restarted and its chunk redone. The
     # killed-worker test (tests/unit/datagen/test_pipeline.py) guards that default.
-    return {"batch_size": 1, "batch_format": "pyarrow", "concurrency": cfg.num_workers,
+    return {"batch_size": 1, "batch_format": "pyarrow", "compute": ray.data.ActorPoolStrategy(size=cfg.num_workers),
             "num_cpus": cfg.cpus_per_worker, "num_gpus": cfg.gpus_per_worker or None}
 
 

@@ -169,4 +169,7 @@ class PromotionConfig(StrictModel):
     max_tokens: int = Field(64, ge=1, description="Tokens generated per prompt.")
     min_tau_gain: float = Field(0.05, ge=0.0, description="Candidate τ must beat the champion's by this fraction.")
     min_speedup: float = Field(1.0, gt=0.0, description="Candidate must be at least this much faster than plain decoding.")
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="Chain length k used to measure both drafts.")
+    max_num_seqs: int = Field(1, ge=1, description="Requests batched while measuring (1 = latency-bound tokens/s, like the motivating story).")
+    dry_run: bool = Field(False, description="Measure and print the decision, but neither set the alias nor write tags.")
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="Registry holding the versions and alias.")

@@ -156,15 +156,17 @@ class EngineServer:
             self._poller = asyncio.get_running_loop().create_task(self._poll(ucfg.draft, ucfg.alias_poll_seconds))
 
     async def _poll(self, uri: str, every: float) -> None:
-        name = uri.split(":/", 1)[1].split("@", 1)[0]
+        """Hot-swap when the alias moves; a refused version is not retried until the alias moves again."""
+        name, tried = uri.split(":/", 1)[1].split("@", 1)[0], self.drafts.version
         while True:
             await asyncio.sleep(every)
             try:
-                version = await asyncio.to_thread(registry_version, uri, self.cfg.mlflow)
+                version = f"{name}/{await asyncio.to_thread(registry_version, uri, self.cfg.mlflow)}"
             except Exception as err:  # noqa: BLE001 - registry unreachable: logged and counted, poll again
                 logger.warning("alias poll of %s failed: %s", uri, err)
                 self.metrics.record_swap("poll_error")
                 continue
-            if f"{name}/{version}" != self.drafts.version:
-                logger.info("alias %s moved to version %s; hot-swapping", uri, version)
+            if version not in (self.drafts.version, tried):
+                logger.info("alias %s moved to %s; hot-swapping", uri, version)
+                tried = version
                 await self.drafts.swap(uri)

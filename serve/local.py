@@ -35,7 +35,7 @@ def start_local(cfg: ServingConfig, port: int | None = None, *, num_cpus: int | 
 
     port = port or free_port()
     if not ray.is_initialized():
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build(cfg), name=APP_NAME, route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"

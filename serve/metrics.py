@@ -27,12 +27,12 @@ class ServeMetrics:
 
         def counter(name: str, desc: str, extra: tuple[str, ...] = ()):
             metric = serve_metrics.Counter(name, description=desc, tag_keys=keys + extra)
-            metric.set_default_tags(tags)
+            metric.set_default_tags(dict(tags))  # Ray adds its serve tags to the dict it is given
             return metric
 
         def gauge(name: str, desc: str, extra: tuple[str, ...] = ()):
             metric = serve_metrics.Gauge(name, description=desc, tag_keys=keys + extra)
-            metric.set_default_tags(tags)
+            metric.set_default_tags(dict(tags))  # Ray adds its serve tags to the dict it is given
             return metric
 
         self.num_drafts = counter("spec_decode_num_drafts", "Verification steps that carried draft tokens (vLLM name).")

@@ -49,6 +49,11 @@ def save_checkpoint(out: Path, model: TTTModel, plan: Plan, opt, sched, step: in
     return out
 
 
+def is_complete(ckpt: Path) -> bool:
+    """Every file of a checkpoint directory is present (it may have been cut off mid-upload)."""
+    return all((ckpt / f).is_file() for f in (STATE, f"{DRAFT}/config.json", f"{DRAFT}/model.safetensors"))
+
+
 def restore(ckpt: Path | None, model: TTTModel, opt, sched) -> int:
     """Load a checkpoint directory into model/optimiser/scheduler; returns its step (0 without one)."""
     if ckpt is None:

@@ -76,7 +76,7 @@ class OnlineTarget:
         self.model = LlamaModel.from_dir(target_dir, dtype=dtype, device=device, tp=TPInfo(), aux_layer_ids=aux_layer_ids)
         self.device = device
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: the outputs feed autograd-tracked training
     def batch(self, rows: list[Row], max_seq_len: int) -> TTTBatch:
         ids, mask, lens = pad_tokens(rows, max_seq_len)  # [B, T]
         flat = torch.cat([ids[b, :n] for b, n in enumerate(lens)]).to(self.device)  # [sum T]

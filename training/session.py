@@ -68,24 +68,34 @@ class LocalSession(Session):
 
 
 class RaySession(Session):
-    """Inside ``TorchTrainer``: rank/world from the train context, checkpoints through ``ray.train``."""
+    """Inside ``TorchTrainer``: rank/world from the train context, checkpoints through ``ray.train``.
 
-    def __init__(self) -> None:
+    Ray registers a reported checkpoint when its controller next polls the worker (every ~2 s); a
+    worker killed in between leaves the checkpoint persisted but unregistered. So when Ray offers
+    none, the run's storage folder is searched for the newest complete one (``is_complete``).
+    """
+
+    def __init__(self, storage_dir: str | None = None, is_complete=lambda p: True) -> None:
         import ray.train
         import ray.train.torch
 
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.device = ray.train.torch.get_device()
+        self.storage_dir = Path(storage_dir) if storage_dir else None
+        self.is_complete = is_complete
         self._tmp = Path(tempfile.mkdtemp(prefix="eagleray-resume-"))
 
     def latest_checkpoint(self) -> Path | None:
         import ray.train
 
         ckpt = ray.train.get_checkpoint()
-        if ckpt is None:
+        if ckpt is not None:
+            return Path(ckpt.to_directory(str(self._tmp / "latest")))
+        if self.storage_dir is None or not self.storage_dir.is_dir():
             return None
-        return Path(ckpt.to_directory(str(self._tmp / "latest")))
+        done = [p for p in self.storage_dir.glob("checkpoint_*") if p.is_dir() and self.is_complete(p)]
+        return max(done, key=lambda p: p.stat().st_mtime) if done else None
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None = None) -> None:
         import ray.train

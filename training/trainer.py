@@ -11,6 +11,7 @@ worker group, which resumes from the latest checkpoint reported through ``ray.tr
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,11 +37,12 @@ def ray_worker_entry(config: dict[str, Any]) -> None:
     """``train_loop_per_worker`` of the TorchTrainer (module-level so Ray can pickle it)."""
     import torch
 
+    from eagleray.training.loop import is_complete
     from eagleray.training.session import RaySession
 
     cfg = TrainingConfig.model_validate_json(config["cfg"])
     torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
-    train_worker(cfg, RaySession(), config.get("run_id"))
+    train_worker(cfg, RaySession(config.get("storage_dir"), is_complete), config.get("run_id"))
 
 
 def _fit_ray(cfg: TrainingConfig, run_id: str) -> tuple[Path, dict[str, float]]:
@@ -49,14 +51,14 @@ def _fit_ray(cfg: TrainingConfig, run_id: str) -> tuple[Path, dict[str, float]]:
     from ray.train.torch import TorchTrainer
 
     if not ray.is_initialized():
-        ray.init(address=cfg.ray_address, ignore_reinit_error=True, log_to_driver=True)
-    storage = Path(cfg.output_dir).resolve() / "ray"
+        ray.init(address=cfg.ray_address or os.environ.get("RAY_ADDRESS") or "local", ignore_reinit_error=True)
+    storage, name = Path(cfg.output_dir).resolve() / "ray", f"train-{run_id[:12]}"
     trainer = TorchTrainer(
         ray_worker_entry,
-        train_loop_config={"cfg": cfg.model_dump_json(), "run_id": run_id},
+        train_loop_config={"cfg": cfg.model_dump_json(), "run_id": run_id, "storage_dir": str(storage / name)},
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                                      resources_per_worker={"CPU": cfg.cpus_per_worker}),
-        run_config=RunConfig(name=f"train-{run_id[:12]}", storage_path=str(storage),
+        run_config=RunConfig(name=name, storage_path=str(storage),
                              failure_config=FailureConfig(max_failures=cfg.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=2)),
     )

@@ -148,7 +148,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 
     With ``cache`` (this layer's K, V [num_blocks, block_size, Hkv, D]) the new k/v are written first
     and each sequence attends over its gathered context + new tokens; without, only over new tokens.
+    Metadata that carries its own attention (``meta.attend``: the no-sync decode path of
+    :mod:`eagleray.platform.models.attention_gpu`) computes it instead.
     """
+    attend = getattr(meta, "attend", None)
+    if attend is not None:
+        return attend(q, k, v, cache, scale, sliding_window)
+    if cache is None and meta.tree_masks is None and sliding_window is None:
+        return _causal_prefill(q, k, v, meta.query_lens, scale)
     if cache is not None:
         if meta.slot_mapping is None:
             raise EaglerayError("attention: a KV cache was passed but the metadata has no block_tables")
@@ -170,4 +177,24 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
             attn_mask=mask, scale=scale, enable_gqa=True)  # [Hq, q, D]
         out[start:end] = o.transpose(0, 1)
         start = end
+    return out
+
+
+def _causal_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens: list[int],
+                    scale: float) -> torch.Tensor:
+    """No cache, causal: one SDPA call (flash on GPU) per run of equal lengths -> [T, Hq, D]."""
+    out = torch.empty_like(q)  # [T, Hq, D]
+    start, b = 0, 0
+    while b < len(query_lens):
+        n, ql = 1, query_lens[b]
+        while b + n < len(query_lens) and query_lens[b + n] == ql:
+            n += 1
+        end = start + n * ql
+        shape = (n, ql, q.shape[1], q.shape[2])
+        qb = q[start:end].reshape(shape).transpose(1, 2)  # [n, Hq, q, D]
+        kb = k[start:end].reshape(n, ql, *k.shape[1:]).transpose(1, 2)  # [n, Hkv, q, D]
+        vb = v[start:end].reshape(n, ql, *v.shape[1:]).transpose(1, 2)  # [n, Hkv, q, D]
+        o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)  # [n, Hq, q, D]
+        out[start:end] = o.transpose(1, 2).reshape(n * ql, *q.shape[1:])
+        start, b = end, b + n
     return out

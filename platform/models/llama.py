@@ -64,6 +64,30 @@ class LlamaModel(nn.Module):
         model.load_checkpoint(spec.path)
         return model.eval()
 
+    @classmethod
+    def from_config(cls, config: dict, *, dtype: str | torch.dtype | None = None, device=None,
+                    tp: TPInfo | None = None, aux_layer_ids: list[int] | None = None, seed: int = 0,
+                    std: float = 0.02) -> "LlamaModel":
+        """Random weights for a HF config dict, made on ``device`` (for speed work: values don't matter).
+
+        Linear and embedding weights ~ N(0, std), biases 0, norm weights 1.
+        """
+        arch = LlamaArch.from_config(config)
+        if dtype is not None:
+            arch = replace(arch, dtype=parse_dtype(dtype))
+        with torch.device(device or "cpu"):
+            model = cls(arch, tp, device, aux_layer_ids)
+        gen = torch.Generator(device=model.norm.weight.device).manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.zero_()
+                elif "norm" in name:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, std, generator=gen)
+        return model.eval()
+
     def load_checkpoint(self, path: str | Path) -> None:
         """Load (and shard) HF-named safetensors weights; a tied lm_head may be absent."""
         def rename(name: str) -> str | None:

@@ -99,7 +99,7 @@ LONG = "word " * (CTX * 2)
     ("/v1/chat/completions", CHAT, {}, 401, None),
     ("/v1/chat/completions", CHAT, {"Authorization": "Bearer wrong"}, 401, None),
     ("/admin/draft", {"source": "/nowhere"}, {}, 401, None),
-    ("/admin/draft", {"src": "/nowhere"}, AUTH, 400, "src"),
+    ("/admin/draft", {"src": "/nowhere"}, AUTH, 400, "source"),
     ("/v1/nothing", CHAT, AUTH, 404, None),
 ])
 def test_bad_input_is_4xx_and_server_keeps_serving(server, path, body, headers, status, param):

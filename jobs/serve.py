@@ -1,0 +1,84 @@
+"""``eagleray serve --config FILE`` / ``python -m eagleray.jobs.serve --config FILE``.
+
+FILE is either a Ray Serve config (``applications: [{import_path: eagleray.serve.app:build_app,
+args: {serving: {...}}}]``, as ``serve run``/``serve deploy`` take) or a plain ServingConfig YAML.
+Starts a local Ray instance (or joins RAY_ADDRESS), deploys the app and serves until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from eagleray.platform.config import load_yaml_config, parse_config
+from eagleray.platform.errors import ConfigError, EaglerayError, Problem
+from eagleray.platform.schemas import ServingConfig
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="Serve config or ServingConfig YAML (see jobs/configs/serve-*.yaml)")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's)")
+    p.add_argument("--host", default=None, help="HTTP bind address (default: the config's, 127.0.0.1)")
+
+
+def load_serving(path: str) -> ServingConfig:
+    """The ServingConfig of a Serve config's first eagleray application, or of a plain ServingConfig file."""
+    p = Path(path)
+    data = yaml.safe_load(p.read_text()) if p.is_file() else None
+    if not isinstance(data, dict) or "applications" not in data:
+        return load_yaml_config(ServingConfig, p)
+    apps = [a for a in data["applications"] if str(a.get("import_path", "")).startswith("eagleray.serve.app:")]
+    if not apps:
+        raise ConfigError([Problem("applications", "no application with import_path eagleray.serve.app:build_app",
+                                   "add one (see jobs/configs/serve-smollm2-cpu.yaml)")], source=str(p))
+    from eagleray.serve.app import AppArgs
+
+    cfg = parse_config(AppArgs, apps[0].get("args") or {}, source=str(p), prefix="applications.0.args").load()
+    http = data.get("http_options") or {}
+    return cfg.model_copy(update={k: http[k] for k in ("host", "port") if k in http})
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from eagleray.serve.app import build
+    from eagleray.serve.local import APP_NAME, wait_ready
+
+    cfg = load_serving(args.config)
+    cfg = cfg.model_copy(update={k: v for k, v in (("port", args.port), ("host", args.host)) if v is not None})
+    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False)
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    serve.run(build(cfg), name=APP_NAME, route_prefix="/", blocking=False)
+    url = f"http://{cfg.host}:{cfg.port}"
+    wait_ready(url, cfg.api_key, timeout_s=600)
+    print(f"eagleray serving {cfg.model_name!r} at {url}/v1 (draft: {cfg.draft.source if cfg.draft else 'none'}); Ctrl-C stops",
+          flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("stopping", flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eagleray.jobs.serve", description=__doc__)
+    add_arguments(parser)
+    try:
+        return run(parser.parse_args(argv))
+    except EaglerayError as err:
+        print(f"eagleray serve: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

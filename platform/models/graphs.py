@@ -1,0 +1,191 @@
+"""Decode steps for :class:`~eagleray.platform.models.llama.LlamaModel` with static buffers and CUDA graphs.
+
+A decode step takes one new token per sequence. :class:`DecodeGraphRunner` keeps fixed device
+buffers (input ids, positions, block tables, sequence lengths, slot mapping) sized for the largest
+batch bucket, builds the step on views of them, and on CUDA captures one ``torch.cuda.CUDAGraph``
+per bucket (1, 2, 4, ..., 64). ``run`` copies a batch into the buffers, pads it to its bucket and
+replays the graph. Nothing in the step reads a device value back to the host (capture would fail).
+
+Two step implementations, both equal to the model's own forward:
+
+- the *generic* step: ``model(ids, positions, DecodeMetadata, kv)`` (every supported architecture);
+- :class:`FusedDecodeStep`: the same layers in ~10 launches each - q/k/v and gate/up as one GEMM
+  each (the parameters become views of one fused tensor), fused residual-add + RMSNorm, fused
+  rotary + KV write, the split-K decode attention kernel, fused SiLU * up. Not for Qwen3 (q/k norm).
+
+Padding rows (a batch of 3 runs in bucket 4) write their K/V to ``pad_slot``, by default the last
+slot of the cache: the block manager must never hand out the cache's last block while a runner
+uses it.
+
+Use::
+
+    runner = DecodeGraphRunner(model, kv, max_blocks_per_seq=64)
+    runner.capture()                                   # CUDA only; a no-op elsewhere
+    logits, aux = runner.run(ids, positions, block_tables, seq_lens, slots)   # [B, V], [B, A] | None
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from eagleray.platform.errors import EaglerayError
+from eagleray.platform.models.attention import KVCache
+from eagleray.platform.models.attention_gpu import DecodeMetadata, decode_attention
+from eagleray.platform.models.decode_ops import add_rmsnorm, rope_write_kv, silu_mul
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+Step = tuple[torch.Tensor, torch.Tensor | None]  # logits [B, V], aux [B, n_aux*H] or None
+
+
+def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of ``linears`` by rows; their parameters become views."""
+    weight = torch.cat([lin.weight.data for lin in linears])  # [sum(out), in]
+    has_bias = [lin.bias is not None for lin in linears]
+    if any(has_bias) and not all(has_bias):
+        raise EaglerayError("cannot fuse projections of which only some have a bias")
+    bias = torch.cat([lin.bias.data for lin in linears]) if all(has_bias) else None  # [sum(out)]
+    start = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight.data = weight[start:start + n]
+        if bias is not None:
+            lin.bias.data = bias[start:start + n]
+        start += n
+    return weight, bias
+
+
+class FusedDecodeStep:
+    """The model's decode forward in few launches; call as ``step(ids, positions, meta, kv)``."""
+
+    def __init__(self, model, use_triton: bool):
+        arch = model.arch
+        if arch.qk_norm:
+            raise EaglerayError(f"the fused decode step does not implement q/k norms ({arch.model_type})\n"
+                                f"    fix: DecodeGraphRunner(..., fused=False) uses the model's own layers")
+        self.model, self.use_triton, self.eps = model, use_triton, arch.rms_norm_eps
+        fused = getattr(model, "_decode_fused", None)  # fuse once per model; later steps share it
+        if fused is None:
+            fused = ([_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in model.layers],
+                     [_fuse([l.mlp.gate_proj, l.mlp.up_proj]) for l in model.layers])
+            model._decode_fused = fused
+        self.qkv, self.gate_up = fused
+        attn = model.layers[0].self_attn
+        self.hq, self.hkv, self.scale, self.window = attn.heads, attn.kv_heads, attn.scale, attn.sliding_window
+        self.inv_freq = attn.rotary.inv_freq.to(torch.float32)  # [D/2], the same for every layer
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata, kv: KVCache) -> Step:
+        m, ut = self.model, self.use_triton
+        b = ids.shape[0]
+        h, delta = m.embed(ids), None  # [B, H]
+        wanted = set(m.aux_layer_ids)
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(m.layers):
+            x, h = add_rmsnorm(h, delta, layer.input_layernorm.weight, self.eps, ut)  # [B, H] x2
+            if i in wanted:
+                aux.append(h)
+            qkv = F.linear(x, *self.qkv[i])  # [B, (Hq+2Hkv)*D]
+            q = rope_write_kv(qkv, positions, self.inv_freq, kv.k[i], kv.v[i], meta.slot_mapping,
+                              self.hq, self.hkv, ut)  # [B, Hq, D]
+            o = decode_attention(q, kv.k[i], kv.v[i], meta, self.scale, self.window)  # [B, Hq, D]
+            delta = layer.self_attn.o_proj(o.reshape(b, -1))  # [B, H]
+            x, h = add_rmsnorm(h, delta, layer.post_attention_layernorm.weight, self.eps, ut)
+            delta = layer.mlp.down_proj(silu_mul(F.linear(x, *self.gate_up[i]), ut))  # [B, H]
+        x, h = add_rmsnorm(h, delta, m.norm.weight, self.eps, ut)
+        if m.arch.num_layers in wanted:
+            aux.append(h)
+        return m.compute_logits(x), (torch.cat(aux, dim=-1) if aux else None)
+
+
+class DecodeGraphRunner:
+    """Static-buffer decode for batches up to ``max(buckets)``; CUDA graphs per bucket on CUDA."""
+
+    def __init__(self, model, kv_cache: KVCache, max_blocks_per_seq: int, *, buckets=BUCKETS,
+                 fused: bool | None = None, use_triton: bool | None = None, use_graphs: bool | None = None,
+                 pad_slot: int | None = None):
+        dev = kv_cache.k.device
+        cuda = dev.type == "cuda"
+        self.model, self.kv, self.buckets = model, kv_cache, tuple(sorted(buckets))
+        self.use_triton = cuda if use_triton is None else use_triton
+        self.use_graphs = cuda if use_graphs is None else use_graphs
+        if self.use_graphs and not cuda:
+            raise EaglerayError("CUDA graphs need the KV cache on a CUDA device\n    fix: use_graphs=False on CPU")
+        fused = (not model.arch.qk_norm) if fused is None else fused
+        self.step = FusedDecodeStep(model, self.use_triton) if fused else self._generic_step
+        self.block_size = kv_cache.block_size
+        self.pad_slot = kv_cache.num_blocks * self.block_size - 1 if pad_slot is None else int(pad_slot)
+        bmax, self.max_blocks = self.buckets[-1], int(max_blocks_per_seq)
+        self.input_ids = torch.zeros(bmax, dtype=torch.int64, device=dev)  # [Bmax]
+        self.positions = torch.zeros(bmax, dtype=torch.int64, device=dev)  # [Bmax]
+        self.block_tables = torch.full((bmax, self.max_blocks), -1, dtype=torch.int32, device=dev)  # [Bmax, MB]
+        self.seq_lens = torch.ones(bmax, dtype=torch.int32, device=dev)  # [Bmax]
+        self.slot_mapping = torch.full((bmax,), self.pad_slot, dtype=torch.int64, device=dev)  # [Bmax]
+        self.block_tables[:, 0] = self.pad_slot // self.block_size
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, Step] = {}
+
+    def _generic_step(self, ids, positions, meta, kv) -> Step:
+        hidden, aux = self.model(ids, positions, meta, kv)  # [B, H], [B, A] | None
+        return self.model.compute_logits(hidden), aux
+
+    def _forward(self, b: int) -> Step:
+        """The step on the first ``b`` rows of the static buffers."""
+        meta = DecodeMetadata(self.block_tables[:b], self.seq_lens[:b], self.slot_mapping[:b], self.block_size,
+                              self.use_triton)
+        return self.step(self.input_ids[:b], self.positions[:b], meta, self.kv)
+
+    def bucket_for(self, b: int) -> int:
+        for size in self.buckets:
+            if size >= b:
+                return size
+        raise EaglerayError(f"decode batch of {b} sequences exceeds the largest bucket {self.buckets[-1]}\n"
+                            f"    fix: split the batch, or build the runner with larger buckets")
+
+    @torch.inference_mode()
+    def capture(self, buckets=None) -> None:
+        """Warm up and capture one graph per bucket (largest first, one shared memory pool)."""
+        if not self.use_graphs:
+            return
+        pool = torch.cuda.graph_pool_handle()
+        for b in sorted(buckets or self.buckets, reverse=True):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compile Triton kernels, pick cuBLAS algorithms
+                    self._forward(b)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[b] = self._forward(b)
+            self.graphs[b] = graph
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+            seq_lens: torch.Tensor, slot_mapping: torch.Tensor) -> Step:
+        """ids, positions [B], block_tables [B, nb<=max_blocks], seq_lens (incl. the new token), slots [B].
+
+        Returns views of static outputs (valid until the next ``run``): logits [B, V], aux or None.
+        """
+        b, nb = input_ids.shape[0], block_tables.shape[1]
+        if nb > self.max_blocks:
+            raise EaglerayError(f"block table of {nb} blocks exceeds max_blocks_per_seq={self.max_blocks}\n"
+                                f"    fix: build the runner with a larger max_blocks_per_seq")
+        bucket = self.bucket_for(b)
+        self.input_ids[:b].copy_(input_ids, non_blocking=True)
+        self.positions[:b].copy_(positions, non_blocking=True)
+        self.block_tables[:b, :nb].copy_(block_tables, non_blocking=True)
+        self.seq_lens[:b].copy_(seq_lens, non_blocking=True)
+        self.slot_mapping[:b].copy_(slot_mapping, non_blocking=True)
+        if bucket > b:  # padding rows: one token at the pad slot
+            self.input_ids[b:bucket] = 0
+            self.positions[b:bucket] = 0
+            self.seq_lens[b:bucket] = 1
+            self.slot_mapping[b:bucket] = self.pad_slot
+            self.block_tables[b:bucket, 0] = self.pad_slot // self.block_size
+        if bucket in self.graphs:
+            self.graphs[bucket].replay()
+            logits, aux = self.outputs[bucket]
+        else:
+            logits, aux = self._forward(bucket)
+        return logits[:b], (None if aux is None else aux[:b])

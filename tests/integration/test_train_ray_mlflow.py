@@ -1,0 +1,78 @@
+"""Training on real local Ray (TorchTrainer, 2 DDP workers on CPU) with MLflow on sqlite in tmp_path.
+
+A worker SIGKILLs itself after step 3 (checkpoints every 2 steps); FailureConfig(max_failures=1)
+restarts the group, which resumes from step 2. The registered version is fetched back through
+models:/name@alias and passes the compatibility guard.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _synth():
+    path = Path(__file__).parents[1] / "unit" / "training" / "synth.py"
+    spec = importlib.util.spec_from_file_location("eagleray_test_synth", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
+    yield
+    ray.shutdown()
+
+
+def test_ray_train_resumes_after_killed_worker_and_registers(tmp_path, ray_local):
+    import mlflow
+
+    from eagleray.platform.guard import check_compatibility
+    from eagleray.platform.registry import get_alias, resolve_draft
+    from eagleray.platform.schemas import TrainingConfig
+    from eagleray.platform.target import TargetSpec
+    from eagleray.platform.tiny import make_tiny_llama
+    from eagleray.training.trainer import train
+
+    target = make_tiny_llama(tmp_path / "target", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2,
+                             intermediate_size=96)
+    data = _synth().write_synthetic(target, tmp_path / "data", rows=16, gen_len=18)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = TrainingConfig(
+        data_dir=str(data), target={"model": str(target)}, output_dir=str(tmp_path / "out"), draft_vocab_size=128,
+        learning_rate=3e-3, warmup_steps=1, max_steps=6, batch_size=4, ttt_steps=3, log_every=2, checkpoint_every=2,
+        eval_fraction=0.2, eval_batches=2, backend="ray", num_workers=2, max_failures=1, alias="candidate",
+        mlflow={"tracking_uri": uri, "experiment": "train-it", "registered_model": "it-draft"},
+        testing={"kill_worker_at_step": 3})
+    import time
+
+    t0 = time.perf_counter()
+    result = train(cfg, emit=lambda s: print(f"[{time.perf_counter() - t0:.1f}s] {s}", flush=True))
+
+    assert (tmp_path / "out" / ".test-worker-killed").is_file()  # the failure really happened
+    assert result.metrics["step"] == 6 and result.metrics["resumed_from_step"] == 2
+    assert 0.0 <= result.metrics["eval/acc_0"] <= 1.0 and result.metrics["eval/sim_tau"] >= 1.0
+
+    client = mlflow.MlflowClient(uri)
+    run = client.get_run(result.run_id)
+    assert run.data.params["ttt_steps"] == "3" and run.info.status == "FINISHED"
+    assert {"loss", "acc_0", "acc_2", "ploss_1", "lr", "eval/sim_tau"} <= set(run.data.metrics)
+    assert len(client.get_metric_history(result.run_id, "lr")) >= 3
+    arts = {a.path for a in client.list_artifacts(result.run_id)} | {a.path for a in client.list_artifacts(result.run_id, "plots")}
+    assert {"draft", "plots/acceptance.png"} <= arts
+
+    version = get_alias("it-draft", "candidate")
+    spec = TargetSpec.from_dir(target)
+    assert version.tags["target_fingerprint"] == spec.fingerprint and version.tags["aux_layer_ids"] == "1,2"
+    assert version.tags["dataset_id"] == "synthetic-0" and "eval/sim_tau" in version.tags
+    local = resolve_draft("models:/it-draft@candidate", tmp_path / "fetched")
+    report = check_compatibility(spec, local, algorithm="eagle3")
+    assert report.ok, [p.render() for p in report.problems]

@@ -1,0 +1,35 @@
+"""MLflow registry client: register a draft directory, alias it, resolve models:/ URIs to local dirs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagleray.platform import registry
+from eagleray.platform.draft_factory import make_random_draft
+from eagleray.platform.errors import EaglerayError
+from eagleray.platform.guard import check_compatibility
+from eagleray.platform.target import TargetSpec
+
+
+def test_register_alias_and_resolve(tiny_target, tmp_path):
+    import mlflow
+
+    uri = registry.configure(f"sqlite:///{tmp_path / 'm.db'}", "reg-test")
+    spec = TargetSpec.from_dir(tiny_target)
+    draft = make_random_draft(spec, tmp_path / "draft", draft_vocab_size=64, counts=torch.arange(spec.vocab_size))
+    client = mlflow.MlflowClient(uri)
+    run = client.create_run(client.get_experiment_by_name("reg-test").experiment_id)
+    client.log_artifacts(run.info.run_id, str(draft), "draft")
+    v = registry.register_draft("d", run.info.run_id, "draft", {"aux_layer_ids": [2, 4, 5], "target_fingerprint": spec.fingerprint})
+    registry.set_alias("d", "champion", v.version)
+    got = registry.get_alias("d", "champion")
+    assert got.version == v.version == "1" and got.tags["aux_layer_ids"] == "2,4,5" and "champion" in got.aliases
+    for source in ("models:/d@champion", "models:/d/1"):
+        local = registry.resolve_draft(source, tmp_path / source.replace("/", "_").replace(":", "").replace("@", "_"))
+        assert check_compatibility(spec, local).ok
+    assert registry.resolve_draft(draft) == draft
+    with pytest.raises(EaglerayError, match="models:/d@nope does not exist"):
+        registry.resolve_draft("models:/d@nope")
+    with pytest.raises(EaglerayError, match="not a model URI"):
+        registry.lookup("models:/d")
