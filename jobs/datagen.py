@@ -7,10 +7,9 @@ A rerun with the same config resumes: finished prompts are skipped.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from eagleray.platform.config import load_yaml_config, parse_config
+from eagleray.platform.config import load_yaml_config
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.schemas import DatagenConfig
 
@@ -22,29 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the prompt counts and the estimate, write nothing")
 
 
-def _override(data: dict, item: str) -> None:
-    key, sep, raw = item.partition("=")
-    if not sep:
-        raise EaglerayError(f"--set {item!r}: expected FIELD=VALUE\n    fix: e.g. --set generation.max_tokens=64")
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        value = raw
-    node = data
-    *parents, last = key.split(".")
-    for part in parents:
-        node = node.setdefault(part, {})
-    node[last] = value
-
-
 def load_config(path: str, overrides: list[str]) -> DatagenConfig:
-    cfg = load_yaml_config(DatagenConfig, path)
-    if not overrides:
-        return cfg
-    data = cfg.model_dump(exclude_unset=True)
-    for item in overrides:
-        _override(data, item)
-    return parse_config(DatagenConfig, data, source=path)
+    return load_yaml_config(DatagenConfig, path, overrides)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -43,6 +44,10 @@ def load_serving(path: str) -> ServingConfig:
     return cfg.model_copy(update={k: http[k] for k in ("host", "port") if k in http})
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
@@ -59,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     wait_ready(url, cfg.api_key, timeout_s=600)
     print(f"eagleray serving {cfg.model_name!r} at {url}/v1 (draft: {cfg.draft.source if cfg.draft else 'none'}); Ctrl-C stops",
           flush=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` and `ray job stop` shut down like Ctrl-C
     try:
         while True:
             time.sleep(3600)

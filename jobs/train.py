@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import json
 import sys
 
-from eagleray.platform.config import load_yaml_config, parse_config
+from eagleray.platform.config import load_yaml_config
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.schemas import TrainingConfig
 
@@ -28,29 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override a config field, dotted, value as JSON or a bare string (e.g. --set max_steps=10)")
 
 
-def _override(data: dict, item: str) -> None:
-    key, sep, raw = item.partition("=")
-    if not sep:
-        raise EaglerayError(f"--set {item!r}: expected FIELD=VALUE\n    fix: e.g. --set max_steps=100")
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        value = raw
-    node = data
-    *parents, last = key.split(".")
-    for part in parents:
-        node = node.setdefault(part, {})
-    node[last] = value
-
-
 def load_config(path: str, overrides: list[str]) -> TrainingConfig:
-    cfg = load_yaml_config(TrainingConfig, path)
-    if not overrides:
-        return cfg
-    data = cfg.model_dump(exclude_unset=True)
-    for item in overrides:
-        _override(data, item)
-    return parse_config(TrainingConfig, data, source=path)
+    return load_yaml_config(TrainingConfig, path, overrides)
 
 
 def _engine_bench():

@@ -21,7 +21,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("eagleray.platform.cli_doctor", "check that a draft can serve a target (the compatibility guard)"),
     "chat": ("eagleray.platform.cli_chat", "one chat answer from a target model"),
     "draft": ("eagleray.platform.cli_draft", "write an untrained EAGLE-3 draft for a target"),
-    "bench": ("eagleray.jobs.bench", "benchmarks (verify, spec) that print a table and write JSON"),
+    "datagen": ("eagleray.jobs.datagen", "regenerate responses and write aux hidden-state shards (Ray Data, resumable)"),
+    "train": ("eagleray.jobs.train", "train an EAGLE-3 draft (Ray Train) with MLflow tracking and registry"),
+    "bench": ("eagleray.jobs.bench", "benchmarks (verify, spec, gpu) that print a table and write JSON"),
     "quickstart": ("eagleray.jobs.quickstart", "the whole loop on this machine with defaults"),
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -48,8 +49,27 @@ def parse_config(cls: type[C], data: Any, *, source: str | None = None, prefix: 
         raise ConfigError(problems_from_validation(err, prefix), source=source) from None
 
 
-def load_yaml_config(cls: type[C], path: str | Path) -> C:
-    """Load a YAML file into the config class ``cls``."""
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply one ``--set a.b.c=VALUE`` override (VALUE as JSON, else a bare string) to ``data``."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ConfigError([Problem("--set", f"{item!r} is not FIELD=VALUE", "write it like --set generation.max_tokens=64")])
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    node = data
+    *parents, last = key.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError([Problem(key, f"{part!r} holds {child!r}, not a section", "override a field inside a section")])
+        node = child
+    node[last] = value
+
+
+def load_yaml_config(cls: type[C], path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> C:
+    """Load a YAML file into the config class ``cls``, then apply ``--set`` overrides."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError([Problem("<file>", f"config file {str(p)!r} does not exist", "pass an existing YAML file")])
@@ -59,4 +79,7 @@ def load_yaml_config(cls: type[C], path: str | Path) -> C:
         raise ConfigError([Problem("<file>", f"not valid YAML: {err}", "fix the YAML syntax")], source=str(p)) from None
     if data is None:
         data = {}
+    if overrides and isinstance(data, dict):
+        for item in overrides:
+            apply_override(data, item)
     return parse_config(cls, data, source=str(p))

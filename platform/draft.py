@@ -17,9 +17,6 @@ A draft directory holds ``config.json`` and ``model.safetensors``:
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +28,7 @@ from safetensors.torch import save_file
 
 from eagleray.platform.config import StrictModel, parse_config
 from eagleray.platform.errors import EaglerayError
+from eagleray.platform.paths import atomic_dir
 
 EAGLE3 = "eagle3"
 EAGLE = "eagle"
@@ -163,19 +161,11 @@ def save_draft(out_dir: str | Path, config: dict[str, Any], tensors: dict[str, t
                metadata: DraftMetadata | None = None) -> Path:
     """Write a draft checkpoint atomically (temp dir + rename); returns the directory."""
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
     cfg = dict(config)
     if metadata is not None:
         cfg["eagleray"] = metadata.model_dump(mode="json")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / WEIGHTS_FILE),
                   metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from eagleray.platform.errors import EaglerayError, MissingPackageError
-from eagleray.platform.paths import eagleray_home, file_lock
+from eagleray.platform.paths import atomic_dir, eagleray_home, file_lock
 
 log = logging.getLogger(__name__)
 
@@ -66,18 +63,10 @@ def _convert(gguf: Path, out: Path, dtype: torch.dtype) -> None:
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
     model = model.to(dtype)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)
         tok.save_pretrained(str(tmp))
         (tmp / _DONE).write_text(f"source={gguf}\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def resolve_target(name_or_dir: str, dtype: str = "fp32") -> Path:

@@ -49,7 +49,7 @@ def engine_options(cfg: ServingConfig) -> dict[str, Any]:
         bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
         opts["placement_group_bundles"] = [dict(bundle) for _ in range(tp)]
         opts["placement_group_strategy"] = "STRICT_PACK"
-        opts["ray_actor_options"] = dict(bundle)
+        opts["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1 if gpu else 0}  # fits in the first bundle
     else:
         opts["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1 if cfg.target.device == "cuda" else 0}
     return opts

@@ -6,8 +6,10 @@ from eagleray.platform import schemas
 from eagleray.platform.config import load_yaml_config, parse_config
 from eagleray.platform.errors import ConfigError
 
-MODELS = [schemas.TargetConfig, schemas.DraftConfig, schemas.ServingConfig, schemas.DatagenConfig,
-          schemas.TrainingConfig, schemas.PromotionConfig, schemas.TreeConfig, schemas.PolicyConfig]
+from eagleray.platform.config import StrictModel
+
+MODELS = sorted({c for c in vars(schemas).values() if isinstance(c, type) and issubclass(c, StrictModel) and c is not StrictModel},
+                key=lambda c: c.__name__)
 
 
 @pytest.mark.parametrize("cls", MODELS, ids=lambda c: c.__name__)
@@ -53,3 +55,32 @@ def test_defaults_load_from_empty_yaml(tmp_path):
     f.write_text("")
     cfg = load_yaml_config(schemas.ServingConfig, f)
     assert cfg.target.model == "smollm2" and cfg.draft is None
+
+
+def test_set_overrides_apply_before_validation(tmp_path):
+    f = tmp_path / "d.yaml"
+    f.write_text("prompts: [sharegpt]\noutput_dir: out\n")
+    cfg = load_yaml_config(schemas.DatagenConfig, f, ["generation.max_tokens=7", "limit=3"])
+    assert cfg.generation.max_tokens == 7 and cfg.limit == 3
+    with pytest.raises(ConfigError, match="generation.max_tokenz"):
+        load_yaml_config(schemas.DatagenConfig, f, ["generation.max_tokenz=7"])
+    with pytest.raises(ConfigError, match="not FIELD=VALUE"):
+        load_yaml_config(schemas.DatagenConfig, f, ["limit"])
+
+
+@pytest.mark.parametrize("path", sorted((__import__("pathlib").Path(__file__).resolve().parents[2] / "jobs" / "configs").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_example_configs_validate(path):
+    import yaml
+    kind = path.name.split("-")[0]
+    cls = {"datagen": schemas.DatagenConfig, "train": schemas.TrainingConfig, "serve": schemas.ServingConfig,
+           "promote": schemas.PromotionConfig}.get(kind)
+    data = yaml.safe_load(path.read_text())
+    if kind == "serve" and "applications" in data:  # a Ray Serve config with eagleray's ServingConfig inside
+        from ray.serve.schema import ServeDeploySchema
+        ServeDeploySchema.model_validate(data) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(data)
+        for app in data["applications"]:
+            parse_config(schemas.ServingConfig, app["args"]["serving"], source=str(path))
+        return
+    assert cls is not None, f"{path.name}: unknown config kind {kind!r}"
+    load_yaml_config(cls, path)
