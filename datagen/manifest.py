@@ -14,10 +14,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagleray.datagen import shards
+from eagleray.platform.shard_format import MANIFEST, VOCAB_COUNTS, read_vocab_counts  # noqa: F401  (re-exported)
 from eagleray.platform.errors import DataError, EaglerayError
 from eagleray.platform.schemas import DatagenConfig
 
-MANIFEST, RUN, VOCAB_COUNTS, ERRORS_TABLE = "manifest.json", "run.json", "vocab_counts.npy", "errors.parquet"
+RUN, ERRORS_TABLE = "run.json", "errors.parquet"
 FORMAT_VERSION = 1
 
 
@@ -118,10 +119,3 @@ def finalize(output_dir: str, cfg: DatagenConfig, settings: dict[str, Any], comp
     }
     _atomic_text(Path(output_dir) / MANIFEST, json.dumps(manifest, indent=2))
     return manifest
-
-
-def read_vocab_counts(output_dir: str):
-    """Token counts [V] (torch int64) for platform.draft_factory.vocab_map(counts, size)."""
-    import torch
-
-    return torch.from_numpy(np.load(Path(output_dir) / VOCAB_COUNTS))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,37 +29,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from eagleray.platform.errors import DataError
+from eagleray.platform.shard_format import SHARD_SCHEMA, SHARDS_DIR, decode_bf16, encode_bf16  # noqa: F401  (re-exported)
 
-SHARD_SCHEMA = pa.schema([
-    pa.field("prompt_id", pa.string(), nullable=False),
-    pa.field("source", pa.string()),
-    pa.field("response", pa.string()),
-    pa.field("num_tokens", pa.int32(), nullable=False),
-    pa.field("truncated", pa.bool_()),
-    pa.field("input_ids", pa.list_(pa.int32()), nullable=False),  # [T]
-    pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),  # [T]
-    pa.field("aux_hidden", pa.large_binary(), nullable=False),  # bf16 [T, n_aux*H]
-    pa.field("final_hidden", pa.large_binary(), nullable=False),  # bf16 [T, H], after the final norm
-])
 ERROR_FIELDS = ("prompt_id", "chunk_id", "stage", "kind", "message")
-SHARDS_DIR, ERRORS_DIR = "shards", "errors"
+ERRORS_DIR = "errors"
 _TMP_PREFIX = ".tmp-"
-
-
-def encode_bf16(x: torch.Tensor) -> bytes:
-    """[T, W] any float -> raw little-endian bf16 bytes (row-major)."""
-    raw = x.detach().to(torch.bfloat16).contiguous().cpu().view(torch.int16).numpy()
-    return raw.astype("<i2", copy=False).tobytes()
-
-
-def decode_bf16(buf: bytes, num_tokens: int) -> torch.Tensor:
-    """Raw bf16 bytes -> torch.bfloat16 [T, W]."""
-    if sys.byteorder != "little":
-        raise DataError("bf16 shards are little-endian; this reader supports little-endian hosts only")
-    if num_tokens <= 0 or len(buf) % (2 * num_tokens):
-        raise DataError(f"hidden-state blob of {len(buf)} bytes does not hold {num_tokens} bf16 rows")
-    return torch.frombuffer(bytearray(buf), dtype=torch.bfloat16).view(num_tokens, -1)
 
 
 def shard_path(output_dir: str | Path, chunk_id: str) -> Path:

@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "draft": ("eagleray.platform.cli_draft", "write an untrained EAGLE-3 draft for a target"),
     "datagen": ("eagleray.jobs.datagen", "regenerate responses and write aux hidden-state shards (Ray Data, resumable)"),
     "train": ("eagleray.jobs.train", "train an EAGLE-3 draft (Ray Train) with MLflow tracking and registry"),
+    "serve": ("eagleray.jobs.serve", "serve the target + draft behind OpenAI-compatible HTTP on Ray Serve"),
+    "promote": ("eagleray.jobs.promote", "measure a candidate draft against the champion and plain decoding; set the alias if it wins"),
     "bench": ("eagleray.jobs.bench", "benchmarks (verify, spec, gpu) that print a table and write JSON"),
     "quickstart": ("eagleray.jobs.quickstart", "the whole loop on this machine with defaults"),
 }

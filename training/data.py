@@ -17,46 +17,26 @@ e reshuffles with seed+e), so DDP ranks never run out at different steps. Batche
 from __future__ import annotations
 
 import hashlib
-import json
 import random
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow.parquet as pq
 import torch
 
 from eagleray.platform.errors import DataError
+from eagleray.platform.shard_format import decode_bf16, read_manifest, read_vocab_counts, shard_files  # noqa: F401
 from eagleray.training.ttt import TTTBatch
 
-MANIFEST, VOCAB_COUNTS, SHARDS_GLOB = "manifest.json", "vocab_counts.npy", "shards/shard-*.parquet"
 COLUMNS = ["prompt_id", "num_tokens", "input_ids", "loss_mask", "aux_hidden", "final_hidden"]
 Row = dict[str, Any]
 
 
-def read_manifest(data_dir: str | Path) -> dict[str, Any]:
-    path = Path(data_dir) / MANIFEST
-    if not path.is_file():
-        raise DataError(f"training.data_dir: {path} does not exist\n    fix: point data_dir at a finished datagen "
-                        f"output (python -m eagleray.jobs.datagen writes manifest.json at the end), or use 'online'")
-    return json.loads(path.read_text())
 
 
-def read_vocab_counts(data_dir: str | Path) -> torch.Tensor:
-    """Token counts [V] int64 over loss-masked tokens (datagen's vocab_counts.npy)."""
-    path = Path(data_dir) / VOCAB_COUNTS
-    if not path.is_file():
-        raise DataError(f"training.data_dir: {path} does not exist\n    fix: rerun datagen to finish the dataset")
-    return torch.from_numpy(np.load(path)).to(torch.int64)
 
 
-def shard_files(data_dir: str | Path) -> list[Path]:
-    files = sorted(Path(data_dir).glob(SHARDS_GLOB))
-    if not files:
-        raise DataError(f"training.data_dir: no {SHARDS_GLOB} under {data_dir}\n    fix: run datagen into this directory first")
-    return files
 
 
 def is_eval(prompt_id: str, eval_fraction: float) -> bool:
@@ -67,13 +47,6 @@ def is_eval(prompt_id: str, eval_fraction: float) -> bool:
     return h < eval_fraction
 
 
-def decode_bf16(buf: bytes, num_tokens: int) -> torch.Tensor:
-    """Little-endian bf16 bytes -> float32 [T, W]."""
-    if sys.byteorder != "little":
-        raise DataError("bf16 shards are little-endian; this reader supports little-endian hosts only")
-    if num_tokens <= 0 or len(buf) % (2 * num_tokens):
-        raise DataError(f"hidden-state blob of {len(buf)} bytes does not hold {num_tokens} bf16 rows")
-    return torch.frombuffer(bytearray(buf), dtype=torch.bfloat16).view(num_tokens, -1).float()
 
 
 def iter_rows(files: list[Path], *, rank: int = 0, world: int = 1, split: str = "train", eval_fraction: float = 0.0,

@@ -1,0 +1,80 @@
+"""The hidden-state dataset format shared by datagen (writer) and training (reader).
+
+Layout of a dataset directory::
+
+    shards/shard-<chunk>.parquet   rows in SHARD_SCHEMA
+    manifest.json                  dataset_id, target/tokenizer fingerprints, aux_layer_ids, rows, tokens, bytes
+    vocab_counts.npy               [V] int64 counts of loss-masked target tokens (-> draft vocab, d2t/t2d)
+
+bf16 encoding (pyarrow has no bf16): ``aux_hidden`` and ``final_hidden`` are ``large_binary``
+holding raw bfloat16 bit patterns, little-endian, row-major: ``aux_hidden`` is [T, n_aux*H]
+(aux layers in ascending id order, each H wide), ``final_hidden`` is [T, H] AFTER the target's
+final RMSNorm, so the target's logits are ``lm_head(final_hidden)`` without storing [T, V].
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from eagleray.platform.errors import DataError
+
+SHARD_SCHEMA = pa.schema([
+    pa.field("prompt_id", pa.string(), nullable=False),
+    pa.field("source", pa.string()),
+    pa.field("response", pa.string()),
+    pa.field("num_tokens", pa.int32(), nullable=False),
+    pa.field("truncated", pa.bool_()),
+    pa.field("input_ids", pa.list_(pa.int32()), nullable=False),  # [T]
+    pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),  # [T]
+    pa.field("aux_hidden", pa.large_binary(), nullable=False),  # bf16 [T, n_aux*H]
+    pa.field("final_hidden", pa.large_binary(), nullable=False),  # bf16 [T, H], after the final norm
+])
+SHARDS_DIR, MANIFEST, VOCAB_COUNTS = "shards", "manifest.json", "vocab_counts.npy"
+SHARDS_GLOB = f"{SHARDS_DIR}/shard-*.parquet"
+
+
+def encode_bf16(x: torch.Tensor) -> bytes:
+    """[T, W] any float -> raw little-endian bf16 bytes (row-major)."""
+    raw = x.detach().to(torch.bfloat16).contiguous().cpu().view(torch.int16).numpy()
+    return raw.astype("<i2", copy=False).tobytes()
+
+
+def decode_bf16(buf: bytes, num_tokens: int) -> torch.Tensor:
+    """Raw bf16 bytes -> torch.bfloat16 [T, W]."""
+    if sys.byteorder != "little":
+        raise DataError("bf16 shards are little-endian; this reader supports little-endian hosts only")
+    if num_tokens <= 0 or len(buf) % (2 * num_tokens):
+        raise DataError(f"hidden-state blob of {len(buf)} bytes does not hold {num_tokens} bf16 rows")
+    return torch.frombuffer(bytearray(buf), dtype=torch.bfloat16).view(num_tokens, -1)
+
+
+def read_manifest(data_dir: str | Path) -> dict[str, Any]:
+    """The finished dataset's manifest; a clear error when datagen has not finished there."""
+    path = Path(data_dir) / MANIFEST
+    if not path.is_file():
+        raise DataError(f"data_dir: {path} does not exist\n    fix: point data_dir at a finished datagen output "
+                        "(python -m eagleray.jobs.datagen writes manifest.json at the end)")
+    return json.loads(path.read_text())
+
+
+def read_vocab_counts(data_dir: str | Path) -> torch.Tensor:
+    """Token counts [V] int64 over loss-masked tokens."""
+    path = Path(data_dir) / VOCAB_COUNTS
+    if not path.is_file():
+        raise DataError(f"data_dir: {path} does not exist\n    fix: rerun datagen to finish the dataset")
+    return torch.from_numpy(np.load(path)).to(torch.int64)
+
+
+def shard_files(data_dir: str | Path) -> list[Path]:
+    """Every shard of the dataset, sorted; a clear error when there is none."""
+    files = sorted(Path(data_dir).glob(SHARDS_GLOB))
+    if not files:
+        raise DataError(f"data_dir: no {SHARDS_GLOB} under {data_dir}\n    fix: run datagen into this directory first")
+    return files
