@@ -200,7 +200,22 @@ def extraction_case(model: LlamaModel, name: str, args, ceil: dict, device) -> d
     return rec
 
 
+def convert_gguf(gguf: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """GGUF (e.g. SmolLM2's Q4_1) -> bf16 HF directory via transformers (needs the gguf package)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    if getattr(hf, "hf_quantizer", None) is not None:  # dequantised already; drop the GGUF marker to save
+        hf.hf_quantizer.remove_quantization_config(hf)
+    hf = hf.to(torch.bfloat16)
+    hf.save_pretrained(str(out), safe_serialization=True)
+    log(f"converted {gguf} -> {out}")
+    return out
+
+
 def build_model(name: str, args, device) -> LlamaModel:
+    if name == "smollm2" and args.smollm2_gguf and not args.smollm2_dir:
+        args.smollm2_dir = str(convert_gguf(pathlib.Path(args.smollm2_gguf), pathlib.Path("/tmp/smollm2-bf16")))
     if name == "smollm2" and args.smollm2_dir:
         log(f"loading SmolLM2 weights from {args.smollm2_dir}")
         return LlamaModel.from_dir(args.smollm2_dir, dtype=args.dtype, device=device)
@@ -232,6 +247,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="eagleray bench gpu")
     ap.add_argument("--models", default="8b,smollm2", help="comma list of 8b, smollm2, tiny")
     ap.add_argument("--smollm2-dir", default=None, help="HF dir with real SmolLM2 weights (default: random)")
+    ap.add_argument("--smollm2-gguf", default=None, help="SmolLM2 GGUF file to convert and use (needs gguf)")
     ap.add_argument("--batches", default="1,64", help="decode batch sizes")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=128)
@@ -262,7 +278,7 @@ def run(argv: list[str]) -> dict:
     for name in args.models.split(","):
         torch.manual_seed(0)
         model = build_model(name, args, device)
-        meta[f"{name}_weights_source"] = "checkpoint" if name == "smollm2" and args.smollm2_dir else "random"
+        meta[f"{name}_weights"] = args.smollm2_gguf or args.smollm2_dir if name == "smollm2" else "random"
         if "decode" not in skip:
             for batch in (int(b) for b in args.batches.split(",")):
                 result["decode"].extend(decode_case(model, name, batch, args, meta, device))

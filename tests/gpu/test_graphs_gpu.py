@@ -29,7 +29,7 @@ def _eager(model, tok, lens, tables, kv):
     return model.compute_logits(hidden), aux
 
 
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-3), (torch.bfloat16, 0.1)])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-2), (torch.bfloat16, 0.1)])  # Triton fp32 dots are tf32
 @pytest.mark.parametrize("fused", [True, False])
 def test_graph_replay_equals_eager(dtype, atol, fused):
     dev = torch.device("cuda")
