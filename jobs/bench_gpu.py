@@ -107,8 +107,8 @@ def prefill(model: LlamaModel, kv, tables: torch.Tensor, batch: int, prompt: int
 class EngineStep:
     """The engine's current path: AttentionMetadata from host lengths, paged SDPA per sequence."""
 
-    def __init__(self, model: LlamaModel, tables: torch.Tensor, prompt: int):
-        self.model, self.tables, self.prompt, self.step = model, tables, prompt, 0
+    def __init__(self, model: LlamaModel, kv, tables: torch.Tensor, prompt: int):
+        self.model, self.kv, self.tables, self.prompt, self.step = model, kv, tables, prompt, 0
 
     def __call__(self, tok, pos, tables, seq_lens, slots):
         b = tok.shape[0]
@@ -148,8 +148,7 @@ def decode_case(model: LlamaModel, name: str, batch: int, args, ceil: dict, devi
         runners["graph_generic"] = DecodeGraphRunner(model, kv, blocks, fused=False)
         runners["graph_generic"].capture([b for b in BUCKETS if b >= batch][:1])
         log(f"  captured {len(BUCKETS)} + 1 graphs in {time.perf_counter() - t0:.1f} s")
-    engine = EngineStep(model, tables, args.prompt)
-    engine.kv = kv
+    engine = EngineStep(model, kv, tables, args.prompt)
     bw = (ceil["copy_GBps"] or 0) * 1e9
     roof_s = (weight_bytes(model) + kv_bytes(model, batch * (args.prompt + args.steps / 2))) / bw if bw else None
     records, ref = [], None
