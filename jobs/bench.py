@@ -11,7 +11,7 @@ import importlib
 import sys
 
 # suite name -> module with a `run(argv) -> dict` function
-SUITES = {"verify": "eagleray.kernels.bench_verify", "gpu": "eagleray.jobs.bench_gpu"}
+SUITES = {"verify": "eagleray.kernels.bench_verify", "gpu": "eagleray.jobs.bench_gpu", "spec": "eagleray.jobs.bench_spec"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,8 @@ class EngineConfig(StrictModel):
     max_num_seqs: int = Field(16, ge=1, description="Maximum sequences in one engine step (continuous batching).")
     max_num_batched_tokens: int = Field(8192, ge=16, description="Token budget of one prefill step.")
     block_size: int = Field(16, ge=1, description="Tokens per paged KV block.")
-    num_kv_blocks: int | None = Field(None, ge=1, description="KV blocks (shared by target and draft); default fits max_num_seqs full-length sequences.")
+    num_kv_blocks: int | None = Field(None, ge=1, description="KV blocks (shared by target and draft); default: as many as kv_cache_gib holds, at most enough for max_num_seqs full-length sequences.")
+    kv_cache_gib: float = Field(1.0, gt=0, description="Memory for the target + draft KV caches when num_kv_blocks is unset.")
     verify_backend: Literal["auto", "kernel", "reference"] = Field(
         "auto", description="Verification implementation: Triton kernel on CUDA and PyTorch reference on CPU ('auto'), or forced.")
     seed: int = Field(0, description="Seed of the engine generator that seeds requests without their own seed.")

@@ -38,7 +38,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.device = target.norm.weight.device
         self.max_model_len = min(config.target.max_model_len or target.arch.max_positions or 4096, target.arch.max_positions or 1 << 30)
-        nblocks = config.num_kv_blocks or config.max_num_seqs * ((self.max_model_len + config.block_size - 1) // config.block_size + 4)
+        nblocks = config.num_kv_blocks or default_num_blocks(config, target, draft, self.max_model_len)
         self.blocks = BlockManager(nblocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.target = TargetRunner(target, nblocks, config.block_size)
@@ -50,6 +50,7 @@ class LLMEngine:
         self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
         self.spec: SpecContext | None = None
         self.previous_draft: Eagle3Draft | None = None
+        self._pending_rollback = False
         dcfg = config.draft
         self.tree = dcfg.tree if dcfg is not None else None
         k_max = dcfg.num_speculative_tokens if dcfg is not None else 0
@@ -78,6 +79,10 @@ class LLMEngine:
             raise EaglerayError("prompt is empty\n    fix: pass a non-empty prompt")
         if len(ids) >= self.max_model_len:
             raise EaglerayError(f"prompt has {len(ids)} tokens, max_model_len is {self.max_model_len}\n    fix: shorten the prompt")
+        need = self.blocks.blocks_for(len(ids) + params.max_tokens + self._lookahead(self.policy.k_max))
+        if need > self.blocks.num_blocks:
+            raise EaglerayError(f"request needs up to {need} KV blocks (prompt {len(ids)} + max_tokens {params.max_tokens} tokens), "
+                                f"the cache has {self.blocks.num_blocks}\n    fix: raise engine.num_kv_blocks or lower max_tokens")
         rid = request_id or f"req-{len(self._seqs)}-{self._rng.getrandbits(32):08x}"
         if rid in self._seqs:
             raise EaglerayError(f"request_id {rid!r} is already in use\n    fix: pass a unique request_id")
@@ -145,7 +150,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns an output (delta) for every request that advanced."""
-        if getattr(self, "_pending_rollback", False):
+        if self._pending_rollback:
             self._pending_rollback = False
             self.swap_draft(self.previous_draft)
         k = self.policy.choose() if self.spec is not None else 0
@@ -172,7 +177,7 @@ class LLMEngine:
         self.metrics.speculation_enabled = self.spec is not None and self.policy.speculating
         self.metrics.num_preemptions = self.scheduler.num_preemptions
         for out in outputs:
-            cb = self._callbacks.get(out.request_id)
+            cb = self._callbacks.pop(out.request_id, None) if out.finished else self._callbacks.get(out.request_id)
             if cb is not None:
                 cb(out)
         return outputs
@@ -236,7 +241,7 @@ class LLMEngine:
             self.scheduler.finish(seq)
             self.detok.forget(seq)
             self.metrics.num_requests_finished += 1
-            self._callbacks_done(seq)
+            self._seqs.pop(seq.request_id, None)
         return make_output(seq, kept, text, delta_text)
 
     def _compact(self, seq: Sequence, src_positions: list[int], start: int) -> None:
@@ -246,9 +251,6 @@ class LLMEngine:
         if pairs:
             src, dst = (torch.tensor(x, dtype=torch.int64, device=self.device) for x in zip(*pairs))
             self.target.move_kv(src, dst)
-
-    def _callbacks_done(self, seq: Sequence) -> None:
-        self._seqs.pop(seq.request_id, None)
 
     # ----------------------------------------------------------------- offline API
     def generate(self, prompts: Iterable[Prompt], params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -264,3 +266,14 @@ class LLMEngine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
+
+
+def default_num_blocks(config: EngineConfig, target: LlamaModel, draft: Eagle3Draft | None, max_model_len: int) -> int:
+    """Blocks that fit ``kv_cache_gib`` (target layers + the draft layer), capped at max_num_seqs full sequences."""
+    attn = target.layers[0].self_attn
+    per_token_layer = 2 * attn.kv_heads * attn.head_dim * torch.finfo(target.arch.dtype).bits // 8
+    layers = target.arch.num_layers + (1 if draft is not None else 0)
+    per_block = per_token_layer * layers * config.block_size
+    fits = int(config.kv_cache_gib * (1 << 30)) // per_block
+    full = config.max_num_seqs * ((max_model_len + config.block_size - 1) // config.block_size + 2)
+    return max(1, min(fits, full))

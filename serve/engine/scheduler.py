@@ -13,6 +13,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+from eagleray.platform.errors import EaglerayError
 from eagleray.serve.engine.block_manager import BlockManager
 from eagleray.serve.engine.sequence import Sequence, SequenceStatus
 
@@ -79,6 +80,10 @@ class Scheduler:
             while not self.blocks.can_ensure(seq, need) and self.running[-1] is not seq:
                 self._preempt(self.running[-1])
             if not self.blocks.can_ensure(seq, need):
+                if len(self.running) == 1:
+                    raise EaglerayError(f"KV cache too small: sequence {seq.seq_id} alone needs {self.blocks.blocks_for(need)} "
+                                        f"blocks of {self.blocks.block_size} tokens, the cache has {self.blocks.num_blocks}\n"
+                                        f"    fix: raise engine.num_kv_blocks or lower max_tokens")
                 self._preempt(seq)
                 continue
             self.blocks.ensure(seq, need)

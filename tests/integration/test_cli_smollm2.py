@@ -57,9 +57,3 @@ def test_user_errors_exit_2_without_traceback(tmp_path):
     assert out.returncode == 2 and "is not a directory" in out.stderr and "Traceback" not in out.stderr
     out = _run("doctor", "--target", str(tmp_path), "--draft", str(tmp_path))
     assert out.returncode == 2 and "Traceback" not in out.stderr and "config.json" in out.stderr
-
-
-def test_quickstart_runs(smollm2_fp32, tmp_path):
-    out = _run("quickstart", "--max-tokens", "16", "--workdir", str(tmp_path))
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "quickstart finished" in out.stdout and "refused: algorithm" in out.stdout

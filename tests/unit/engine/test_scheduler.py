@@ -35,7 +35,10 @@ def test_token_budget_and_kv_capacity():
     sched.add(small)
     batch = sched.schedule(lookahead=1)
     assert batch.seqs == [big]  # small would exceed the token budget and the free blocks
-    assert sched.schedule(lookahead=1) is None or True
+    big.output_token_ids.append(1)
+    big.num_cached = big.num_tokens - 1
+    nxt = sched.schedule(lookahead=1)  # small still does not fit next to big: big decodes alone
+    assert not nxt.is_prefill and nxt.seqs == [big] and list(sched.waiting) == [small]
 
 
 def test_preempts_newest_when_cache_is_short():

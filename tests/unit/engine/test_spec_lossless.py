@@ -44,7 +44,7 @@ def test_random_draft_lossless_and_rollback(target, tokenizer, random_draft, pla
 def test_batch_invariance(target, tokenizer, copy_draft, plain_outputs):
     """A request's greedy output does not depend on what else is in the batch (or on preemption)."""
     alone = make_engine(target, tokenizer, copy_draft, k=2).generate(PROMPTS[:1], GREEDY)[0].token_ids
-    crowded = make_engine(target, tokenizer, copy_draft, k=2, max_num_seqs=3, num_kv_blocks=9, block_size=4)
+    crowded = make_engine(target, tokenizer, copy_draft, k=2, max_num_seqs=3, num_kv_blocks=16, block_size=4)
     outs = crowded.generate(PROMPTS[1:] + PROMPTS[:1] + PROMPTS[2:3], GREEDY)
     assert alone == plain_outputs[0] == outs[3].token_ids
     assert outs[0].token_ids == plain_outputs[1]

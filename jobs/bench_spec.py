@@ -1,0 +1,161 @@
+"""``eagleray bench spec``: plain vs speculative decoding vs transformers' generate, same prompts, one run.
+
+    eagleray bench spec --target smollm2 --draft random --prompts mtbench --limit 8 --max-tokens 64 [--tree] [--json OUT]
+
+Reports tokens/s of each, the speedup, τ (mean acceptance length), acceptance per draft position,
+``lossless`` (T=0: every speculative output equals the plain output token for token) and how many
+plain outputs match transformers' greedy output. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform as std_platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from eagleray.platform.data import load_prompts
+from eagleray.platform.errors import EaglerayError
+from eagleray.platform.schemas import DraftConfig, PolicyConfig, TargetConfig, TreeConfig
+from eagleray.serve.engine import EngineConfig, LLMEngine, SamplingParams
+from eagleray.serve.engine.loader import load_models
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="smollm2", help="target model directory or 'smollm2'")
+    p.add_argument("--draft", default="random", help="draft checkpoint directory or 'random' (untrained)")
+    p.add_argument("--prompts", default="mtbench", help="mtbench, humaneval or a JSONL/Parquet file")
+    p.add_argument("--limit", type=int, default=8, help="number of prompts")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy, checks lossless)")
+    p.add_argument("--k", type=int, default=4, help="chain draft length")
+    p.add_argument("--tree", action="store_true", help="draft an EAGLE top-k tree instead of a chain")
+    p.add_argument("--depth", type=int, default=5, help="tree depth (with --tree)")
+    p.add_argument("--topk", type=int, default=4, help="tree branching (with --tree)")
+    p.add_argument("--num-draft-tokens", type=int, default=8, help="tree nodes verified per step (with --tree)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the target")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="model dtype")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
+    p.add_argument("--batch", type=int, default=1, help="max concurrent sequences (1 = latency, as the EAGLE papers)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a shared box)")
+    p.add_argument("--adaptive", action="store_true", help="let the adaptive policy change k / turn speculation off")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
+    p.add_argument("--json", default=None, help="write the results here (default: print only)")
+
+
+def _timed_generate(engine: LLMEngine, prompts, params: SamplingParams) -> tuple[list, float]:
+    engine.generate(prompts[:1], params.model_copy(update={"max_tokens": 4}))  # warm-up
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    return outs, time.perf_counter() - t0
+
+
+def _hf_baseline(target_dir: Path, tokenizer, token_prompts: list[list[int]], args, device) -> tuple[list[list[int]], float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32 if args.dtype == "fp32" else torch.bfloat16).to(device).eval()
+    kw = dict(max_new_tokens=args.max_tokens, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    kw.update(do_sample=True, temperature=args.temperature, top_p=1.0, top_k=0) if args.temperature > 0 else kw.update(do_sample=False)
+    outs, t0 = [], time.perf_counter()
+    with torch.inference_mode():
+        for ids in token_prompts:
+            x = torch.tensor([ids], device=device)
+            outs.append(model.generate(x, attention_mask=torch.ones_like(x), **kw)[0, len(ids):].tolist())
+    return outs, time.perf_counter() - t0
+
+
+def _draft_config(args) -> DraftConfig:
+    tree = TreeConfig(depth=args.depth, topk=args.topk, num_draft_tokens=args.num_draft_tokens) if args.tree else None
+    return DraftConfig(source=args.draft, num_speculative_tokens=args.k, tree=tree, policy=PolicyConfig(adaptive=args.adaptive))
+
+
+def measure(args) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    records = load_prompts(args.prompts, limit=args.limit)
+    messages = [[m.to_dict() for m in r.messages] for r in records]
+    if not messages:
+        raise EaglerayError(f"--prompts {args.prompts!r} gave no prompts\n    fix: pass mtbench, humaneval or a non-empty file")
+    tcfg = TargetConfig(model=args.target, dtype=args.dtype, tensor_parallel_size=args.tp, device=args.device)
+    dcfg = _draft_config(args)
+    target, draft, tok, device = load_models(tcfg, dcfg, tempfile.mkdtemp(prefix="eagleray-bench-"))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0 if args.temperature > 0 else None)
+    aux_ids = target.aux_layer_ids
+    target.set_aux_layers([])  # plain decoding captures nothing
+    plain_engine = LLMEngine(target, tok, EngineConfig(target=tcfg, max_num_seqs=args.batch))
+    token_prompts = [plain_engine._tokenize(m) for m in messages]
+    plain, t_plain = _timed_generate(plain_engine, token_prompts, params)
+    target.set_aux_layers(aux_ids)
+    spec_engine = LLMEngine(target, tok, EngineConfig(target=tcfg, draft=dcfg, max_num_seqs=args.batch), draft)
+    spec, t_spec = _timed_generate(spec_engine, token_prompts, params)
+    stats = spec_engine.metrics.spec
+    n_plain, n_spec = sum(len(o.token_ids) for o in plain), sum(len(o.token_ids) for o in spec)
+    result = {
+        "target": args.target, "draft": args.draft, "prompts": args.prompts, "num_prompts": len(messages),
+        "max_tokens": args.max_tokens, "temperature": args.temperature, "mode": "tree" if args.tree else "chain",
+        "k": None if args.tree else args.k, "tree": dcfg.tree.model_dump() if dcfg.tree else None, "batch": args.batch,
+        "device": str(device), "dtype": args.dtype, "machine": std_platform.processor() or std_platform.machine(),
+        "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
+        "plain": {"tokens": n_plain, "seconds": round(t_plain, 3), "tokens_per_s": round(n_plain / t_plain, 2)},
+        "spec": {"tokens": n_spec, "seconds": round(t_spec, 3), "tokens_per_s": round(n_spec / t_spec, 2), **stats.to_dict()},
+        "speedup": round((n_spec / t_spec) / (n_plain / t_plain), 3),
+        "tau": round(stats.mean_acceptance_length, 3),
+        "acceptance_per_pos": [round(a / max(stats.num_drafts, 1), 4) for a in stats.accepted_per_pos],
+        "lossless": all(a.token_ids == b.token_ids for a, b in zip(plain, spec)) if args.temperature == 0 else None,
+        "watchdog_fired": spec_engine.metrics.watchdog_fired,
+    }
+    if not args.no_hf:
+        hf, t_hf = _hf_baseline(Path(target_dir_of(args)), tok, token_prompts, args, device)
+        n_hf = sum(len(h) for h in hf)
+        result["transformers"] = {"tokens": n_hf, "seconds": round(t_hf, 3), "tokens_per_s": round(n_hf / t_hf, 2)}
+        if args.temperature == 0:
+            result["transformers"]["plain_matches"] = sum(_same_prefix(h, o.token_ids) for h, o in zip(hf, plain))
+    return result
+
+
+def target_dir_of(args) -> Path:
+    from eagleray.platform.smollm2 import resolve_target
+
+    return resolve_target(args.target, args.dtype)
+
+
+def _same_prefix(hf: list[int], ours: list[int]) -> bool:
+    """transformers keeps generating pad after EOS in batches; compare up to our length."""
+    return hf[:len(ours)] == ours
+
+
+def print_table(r: dict) -> None:
+    rows = [("plain (eagleray)", r["plain"]["tokens_per_s"], "1.00x", "", ""),
+            (f"spec {r['mode']} (eagleray)", r["spec"]["tokens_per_s"], f"{r['speedup']:.2f}x", f"{r['tau']:.2f}",
+             "" if r["lossless"] is None else str(r["lossless"]))]
+    if "transformers" in r:
+        hf = r["transformers"]["tokens_per_s"]
+        rows.append(("transformers generate", hf, f"{hf / r['plain']['tokens_per_s']:.2f}x", "", ""))
+    print(f"\n{'decoder':<26}{'tok/s':>10}{'vs plain':>10}{'tau':>7}{'lossless':>10}")
+    for name, tps, rel, tau, lossless in rows:
+        print(f"{name:<26}{tps:>10.2f}{rel:>10}{tau:>7}{lossless:>10}")
+    print(f"acceptance per position: {r['acceptance_per_pos']}  ({r['num_prompts']} prompts from {r['prompts']}, "
+          f"max_tokens={r['max_tokens']}, T={r['temperature']}, {r['device']}, {r['dtype']})")
+
+
+def run(args: argparse.Namespace | list[str] | None = None) -> dict:
+    """Entry for `eagleray bench spec` (a Namespace) and the bench dispatcher (an argv list)."""
+    if not isinstance(args, argparse.Namespace):
+        parser = argparse.ArgumentParser(prog="eagleray bench spec", description=__doc__.splitlines()[0])
+        add_arguments(parser)
+        args = parser.parse_args(args or [])
+    result = measure(args)
+    print_table(result)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    run()
