@@ -1,8 +1,8 @@
 """Regeneration backends behind one interface.
 
 - ``transformers``: batched ``generate`` with left padding (greedy or sampled). Works now.
-- ``eagleray``: eagleray's own engine (serve/engine). Not available yet: selecting it is an error
-  that says so and names ``backend: transformers``; there is no silent fallback.
+- ``eagleray`` (the default): eagleray's own engine (serve/engine, continuous batching), plain
+  decoding or speculative with ``draft`` set (greedy output is identical either way).
 - ``vllm``: vLLM through ``ray.data.llm`` (a dataset-level processor, not a per-actor generator):
   see :func:`vllm_processor_config` and :func:`vllm_regenerate`.
 """
@@ -75,14 +75,40 @@ class TransformersGenerator:
         return results
 
 
+class EagleRayGenerator:
+    """eagleray's LLMEngine on the target directory: one ``engine.generate`` per batch of conversations."""
+
+    def __init__(self, cfg: DatagenConfig, model_dir: str, device: str):
+        from eagleray.serve.engine import EngineConfig, LLMEngine
+
+        target = cfg.target.model_copy(update={"model": model_dir, "device": device})
+        engine_cfg = EngineConfig(target=target, draft=cfg.draft, max_num_seqs=cfg.batch_size,
+                                  seed=cfg.generation.seed)
+        self.engine = LLMEngine.from_config(engine_cfg)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, conversations: list[list[dict]], params: GenerationConfig, seed: int) -> list[Generated]:
+        from eagleray.serve.engine import SamplingParams
+
+        sp = [SamplingParams(temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
+                             seed=batch_seed(seed, str(i))) for i in range(len(conversations))]
+        outs = self.engine.generate(conversations, sp)
+        tok = self.tokenizer
+        return [Generated(tok.decode(o.token_ids, skip_special_tokens=True).strip(), len(o.token_ids)) for o in outs]
+
+    def close(self) -> None:
+        self.engine.close()
+
+
 def make_generator(cfg: DatagenConfig, model_dir: str, device: str) -> Generator:
     """The per-actor generator for ``cfg.backend`` (``vllm`` runs as a dataset-level stage instead)."""
+    if cfg.draft is not None and cfg.backend != "eagleray":
+        raise EaglerayError(f"draft is set but backend is {cfg.backend!r}; only the eagleray engine drafts\n"
+                            f"    fix: set `backend: eagleray` or remove `draft`")
     if cfg.backend == "transformers":
         return TransformersGenerator(model_dir, cfg.target.dtype, device)
     if cfg.backend == "eagleray":
-        raise EaglerayError(
-            "backend 'eagleray' (eagleray's own engine, serve/engine) is not available for data generation yet\n"
-            "    fix: set `backend: transformers` in the datagen config (or `vllm` where vLLM runs)")
+        return EagleRayGenerator(cfg, model_dir, device)
     raise EaglerayError(f"backend {cfg.backend!r} has no per-actor generator (vllm runs through ray.data.llm)")
 
 

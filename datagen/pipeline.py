@@ -130,10 +130,6 @@ def plan(cfg: DatagenConfig, emit: Callable[[str], None], write: bool = True) ->
     """Resolve the target, check/record run.json, select prompts, drop done ones, estimate, check space."""
     from transformers import AutoTokenizer
 
-    if cfg.backend == "eagleray":
-        from eagleray.datagen.backends import make_generator
-
-        make_generator(cfg, "", "cpu")  # raises: the engine is not available yet (no silent fallback)
     model_dir = str(resolve_target(cfg.target.model, cfg.target.dtype))
     spec = TargetSpec.from_dir(model_dir)
     aux_ids = sorted(set(cfg.aux_layer_ids if cfg.aux_layer_ids is not None else spec.default_aux_layer_ids))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform as std_platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from eagleray.platform.data import load_prompts
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.schemas import DraftConfig, PolicyConfig, TargetConfig, TreeConfig
 from eagleray.serve.engine import EngineConfig, LLMEngine, SamplingParams
-from eagleray.serve.engine.loader import load_models
+from eagleray.serve.engine.loader import close_target, load_models
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,7 +74,33 @@ def _draft_config(args) -> DraftConfig:
     return DraftConfig(source=args.draft, num_speculative_tokens=args.k, tree=tree, policy=PolicyConfig(adaptive=args.adaptive))
 
 
-def measure(args) -> dict:
+def compare_engines(target, draft, tok, tcfg: TargetConfig, dcfg: DraftConfig, prompts: list, params: SamplingParams,
+                    batch: int = 1) -> tuple[dict, list]:
+    """Plain then speculative decoding of the same prompts on one target -> (metrics, plain outputs)."""
+    aux_ids = target.aux_layer_ids
+    target.set_aux_layers([])  # plain decoding captures nothing
+    plain_engine = LLMEngine(target, tok, EngineConfig(target=tcfg, max_num_seqs=batch))
+    token_prompts = [plain_engine._tokenize(m) for m in prompts]
+    plain, t_plain = _timed_generate(plain_engine, token_prompts, params)
+    target.set_aux_layers(aux_ids)
+    spec_engine = LLMEngine(target, tok, EngineConfig(target=tcfg, draft=dcfg, max_num_seqs=batch), draft)
+    spec, t_spec = _timed_generate(spec_engine, token_prompts, params)
+    stats = spec_engine.metrics.spec
+    n_plain, n_spec = sum(len(o.token_ids) for o in plain), sum(len(o.token_ids) for o in spec)
+    result = {
+        "plain": {"tokens": n_plain, "seconds": round(t_plain, 3), "tokens_per_s": round(n_plain / t_plain, 2)},
+        "spec": {"tokens": n_spec, "seconds": round(t_spec, 3), "tokens_per_s": round(n_spec / t_spec, 2), **stats.to_dict()},
+        "speedup": round((n_spec / t_spec) / (n_plain / t_plain), 3),
+        "tau": round(stats.mean_acceptance_length, 3),
+        "acceptance_per_pos": [round(a / max(stats.num_drafts, 1), 4) for a in stats.accepted_per_pos],
+        "lossless": all(a.token_ids == b.token_ids for a, b in zip(plain, spec)) if params.temperature == 0 else None,
+        "watchdog_fired": spec_engine.metrics.watchdog_fired,
+    }
+    return result, (token_prompts, plain)
+
+
+def measure_args(args) -> dict:
+    """The CLI bench (``eagleray bench spec``)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     records = load_prompts(args.prompts, limit=args.limit)
@@ -84,29 +111,16 @@ def measure(args) -> dict:
     dcfg = _draft_config(args)
     target, draft, tok, device = load_models(tcfg, dcfg, tempfile.mkdtemp(prefix="eagleray-bench-"))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0 if args.temperature > 0 else None)
-    aux_ids = target.aux_layer_ids
-    target.set_aux_layers([])  # plain decoding captures nothing
-    plain_engine = LLMEngine(target, tok, EngineConfig(target=tcfg, max_num_seqs=args.batch))
-    token_prompts = [plain_engine._tokenize(m) for m in messages]
-    plain, t_plain = _timed_generate(plain_engine, token_prompts, params)
-    target.set_aux_layers(aux_ids)
-    spec_engine = LLMEngine(target, tok, EngineConfig(target=tcfg, draft=dcfg, max_num_seqs=args.batch), draft)
-    spec, t_spec = _timed_generate(spec_engine, token_prompts, params)
-    stats = spec_engine.metrics.spec
-    n_plain, n_spec = sum(len(o.token_ids) for o in plain), sum(len(o.token_ids) for o in spec)
+    try:
+        core, (token_prompts, plain) = compare_engines(target, draft, tok, tcfg, dcfg, messages, params, args.batch)
+    finally:
+        close_target(target)
     result = {
         "target": args.target, "draft": args.draft, "prompts": args.prompts, "num_prompts": len(messages),
         "max_tokens": args.max_tokens, "temperature": args.temperature, "mode": "tree" if args.tree else "chain",
         "k": None if args.tree else args.k, "tree": dcfg.tree.model_dump() if dcfg.tree else None, "batch": args.batch,
-        "device": str(device), "dtype": args.dtype, "machine": std_platform.processor() or std_platform.machine(),
-        "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
-        "plain": {"tokens": n_plain, "seconds": round(t_plain, 3), "tokens_per_s": round(n_plain / t_plain, 2)},
-        "spec": {"tokens": n_spec, "seconds": round(t_spec, 3), "tokens_per_s": round(n_spec / t_spec, 2), **stats.to_dict()},
-        "speedup": round((n_spec / t_spec) / (n_plain / t_plain), 3),
-        "tau": round(stats.mean_acceptance_length, 3),
-        "acceptance_per_pos": [round(a / max(stats.num_drafts, 1), 4) for a in stats.accepted_per_pos],
-        "lossless": all(a.token_ids == b.token_ids for a, b in zip(plain, spec)) if args.temperature == 0 else None,
-        "watchdog_fired": spec_engine.metrics.watchdog_fired,
+        "tp": args.tp, "device": str(device), "dtype": args.dtype, "machine": std_platform.processor() or std_platform.machine(),
+        "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"), **core,
     }
     if not args.no_hf:
         hf, t_hf = _hf_baseline(Path(target_dir_of(args)), tok, token_prompts, args, device)
@@ -115,6 +129,36 @@ def measure(args) -> dict:
         if args.temperature == 0:
             result["transformers"]["plain_matches"] = sum(_same_prefix(h, o.token_ids) for h, o in zip(hf, plain))
     return result
+
+
+def measure(cfg, draft_dir, *, suites: tuple[str, ...] = ("mtbench", "humaneval"), k: int | None = None,
+            limit: int = 8, max_tokens: int = 64) -> dict[str, float]:
+    """Training hook (jobs/train.py, ``evaluate_with_engine``): real τ and speed of a trained draft.
+
+    ``cfg`` is the TrainingConfig (its ``target``); chain drafting with ``k`` tokens (default: the
+    config's ``num_speculative_tokens`` if it has one, else 4), T=0. Returns flat MLflow metrics per
+    suite: ``engine/<suite>/tau``, ``.../acc_pos_<i>``, ``.../plain_tokens_per_s``,
+    ``.../spec_tokens_per_s``, ``.../speedup``, ``.../lossless`` (1.0 = every output equal to plain).
+    """
+    k = k or getattr(cfg, "num_speculative_tokens", None) or 4
+    dcfg = DraftConfig(source=str(draft_dir), num_speculative_tokens=k, policy=PolicyConfig(adaptive=False))
+    target, draft, tok, _ = load_models(cfg.target, dcfg)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    out: dict[str, float] = {}
+    try:
+        for suite in suites:
+            prompts = [[m.to_dict() for m in r.messages] for r in load_prompts(suite, limit=limit)]
+            if not prompts:
+                raise EaglerayError(f"bench suite {suite!r} gave no prompts\n    fix: pass suites with prompts (mtbench, humaneval)")
+            r, _ = compare_engines(target, draft, tok, cfg.target, dcfg, prompts, params)
+            pre = f"engine/{suite}"
+            out.update({f"{pre}/tau": r["tau"], f"{pre}/plain_tokens_per_s": r["plain"]["tokens_per_s"],
+                        f"{pre}/spec_tokens_per_s": r["spec"]["tokens_per_s"], f"{pre}/speedup": r["speedup"],
+                        f"{pre}/lossless": float(r["lossless"])})
+            out.update({f"{pre}/acc_pos_{i}": a for i, a in enumerate(r["acceptance_per_pos"])})
+    finally:
+        close_target(target)
+    return out
 
 
 def target_dir_of(args) -> Path:
@@ -148,7 +192,7 @@ def run(args: argparse.Namespace | list[str] | None = None) -> dict:
         parser = argparse.ArgumentParser(prog="eagleray bench spec", description=__doc__.splitlines()[0])
         add_arguments(parser)
         args = parser.parse_args(args or [])
-    result = measure(args)
+    result = measure_args(args)
     print_table(result)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -158,4 +202,4 @@ def run(args: argparse.Namespace | list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    run()
+    run(sys.argv[1:])

@@ -87,6 +87,7 @@ class DatagenConfig(StrictModel):
     split_turns: bool = Field(True, description="One prompt per assistant turn of a multi-turn conversation (platform.data.prompt_turns).")
     backend: Literal["eagleray", "vllm", "transformers"] = Field("eagleray", description="Regeneration backend: eagleray's engine, vLLM through ray.data.llm, or transformers generate.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Sampling settings for regeneration.")
+    draft: DraftConfig | None = Field(None, description="backend 'eagleray' only: an EAGLE-3 draft to decode speculatively (a directory or 'random'); greedy responses are unchanged.")
     aux_layer_ids: list[int] | None = Field(None, description="Target layers to capture; default EAGLE-3's (2, N//2, N-3).")
     max_seq_len: int = Field(2048, ge=16, description="Prompt + response tokens kept per row; longer rows are truncated (column 'truncated').")
     max_prompt_tokens: int | None = Field(None, ge=1, description="Prompts longer than this are recorded as errors (prompt_too_long); default max_seq_len - generation.max_tokens.")

@@ -25,7 +25,7 @@ from eagleray.serve.engine.config import EngineConfig
 from eagleray.serve.engine.engine import LLMEngine
 from eagleray.serve.engine.sampling import SamplingParams
 from eagleray.serve.hotswap import DraftManager
-from eagleray.serve.loop import EngineLoop
+from eagleray.serve.engine.async_engine import AsyncEngine
 from eagleray.serve.metrics import ServeMetrics
 from eagleray.serve.protocol import APIError
 from eagleray.serve.responses import Delta
@@ -59,7 +59,7 @@ class EngineServer:
         engine_cfg = EngineConfig(target=self.cfg.target.model_copy(update={"model": str(self.spec.path)}), draft=draft_cfg,
                                   max_num_seqs=self.cfg.max_num_seqs)
         self.engine = LLMEngine.from_config(engine_cfg)
-        self.loop = EngineLoop(self.engine)
+        self.loop = AsyncEngine(self.engine)
         self.metrics = ServeMetrics(self.cfg.model_name)
         self.drafts = DraftManager(self.engine, self.loop, self.spec, self.cfg, self.metrics, first)
         self.metrics.set_watchdog("ok")

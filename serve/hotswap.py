@@ -27,7 +27,8 @@ from eagleray.platform.schemas import ServingConfig
 from eagleray.platform.target import TargetSpec
 from eagleray.serve.draft_source import ResolvedDraft, resolve
 from eagleray.serve.engine.engine import LLMEngine
-from eagleray.serve.loop import EngineLoop
+from eagleray.serve.engine.loader import load_draft
+from eagleray.serve.engine.async_engine import AsyncEngine
 from eagleray.serve.metrics import ServeMetrics
 from eagleray.serve.smoke import smoke_verify
 
@@ -71,7 +72,7 @@ class SwapRecord:
 class DraftManager:
     """Owns the mapping draft -> version and performs swaps and rollbacks on a running engine."""
 
-    def __init__(self, engine: LLMEngine, loop: EngineLoop, spec: TargetSpec, cfg: ServingConfig,
+    def __init__(self, engine: LLMEngine, loop: AsyncEngine, spec: TargetSpec, cfg: ServingConfig,
                  metrics: ServeMetrics, initial: ResolvedDraft | None):
         self.engine, self.loop, self.spec, self.cfg, self.metrics = engine, loop, spec, cfg, metrics
         self._versions: dict[int, tuple[ResolvedDraft, list[int]]] = {}  # id(draft) -> (version, aux ids)
@@ -109,7 +110,7 @@ class DraftManager:
                               report.problems)
         target = self.engine.target.model
         try:
-            draft = Eagle3Draft.from_checkpoint(resolved.path, target, dtype=target.arch.dtype, device=self.engine.device)
+            draft = load_draft(resolved.path, target, self.engine.device)  # rank 0 only under tensor parallelism
         except EaglerayError as err:
             raise SwapRefused("failed_load", f"draft {resolved.version} could not be loaded: {err}") from err
         return LoadedDraft(draft, resolved, list(report.facts["aux_layer_ids"]))

@@ -89,31 +89,47 @@ def _flush(rows: list[Row], batch_size: int, rng: random.Random | None) -> Itera
     yield from batches
 
 
-def pad_tokens(rows: list[Row], max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """input_ids [B, T] int64, loss_mask [B, T] float, lengths (truncated to max_seq_len)."""
-    lens = [min(len(r["input_ids"]), max_seq_len) for r in rows]
-    t = max(lens)
+def window(row: Row, max_seq_len: int) -> tuple[int, int]:
+    """[start, end) of the tokens trained on: the last ``max_seq_len`` tokens that end at the last answer token.
+
+    Long prompts (multi-turn ShareGPT) would otherwise push the loss-masked answer out of a
+    window taken from the start. RoPE attention depends on relative positions only, so a window
+    that starts mid-sequence needs no position offset; the aux states were computed over the
+    full sequence by the target.
+    """
+    mask = row["loss_mask"]
+    n = len(row["input_ids"])
+    last = max((i for i in range(n - 1, -1, -1) if mask[i]), default=n - 1)
+    end = last + 1
+    return max(0, end - max_seq_len), end
+
+
+def pad_tokens(rows: list[Row], max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+    """input_ids [B, T] int64, loss_mask [B, T] float, and each row's [start, end) window."""
+    spans = [window(r, max_seq_len) for r in rows]
+    t = max(e - s for s, e in spans)
     ids = torch.zeros(len(rows), t, dtype=torch.int64)  # [B, T]
     mask = torch.zeros(len(rows), t, dtype=torch.float32)  # [B, T]
-    for b, (r, n) in enumerate(zip(rows, lens)):
-        ids[b, :n] = torch.as_tensor(r["input_ids"][:n], dtype=torch.int64)
-        mask[b, :n] = torch.as_tensor(r["loss_mask"][:n], dtype=torch.float32)
-    return ids, mask, lens
+    for b, (r, (s, e)) in enumerate(zip(rows, spans)):
+        ids[b, :e - s] = torch.as_tensor(r["input_ids"][s:e], dtype=torch.int64)
+        mask[b, :e - s] = torch.as_tensor(r["loss_mask"][s:e], dtype=torch.float32)
+    return ids, mask, spans
 
 
-def pad_hidden(parts: list[torch.Tensor], lens: list[int]) -> torch.Tensor:
-    """Per-row [T_b, W] -> [B, T, W] (zeros after each row's length)."""
-    out = torch.zeros(len(parts), max(lens), parts[0].shape[-1], dtype=torch.float32)  # [B, T, W]
-    for b, (x, n) in enumerate(zip(parts, lens)):
-        out[b, :n] = x[:n]
+def pad_hidden(parts: list[torch.Tensor], spans: list[tuple[int, int]]) -> torch.Tensor:
+    """Per-row [T_b, W] -> [B, T, W]: each row's [start, end) window, zeros after it."""
+    t = max(e - s for s, e in spans)
+    out = torch.zeros(len(parts), t, parts[0].shape[-1], dtype=torch.float32)  # [B, T, W]
+    for b, (x, (s, e)) in enumerate(zip(parts, spans)):
+        out[b, :e - s] = x[s:e]
     return out
 
 
 def collate(rows: list[Row], max_seq_len: int) -> TTTBatch:
     """Decode and pad shard rows into a :class:`TTTBatch`."""
-    ids, mask, lens = pad_tokens(rows, max_seq_len)
-    aux = pad_hidden([decode_bf16(r["aux_hidden"], r["num_tokens"]) for r in rows], lens)  # [B, T, n_aux*H]
-    final = pad_hidden([decode_bf16(r["final_hidden"], r["num_tokens"]) for r in rows], lens)  # [B, T, H]
+    ids, mask, spans = pad_tokens(rows, max_seq_len)
+    aux = pad_hidden([decode_bf16(r["aux_hidden"], r["num_tokens"]) for r in rows], spans)  # [B, T, n_aux*H]
+    final = pad_hidden([decode_bf16(r["final_hidden"], r["num_tokens"]) for r in rows], spans)  # [B, T, H]
     return TTTBatch(ids, mask, aux, final)
 
 

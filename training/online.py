@@ -78,13 +78,15 @@ class OnlineTarget:
 
     @torch.no_grad()  # not inference_mode: the outputs feed autograd-tracked training
     def batch(self, rows: list[Row], max_seq_len: int) -> TTTBatch:
-        ids, mask, lens = pad_tokens(rows, max_seq_len)  # [B, T]
+        ids, mask, spans = pad_tokens(rows, max_seq_len)  # [B, T]; the target sees only each row's window
+        lens = [e - s for s, e in spans]
         flat = torch.cat([ids[b, :n] for b, n in enumerate(lens)]).to(self.device)  # [sum T]
         pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)  # [sum T]
         final, aux = self.model(flat, pos, AttentionMetadata.build(lens), None)  # [sum T, H], [sum T, n_aux*H]
         aux_parts = list(aux.float().cpu().split(lens))
         final_parts = list(final.float().cpu().split(lens))
-        return TTTBatch(ids, mask, pad_hidden(aux_parts, lens), pad_hidden(final_parts, lens))
+        local = [(0, n) for n in lens]
+        return TTTBatch(ids, mask, pad_hidden(aux_parts, local), pad_hidden(final_parts, local))
 
 
 def online_batches(cfg: TrainingConfig, tok, target: OnlineTarget, *, rank: int, world: int,

@@ -50,6 +50,8 @@ class LLMEngine:
         self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
         self.spec: SpecContext | None = None
         self.previous_draft: Eagle3Draft | None = None
+        self.previous_aux: list[int] = []  # the target layers previous_draft reads
+        self._draft_aux: list[int] = []  # the target layers the serving draft reads
         self._pending_rollback = False
         dcfg = config.draft
         self.tree = dcfg.tree if dcfg is not None else None
@@ -115,13 +117,20 @@ class LLMEngine:
     # ----------------------------------------------------------------- drafts
     def _install_draft(self, draft: Eagle3Draft) -> None:
         runner = DraftRunner(draft, self.blocks.num_blocks, self.blocks.block_size)
+        self._draft_aux = list(self.target.model.aux_layer_ids)
         self.spec = SpecContext(self.target, runner, ChainVerifier(self.config.verify_backend, draft.d2t, self.target.vocab_size))
         self.metrics.speculation_enabled = True
 
-    def swap_draft(self, draft: Eagle3Draft) -> None:
-        """Hot-swap between steps: running sequences are recomputed so no draft state crosses the swap."""
+    def swap_draft(self, draft: Eagle3Draft, aux_layer_ids: list[int] | None = None) -> None:
+        """Hot-swap between steps: running sequences are recomputed so no draft state crosses the swap.
+
+        ``aux_layer_ids``: the target layers ``draft`` reads (default: what the target captures now,
+        i.e. the caller already set them).
+        """
         if self.spec is not None:
-            self.previous_draft = self.spec.draft.draft
+            self.previous_draft, self.previous_aux = self.spec.draft.draft, list(self._draft_aux)
+        if aux_layer_ids is not None:
+            self.target.model.set_aux_layers(aux_layer_ids)
         for seq in list(self.scheduler.running):
             self.scheduler._preempt(seq)
         self._install_draft(draft)
@@ -152,7 +161,7 @@ class LLMEngine:
         """One engine step; returns an output (delta) for every request that advanced."""
         if self._pending_rollback:
             self._pending_rollback = False
-            self.swap_draft(self.previous_draft)
+            self.swap_draft(self.previous_draft, self.previous_aux)  # drafts may read different target layers
         k = self.policy.choose() if self.spec is not None else 0
         batch = self.scheduler.schedule(self._lookahead(k))
         if batch is None:
@@ -251,6 +260,10 @@ class LLMEngine:
         if pairs:
             src, dst = (torch.tensor(x, dtype=torch.int64, device=self.device) for x in zip(*pairs))
             self.target.move_kv(src, dst)
+
+    def close(self) -> None:
+        """Release the target's tensor-parallel workers (idempotent; no-op for one rank)."""
+        self.target.close()
 
     # ----------------------------------------------------------------- offline API
     def generate(self, prompts: Iterable[Prompt], params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

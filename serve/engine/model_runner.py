@@ -48,14 +48,26 @@ class TargetRunner:
         self.block_size = block_size
         self.device = model.norm.weight.device
         self.kv: KVCache = model.make_kv_cache(num_blocks, block_size)
+        self.workers = getattr(model, "tp_workers", None)  # TPWorkers on rank 0 of a tensor-parallel target
+        self.runner_id = None
+        if self.workers is not None:
+            self.runner_id = self.workers.new_runner_id()
+            self.workers.call("kv", self.runner_id, num_blocks, block_size)
 
     @property
     def vocab_size(self) -> int:
         return self.model.arch.vocab_size
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers of this target (no-op for one rank)."""
+        if self.workers is not None:
+            self.workers.close()
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, logits_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> logits [S, V] fp32 at ``logits_index`` (default: every token), aux [T, A] or None."""
+        if self.workers is not None:
+            self.workers.call("forward", self.runner_id, batch, logits_index)
         hidden, aux = self.model(batch.input_ids, batch.positions, batch.attn, self.kv)  # [T, H], [T, A]
         if logits_index is not None:
             hidden = hidden[logits_index]  # [S, H]
@@ -63,6 +75,8 @@ class TargetRunner:
 
     def move_kv(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy K/V of every layer from ``src_slots`` to ``dst_slots`` (tree compaction). [n] int64 each."""
+        if self.workers is not None:
+            self.workers.call("move_kv", self.runner_id, src_slots, dst_slots)
         copy_slots(self.kv, src_slots, dst_slots)
 
 

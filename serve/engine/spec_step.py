@@ -23,7 +23,7 @@ from eagleray.platform.guard import assert_aux_shape
 from eagleray.serve.engine.model_runner import DraftRunner, ForwardBatch, TargetRunner
 from eagleray.serve.engine.sampling import filter_logits, scaled_probs
 from eagleray.serve.engine.sequence import Sequence
-from eagleray.serve.engine.tree import DraftTree, verify_tree_reference
+from eagleray.serve.engine.tree import DraftTree
 from eagleray.serve.engine.tree_draft import draft_tree
 from eagleray.serve.engine.verify import ChainVerifier
 
@@ -151,10 +151,11 @@ def tree_step(ctx: SpecContext, seqs: list[Sequence], depth: int, topk: int, num
     logits0, hidden0 = draft_catch_up(ctx, seqs)  # [B, Vd], [B, H]
     trees = draft_tree(ctx.draft, seqs, logits0, hidden0, depth, topk, num_nodes)
     logits, aux = target_verify_forward(ctx, seqs, [t.tokens.tolist() for t in trees], trees)
+    rows_p = [filter_logits(logits[b], rows.top_k[b].expand(t.size + 1), rows.top_p[b].expand(t.size + 1))
+              for b, t in enumerate(trees)]  # [M_b+1, V] each
+    verdicts = ctx.verifier.tree(rows_p, trees, rows.temperature, rows.seed)
     out = []
-    for b, (s, tree) in enumerate(zip(seqs, trees)):
-        row = filter_logits(logits[b], rows.top_k[b].expand(tree.size + 1), rows.top_p[b].expand(tree.size + 1))
-        path, toks = verify_tree_reference(row, tree, s.params.temperature, s.generator)
+    for b, (s, tree, (path, toks)) in enumerate(zip(seqs, trees, verdicts)):
         start = s.num_tokens - 1
         out.append(SeqResult(toks, aux[b][path], tree.size, len(path) - 1, [start + i for i in path]))
     return out

@@ -1,14 +1,10 @@
-"""EAGLE top-k draft trees: construction bookkeeping, attention masks and tree verification.
+"""EAGLE top-k draft trees: construction bookkeeping and attention masks.
 
 A tree has M draft nodes under a root (the sequence's last committed token). Node i (1..M) holds
 ``tokens[i-1]`` with parent ``parents[i-1]`` (0 = root) and depth ``depths[i-1]``; nodes are
 ordered parents-first. The target verifies all M+1 tokens in one forward with :meth:`DraftTree.mask`.
 
-Verification (:func:`verify_tree_reference`): greedy rows walk down while a child equals the
-target argmax. Sampled rows use recursive rejection with deterministic (top-k) proposals: at a
-node the children are tried in order, child x accepted with probability p'(x) where p' is the
-target distribution with earlier rejected siblings removed and renormalised; if all are rejected
-the next token is drawn from p'. Each emitted token is distributed exactly as p.
+Verification is the kernels' ``verify_tree`` (see :meth:`eagleray.serve.engine.verify.ChainVerifier.tree`).
 """
 
 from __future__ import annotations
@@ -66,38 +62,3 @@ def build_tree(cand_tokens: list[int], cand_parents: list[int], cand_depths: lis
     return DraftTree(torch.tensor([cand_tokens[c] for c in chosen], dtype=torch.int64),
                      torch.tensor(parents, dtype=torch.int64),
                      torch.tensor([cand_depths[c] for c in chosen], dtype=torch.int64))
-
-
-def verify_tree_reference(logits: torch.Tensor, tree: DraftTree, temperature: float,
-                          generator: torch.Generator | None) -> tuple[list[int], list[int]]:
-    """logits [M+1, V] (filtered) -> (accepted path node indices incl. root 0, emitted tokens).
-
-    Emitted tokens are the accepted drafts followed by one recovered/bonus token.
-    """
-    kids = tree.children()
-    toks = tree.tokens.tolist()
-    node, path, out = 0, [0], []
-    while True:
-        row = logits[node].float()  # [V]
-        if temperature == 0:
-            want = int(row.argmax())
-            nxt = next((c for c in kids[node] if toks[c - 1] == want), None)
-            if nxt is None:
-                return path, out + [want]
-        else:
-            p = (row / temperature).softmax(-1)  # [V]
-            nxt = None
-            for c in kids[node]:
-                x = toks[c - 1]
-                mass = float(p.sum())
-                if mass > 0 and float(torch.rand((), generator=generator)) * mass < float(p[x]):
-                    nxt = c
-                    break
-                p[x] = 0.0
-            if nxt is None:
-                if float(p.sum()) <= 0:
-                    p = (row / temperature).softmax(-1)  # every candidate token had all the mass
-                return path, out + [int(torch.multinomial(p, 1, generator=generator))]
-        path.append(nxt)
-        out.append(toks[nxt - 1])
-        node = nxt

@@ -1,17 +1,19 @@
 """The one place the engine calls verification: Triton kernels on CUDA, PyTorch references on CPU.
 
 Switching implementation is the ``backend`` argument ("auto" = kernel on CUDA, reference on CPU,
-where Triton would need its slow interpreter). Tree verification has no kernel yet: it runs the
-reference in :mod:`eagleray.serve.engine.tree`.
+where Triton would need its slow interpreter). Everything comes from the public kernel module
+:mod:`eagleray.kernels.verify`; the references there draw the same random numbers as the kernels.
 """
 
 from __future__ import annotations
 
 import torch
 
-from eagleray.kernels.verify_chain import verify_chain as chain_kernel
-from eagleray.kernels.verify_chain import verify_chain_reference
-from eagleray.kernels.verify_reduced import t2d_index, verify_chain_reduced, verify_chain_reduced_reference
+from eagleray.kernels.verify import (
+    t2d_index, verify_chain, verify_chain_reduced, verify_chain_reduced_reference, verify_chain_reference,
+    verify_tree, verify_tree_reference,
+)
+from eagleray.serve.engine.tree import DraftTree
 
 
 def use_kernel(backend: str, device: torch.device) -> bool:
@@ -19,7 +21,7 @@ def use_kernel(backend: str, device: torch.device) -> bool:
 
 
 class ChainVerifier:
-    """Chain verification; caches the draft's target->draft index for the reduced-vocab kernel."""
+    """Chain and tree verification; caches the draft's target->draft index for the reduced-vocab kernel."""
 
     def __init__(self, backend: str = "auto", d2t: torch.Tensor | None = None, vocab_size: int | None = None):
         self.backend = backend
@@ -34,10 +36,34 @@ class ChainVerifier:
         kernel = use_kernel(self.backend, target_logits.device)
         if draft_probs is None or all_greedy:
             if kernel:
-                return chain_kernel(target_logits, draft_tokens, None, temperature=temperature, seed=seed, all_greedy=all_greedy)
+                return verify_chain(target_logits, draft_tokens, None, temperature=temperature, seed=seed, all_greedy=all_greedy)
             return verify_chain_reference(target_logits, draft_tokens, None, temperature=temperature, seed=seed)
         if kernel:
             return verify_chain_reduced(target_logits, draft_tokens, draft_probs.contiguous(), self.d2t,
                                         temperature=temperature, seed=seed, t2d=self._t2d)
         return verify_chain_reduced_reference(target_logits, draft_tokens, draft_probs, self.d2t,
                                               temperature=temperature, seed=seed)
+
+    def tree(self, logits: list[torch.Tensor], trees: list[DraftTree], temperature: torch.Tensor,
+             seed: torch.Tensor) -> list[tuple[list[int], list[int]]]:
+        """Per sequence logits [M_b+1, V] (filtered) and tree -> (path node ids incl. root 0, emitted tokens).
+
+        The engine's trees number nodes 1..M with parent 0 = root; the kernels number them 0..N-1 with
+        parent -1 = root, so parents shift by one and rows are padded to the largest tree (token -1).
+        """
+        bsz, n = len(trees), max(t.size for t in trees)
+        dev, vocab = logits[0].device, logits[0].shape[-1]
+        p = torch.zeros((bsz, n + 1, vocab), dtype=torch.float32, device=dev)  # [B, N+1, V]
+        tokens = torch.full((bsz, n), -1, dtype=torch.int64, device=dev)  # [B, N]
+        parents = torch.full((bsz, n), -1, dtype=torch.int64, device=dev)  # [B, N]
+        for b, (row, t) in enumerate(zip(logits, trees)):
+            p[b, :t.size + 1] = row
+            tokens[b, :t.size] = t.tokens.to(dev)
+            parents[b, :t.size] = t.parents.to(dev) - 1
+        fn = verify_tree if use_kernel(self.backend, dev) else verify_tree_reference
+        out, nacc, path = fn(p, tokens, parents, temperature=temperature.to(dev), seed=seed.to(dev))
+        result = []
+        for b in range(bsz):
+            k = int(nacc[b])
+            result.append(([0] + (path[b, :k] + 1).tolist(), out[b, :k + 1].tolist()))
+        return result

@@ -116,11 +116,12 @@ def test_not_enough_space_refuses_with_numbers(tiny_target, prompt_file, tmp_pat
         dry_run(cfg, emit=lambda s: None)
 
 
-def test_eagleray_backend_is_a_clear_error(tiny_target, prompt_file, tmp_path):
-    cfg = DatagenConfig(**datagen_config(tiny_target, prompt_file, tmp_path / "o", backend="eagleray"))
-    with pytest.raises(EaglerayError, match=r"(?s)not available.*backend: transformers"):
-        run_datagen(cfg, emit=lambda s: None)
-    assert not (tmp_path / "o").exists()
+def test_draft_needs_the_eagleray_backend(tiny_target, prompt_file, tmp_path):
+    from eagleray.datagen.backends import make_generator
+
+    cfg = DatagenConfig(**datagen_config(tiny_target, prompt_file, tmp_path / "o", draft={"source": "random"}))
+    with pytest.raises(EaglerayError, match=r"(?s)draft is set but backend is 'transformers'.*backend: eagleray"):
+        make_generator(cfg, str(tiny_target), "cpu")
 
 
 def test_vllm_processor_config_builds(tiny_target, prompt_file, tmp_path):

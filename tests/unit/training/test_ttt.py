@@ -90,3 +90,13 @@ def test_step0_and_step1_equal_the_inference_draft(model):
         ref, _ = d(inp, torch.arange(t + 2), hid, AttentionMetadata.build([t + 2]))
     torch.testing.assert_close(n0[0, :t + 1], ref[:t + 1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(n1[0, t], ref[t + 1], atol=1e-5, rtol=1e-5)
+
+
+def test_window_keeps_the_answer_of_long_rows():
+    from eagleray.training.data import pad_tokens, window
+    row = {"input_ids": list(range(100)), "loss_mask": [0] * 90 + [1] * 8 + [0, 0]}
+    assert window(row, 16) == (82, 98)  # ends at the last answer token, keeps 16 tokens
+    assert window(row, 1000) == (0, 98)
+    ids, mask, spans = pad_tokens([row, {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}], 16)
+    assert spans == [(82, 98), (0, 3)] and ids.shape == (2, 16)
+    assert mask[0].sum() == 8 and ids[0, 0] == 82 and ids[1, :3].tolist() == [5, 6, 7]

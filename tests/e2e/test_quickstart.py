@@ -1,0 +1,26 @@
+"""The README's first command end to end (small sizes): datagen -> train -> register -> promote -> serve -> chat."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+def test_quickstart_whole_loop(tmp_path, smollm2_fp32):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [str(Path(sys.executable).parent / "eagleray"), "quickstart", "--workdir", str(tmp_path), "--prompts", "8",
+           "--max-tokens", "16", "--train-steps", "4", "--eval-prompts", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-6000:]
+    for step in ("[1/7]", "[3/7] datagen", "[4/7] train", "[5/7] promote", "[6/7] serve", "quickstart finished"):
+        assert step in out.stdout, out.stdout[-4000:]
+    assert "refused: algorithm" in out.stdout
+    summary = json.loads((tmp_path / "quickstart.json").read_text())
+    assert summary["tau"] >= 1.0 and summary["speedup"] > 0
+    assert summary["served"]["draft_version"].startswith("quickstart-smollm2-eagle3/")
+    assert (tmp_path / "mlflow.db").is_file() and list((tmp_path / "datagen" / "shards").glob("*.parquet"))
