@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from eagleray.platform.cli import run_job
 from eagleray.platform.config import load_yaml_config
-from eagleray.platform.errors import EaglerayError
 from eagleray.platform.schemas import DatagenConfig
 
 
@@ -36,16 +36,5 @@ def run(args: argparse.Namespace) -> int:
     return 0 if manifest["rows"] > 0 or manifest["errors"] == 0 else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eagleray.jobs.datagen", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except EaglerayError as err:
-        print(f"datagen: error: {err}", file=sys.stderr)
-        return 2
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_job("python -m eagleray.jobs.datagen", add_arguments, run))

@@ -13,6 +13,7 @@ import json
 import logging
 import sys
 
+from eagleray.platform.cli import run_job
 from eagleray.platform import registry
 from eagleray.platform.config import load_yaml_config
 from eagleray.platform.errors import EaglerayError
@@ -95,15 +96,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eagleray.jobs.promote", description=__doc__)
-    add_arguments(parser)
-    try:
-        return run(parser.parse_args(argv))
-    except EaglerayError as err:
-        print(f"eagleray promote: error: {err}", file=sys.stderr)
-        return 2
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_job("python -m eagleray.jobs.promote", add_arguments, run))

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from eagleray.platform.cli import run_job
 from eagleray.platform.guard import check_compatibility
 from eagleray.platform.paths import eagleray_home
 from eagleray.platform.schemas import (DatagenConfig, DraftConfig, GenerationConfig, MlflowConfig, PromotionConfig,
@@ -152,11 +153,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eagleray.jobs.quickstart", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_job("python -m eagleray.jobs.quickstart", add_arguments, run))

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import yaml
 
+from eagleray.platform.cli import run_job
 from eagleray.platform.config import load_yaml_config, parse_config
-from eagleray.platform.errors import ConfigError, EaglerayError, Problem
+from eagleray.platform.errors import ConfigError, Problem
 from eagleray.platform.schemas import ServingConfig
 
 
@@ -76,15 +77,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eagleray.jobs.serve", description=__doc__)
-    add_arguments(parser)
-    try:
-        return run(parser.parse_args(argv))
-    except EaglerayError as err:
-        print(f"eagleray serve: error: {err}", file=sys.stderr)
-        return 2
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_job("python -m eagleray.jobs.serve", add_arguments, run))

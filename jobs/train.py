@@ -3,8 +3,8 @@
 Trains an EAGLE-3 draft (eagleray.training: TTT on Ray Train, MLflow run, registered version).
 With ``evaluate_with_engine: true`` it then measures real acceptance (τ) and speed with eagleray's
 engine bench and logs them to the same MLflow run; that glue lives here, not in training, because
-training may not import serve (DESIGN.md, Layout). The engine bench is not available yet, so the
-flag is refused up front instead of being ignored.
+training may not import serve (DESIGN.md, Layout). The bench is
+:func:`eagleray.jobs.bench_spec.measure`; if it cannot be imported the flag is refused up front.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 import sys
 
+from eagleray.platform.cli import run_job
 from eagleray.platform.config import load_yaml_config
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.schemas import TrainingConfig
@@ -56,10 +57,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m eagleray.jobs.train", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    try:
-        sys.exit(run(parser.parse_args()))
-    except EaglerayError as err:
-        print(f"eagleray train: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_job("python -m eagleray.jobs.train", add_arguments, run))

@@ -59,5 +59,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run_job(prog: str, add_arguments: Callable, run: Callable, argv: list[str] | None = None) -> int:
+    """``python -m eagleray.jobs.X``: the same arguments, errors and exit codes as ``eagleray X``."""
+    parser = argparse.ArgumentParser(prog=prog)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(run(args) or 0)
+    except EaglerayError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
     sys.exit(main())

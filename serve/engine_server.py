@@ -134,6 +134,12 @@ class EngineServer:
         if self.loop._task is not None and not self.loop.alive:
             raise RuntimeError(f"engine step loop died: {self.loop.last_error}")
 
+    def __del__(self) -> None:
+        """Ray Serve calls this when the replica shuts down: stop the step loop and any TP worker ranks."""
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.shutdown()
+
     # ------------------------------------------------------------------ drafts
     async def swap(self, source: str) -> dict[str, Any]:
         self.loop.ensure_started()
