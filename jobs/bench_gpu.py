@@ -5,7 +5,8 @@ Run: `python -m eagleray.jobs.bench gpu [--models 8b,smollm2] [--out engine.json
 
 - decode: greedy, one new token per sequence per step, ``--prompt`` tokens prefilled, ``--steps``
   timed steps (CUDA events around the loop, argmax and slot arithmetic included). Variants:
-  ``graph`` (fused step in a CUDA graph), ``eager`` (the same fused step, no graph),
+  ``graph`` (fused step in a CUDA graph; batch 1 through the Triton GEMVs), ``eager`` (the same fused step, no graph),
+  ``graph_cublas`` (the fused step with cuBLAS products at batch 1 too, the v1 graph path),
   ``graph_generic`` (``model.forward`` with DecodeMetadata, in a graph), ``engine_eager`` (the paged
   ``AttentionMetadata`` path the engine runs today, with its host syncs).
 - roofline: bytes a step must read (every weight except the input embedding table, plus the K/V
@@ -145,15 +146,20 @@ def decode_case(model: LlamaModel, name: str, batch: int, args, ceil: dict, devi
         t0 = time.perf_counter()
         runners["graph"] = DecodeGraphRunner(model, kv, blocks)
         runners["graph"].capture()
-        runners["graph_generic"] = DecodeGraphRunner(model, kv, blocks, fused=False)
-        runners["graph_generic"].capture([b for b in BUCKETS if b >= batch][:1])
+        first_bucket = [b for b in BUCKETS if b >= batch][:1]
+        if "graph_generic" in args.variants:
+            runners["graph_generic"] = DecodeGraphRunner(model, kv, blocks, fused=False)
+            runners["graph_generic"].capture(first_bucket)
+        if "graph_cublas" in args.variants:  # the fused step with cuBLAS products at batch 1 too (v1)
+            runners["graph_cublas"] = DecodeGraphRunner(model, kv, blocks, use_gemv=False)
+            runners["graph_cublas"].capture(first_bucket)
         log(f"  captured {len(BUCKETS)} + 1 graphs in {time.perf_counter() - t0:.1f} s")
     engine = EngineStep(model, kv, tables, args.prompt)
     bw = (ceil["copy_GBps"] or 0) * 1e9
     roof_s = (weight_bytes(model) + kv_bytes(model, batch * (args.prompt + args.steps / 2))) / bw if bw else None
     records, ref = [], None
-    for variant in ("graph", "eager", "graph_generic", "engine_eager"):
-        if variant not in runners and variant != "engine_eager":
+    for variant in ("graph", "graph_cublas", "eager", "graph_generic", "engine_eager"):
+        if variant not in args.variants or (variant not in runners and variant != "engine_eager"):
             continue
         steps = args.steps if variant != "engine_eager" else max(4, args.steps // 8)
         fn = engine if variant == "engine_eager" else runners[variant].run
@@ -253,11 +259,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--extract-batch", type=int, default=16)
     ap.add_argument("--extract-len", type=int, default=1024)
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--variants", default="graph,eager,graph_generic,engine_eager",
+                    help="comma list of graph, graph_cublas (batch-1 cuBLAS products), eager, graph_generic, engine_eager")
     ap.add_argument("--skip", default="", help="comma list of decode, extract, hf")
     ap.add_argument("--hf-static", action="store_true", help="also transformers generate with a static cache")
     ap.add_argument("--quick", action="store_true", help="tiny model, short runs (CPU smoke)")
     ap.add_argument("--out", type=pathlib.Path, default=None, help="write the JSON here")
     args = ap.parse_args(argv)
+    args.variants = set(args.variants.split(","))
     if args.quick:
         args.models, args.prompt, args.steps, args.extract_batch, args.extract_len = "tiny", 24, 8, 2, 32
         args.batches, args.dtype = "1,3", "fp32"

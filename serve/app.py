@@ -6,7 +6,8 @@
 ``args``: either ``config`` (a ServingConfig YAML path) or ``serving`` (the ServingConfig inline).
 The engine deployment gets the draft as its ``user_config`` so a config update hot-swaps it.
 With ``target.tensor_parallel_size > 1`` the engine replica is placed in a STRICT_PACK placement
-group of one bundle per rank (Serve schedules the replica's child actors, the TP workers, into it).
+group of one bundle per rank: the replica (rank 0) takes bundle 0 and starts ranks 1..N-1 as Ray
+actors in bundles 1..N-1 (:mod:`eagleray.serve.engine.tp_ray`).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from pydantic import Field
 
 from eagleray.platform.config import StrictModel, parse_config
 from eagleray.platform.draft_factory import make_random_draft
+from eagleray.platform.errors import EaglerayError
 from eagleray.platform.schemas import ServingConfig
 from eagleray.platform.smollm2 import resolve_target
 from eagleray.platform.target import TargetSpec
@@ -24,6 +25,7 @@ from eagleray.serve.draft_source import ResolvedDraft, registry_version, resolve
 from eagleray.serve.engine.config import EngineConfig
 from eagleray.serve.engine.engine import LLMEngine
 from eagleray.serve.engine.sampling import SamplingParams
+from eagleray.serve.engine.tp_workers import TPLaunch
 from eagleray.serve.hotswap import DraftManager
 from eagleray.serve.engine.async_engine import AsyncEngine
 from eagleray.serve.metrics import ServeMetrics
@@ -48,6 +50,19 @@ def initial_draft(cfg: ServingConfig, spec: TargetSpec) -> ResolvedDraft | None:
     return resolve(cfg.draft.source, cfg.mlflow)
 
 
+def replica_tp_launch(tensor_parallel_size: int) -> TPLaunch | None:
+    """TP ranks of a replica are Ray actors in the replica's placement group (bundle r for rank r)."""
+    if tensor_parallel_size == 1:
+        return None
+    from ray.util import get_current_placement_group
+
+    pg = get_current_placement_group()
+    if pg is None:
+        raise EaglerayError(f"target.tensor_parallel_size={tensor_parallel_size} but the engine replica is not in a placement group\n"
+                            f"    fix: deploy with eagleray.serve.app.build (it reserves one bundle per rank)")
+    return TPLaunch("ray", pg)
+
+
 class EngineServer:
     """Ray Serve deployment class (wrapped with ``serve.deployment`` in :mod:`eagleray.serve.app`)."""
 
@@ -58,7 +73,7 @@ class EngineServer:
         draft_cfg = self.cfg.draft.model_copy(update={"source": str(first.path)}) if first else None
         engine_cfg = EngineConfig(target=self.cfg.target.model_copy(update={"model": str(self.spec.path)}), draft=draft_cfg,
                                   max_num_seqs=self.cfg.max_num_seqs)
-        self.engine = LLMEngine.from_config(engine_cfg)
+        self.engine = LLMEngine.from_config(engine_cfg, tp_launch=replica_tp_launch(self.cfg.target.tensor_parallel_size))
         self.loop = AsyncEngine(self.engine)
         self.metrics = ServeMetrics(self.cfg.model_name)
         self.drafts = DraftManager(self.engine, self.loop, self.spec, self.cfg, self.metrics, first)
@@ -119,8 +134,10 @@ class EngineServer:
 
     # ------------------------------------------------------------------ status
     async def info(self) -> dict[str, Any]:
+        workers = self.engine.target.workers
         return {"model": self.cfg.model_name, "max_model_len": self.engine.max_model_len,
-                "target": str(self.spec.path), "draft_version": self.drafts.version}
+                "target": str(self.spec.path), "draft_version": self.drafts.version,
+                "tensor_parallel": None if workers is None else workers.describe()}
 
     async def health(self) -> dict[str, Any]:
         self.loop.ensure_started()

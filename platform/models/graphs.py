@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.attention import KVCache
 from eagleray.platform.models.attention_gpu import DecodeMetadata, decode_attention
+from eagleray.platform.models.decode_gemv import gemv, qkv_rope_gemv
 from eagleray.platform.models.decode_ops import add_rmsnorm, rope_write_kv, silu_mul
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -59,12 +60,14 @@ def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
 class FusedDecodeStep:
     """The model's decode forward in few launches; call as ``step(ids, positions, meta, kv)``."""
 
-    def __init__(self, model, use_triton: bool):
+    def __init__(self, model, use_triton: bool, use_gemv: bool | None = None):
         arch = model.arch
         if arch.qk_norm:
             raise EaglerayError(f"the fused decode step does not implement q/k norms ({arch.model_type})\n"
                                 f"    fix: DecodeGraphRunner(..., fused=False) uses the model's own layers")
         self.model, self.use_triton, self.eps = model, use_triton, arch.rms_norm_eps
+        # batch 1: Triton GEMVs with the element-wise ops folded in (one rank only: no all-reduce there)
+        self.use_gemv = (use_triton if use_gemv is None else use_gemv) and model.tp.world == 1
         fused = getattr(model, "_decode_fused", None)  # fuse once per model; later steps share it
         if fused is None:
             fused = ([_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in model.layers],
@@ -78,6 +81,8 @@ class FusedDecodeStep:
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata, kv: KVCache) -> Step:
         m, ut = self.model, self.use_triton
         b = ids.shape[0]
+        if b == 1 and self.use_gemv:
+            return self._gemv_step(ids, positions, meta, kv)
         h, delta = m.embed(ids), None  # [B, H]
         wanted = set(m.aux_layer_ids)
         aux: list[torch.Tensor] = []
@@ -98,12 +103,35 @@ class FusedDecodeStep:
         return m.compute_logits(x), (torch.cat(aux, dim=-1) if aux else None)
 
 
+    def _gemv_step(self, ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata, kv: KVCache) -> Step:
+        """Batch 1: 4 GEMV launches + attention per layer; norms, rotary, SiLU, residual adds folded in."""
+        m, eps = self.model, self.eps
+        h = m.embed(ids)  # [1, H] residual stream
+        wanted = set(m.aux_layer_ids)
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(m.layers):
+            if i in wanted:
+                aux.append(h)
+            attn, mlp = layer.self_attn, layer.mlp
+            q = qkv_rope_gemv(h, layer.input_layernorm.weight, eps, *self.qkv[i], positions, self.inv_freq,
+                              kv.k[i], kv.v[i], meta.slot_mapping, self.hq, self.hkv)  # [1, Hq, D]
+            o = decode_attention(q, kv.k[i], kv.v[i], meta, self.scale, self.window)  # [1, Hq, D]
+            h = gemv(o.reshape(1, -1), attn.o_proj.weight, attn.o_proj.bias, residual=h)  # [1, H]
+            gu = gemv(h, *self.gate_up[i], mode="norm", norm_weight=layer.post_attention_layernorm.weight,
+                      eps=eps)  # [1, 2I]
+            h = gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, mode="silu", residual=h)  # [1, H]
+        if m.arch.num_layers in wanted:
+            aux.append(h)
+        logits = gemv(h, m.lm_head.weight, mode="norm", norm_weight=m.norm.weight, eps=eps)  # [1, V_pad]
+        return logits[:, :m.arch.vocab_size], (torch.cat(aux, dim=-1) if aux else None)
+
+
 class DecodeGraphRunner:
     """Static-buffer decode for batches up to ``max(buckets)``; CUDA graphs per bucket on CUDA."""
 
     def __init__(self, model, kv_cache: KVCache, max_blocks_per_seq: int, *, buckets=BUCKETS,
                  fused: bool | None = None, use_triton: bool | None = None, use_graphs: bool | None = None,
-                 pad_slot: int | None = None):
+                 pad_slot: int | None = None, use_gemv: bool | None = None):
         dev = kv_cache.k.device
         cuda = dev.type == "cuda"
         self.model, self.kv, self.buckets = model, kv_cache, tuple(sorted(buckets))
@@ -112,7 +140,7 @@ class DecodeGraphRunner:
         if self.use_graphs and not cuda:
             raise EaglerayError("CUDA graphs need the KV cache on a CUDA device\n    fix: use_graphs=False on CPU")
         fused = (not model.arch.qk_norm) if fused is None else fused
-        self.step = FusedDecodeStep(model, self.use_triton) if fused else self._generic_step
+        self.step = FusedDecodeStep(model, self.use_triton, use_gemv) if fused else self._generic_step
         self.block_size = kv_cache.block_size
         self.pad_slot = kv_cache.num_blocks * self.block_size - 1 if pad_slot is None else int(pad_slot)
         bmax, self.max_blocks = self.buckets[-1], int(max_blocks_per_seq)

@@ -65,10 +65,11 @@ class LLMEngine:
             self._install_draft(draft)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, workdir=None) -> "LLMEngine":
+    def from_config(cls, config: EngineConfig, workdir=None, tp_launch=None) -> "LLMEngine":
+        """``tp_launch``: how tensor-parallel ranks start (a :class:`~eagleray.serve.engine.tp_workers.TPLaunch`; default 'mp')."""
         from eagleray.serve.engine.loader import load_models
 
-        target, draft, tokenizer, _ = load_models(config.target, config.draft, workdir)
+        target, draft, tokenizer, _ = load_models(config.target, config.draft, workdir, tp_launch)
         return cls(target, tokenizer, config, draft)
 
     # ----------------------------------------------------------------- requests

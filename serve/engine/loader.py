@@ -18,7 +18,7 @@ from eagleray.platform.models.weights import iter_safetensors
 from eagleray.platform.schemas import DraftConfig, TargetConfig
 from eagleray.platform.smollm2 import resolve_target
 from eagleray.platform.target import TargetSpec
-from eagleray.serve.engine.tp_workers import TPWorkers, rank_device
+from eagleray.serve.engine.tp_workers import TPLaunch, rank_device, start_workers
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +45,11 @@ def resolve_draft_dir(cfg: DraftConfig, spec: TargetSpec, workdir: str | Path | 
     return path
 
 
-def load_models(target_cfg: TargetConfig, draft_cfg: DraftConfig | None, workdir=None):
+def load_models(target_cfg: TargetConfig, draft_cfg: DraftConfig | None, workdir=None, tp_launch: TPLaunch | None = None):
     """-> (target LlamaModel, Eagle3Draft | None, tokenizer, device). The guard runs before any draft is loaded.
 
-    ``target.tensor_parallel_size`` > 1 starts the worker ranks (:mod:`eagleray.serve.engine.tp_workers`);
+    ``target.tensor_parallel_size`` > 1 starts the worker ranks with ``tp_launch`` (default: child
+    processes, ``TPLaunch("mp")``; see :mod:`eagleray.serve.engine.tp_workers`);
     the returned target is rank 0's shard with ``tp_workers`` attached (``engine.close()`` stops them).
     """
     from transformers import AutoTokenizer
@@ -61,7 +62,7 @@ def load_models(target_cfg: TargetConfig, draft_cfg: DraftConfig | None, workdir
         draft_dir = resolve_draft_dir(draft_cfg, spec, workdir)
         report = ensure_compatible(spec, draft_dir, algorithm=draft_cfg.algorithm, max_model_len=target_cfg.max_model_len)
         aux_ids = report.facts["aux_layer_ids"]
-    target = load_target(target_dir, target_cfg, device, aux_ids)
+    target = load_target(target_dir, target_cfg, device, aux_ids, tp_launch or TPLaunch())
     try:
         draft = None if draft_dir is None else load_draft(draft_dir, target, device)
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
@@ -71,15 +72,16 @@ def load_models(target_cfg: TargetConfig, draft_cfg: DraftConfig | None, workdir
     return target, draft, tokenizer, device
 
 
-def load_target(target_dir: Path, target_cfg: TargetConfig, device: torch.device, aux_ids: list[int]) -> LlamaModel:
+def load_target(target_dir: Path, target_cfg: TargetConfig, device: torch.device, aux_ids: list[int],
+                launch: TPLaunch) -> LlamaModel:
     """One rank (``TPInfo()``, never an ambient process group) or rank 0 of ``tensor_parallel_size`` ranks."""
     world = target_cfg.tensor_parallel_size
     if world == 1:
         return LlamaModel.from_dir(target_dir, dtype=target_cfg.dtype, device=device, tp=TPInfo(), aux_layer_ids=aux_ids)
-    if device.type == "cuda" and torch.cuda.device_count() < world:
+    if launch.backend == "mp" and device.type == "cuda" and torch.cuda.device_count() < world:
         raise EaglerayError(f"target.tensor_parallel_size={world} but {torch.cuda.device_count()} GPUs are visible\n"
                             f"    fix: lower target.tensor_parallel_size or expose more GPUs")
-    workers = TPWorkers.start(str(target_dir), world, target_cfg.dtype, device)
+    workers = start_workers(launch, str(target_dir), world, target_cfg.dtype, device)
     try:
         target = LlamaModel.from_dir(target_dir, dtype=target_cfg.dtype, device=rank_device(device, 0), tp=workers.tp,
                                      aux_layer_ids=aux_ids)

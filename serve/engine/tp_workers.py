@@ -1,18 +1,24 @@
 """Tensor-parallel target ranks for the engine: rank 0 is the engine process, ranks 1..N-1 are workers.
 
-    workers = TPWorkers.start(target_dir, world=2, dtype="fp32", device=torch.device("cpu"))
+    workers = start_workers(TPLaunch(), target_dir, world=2, dtype="fp32", device=torch.device("cpu"))
     model = LlamaModel.from_dir(target_dir, tp=workers.tp, ...)       # rank 0's shard
     workers.call("kv", runner_id, num_blocks, block_size)            # every rank allocates its KV shard
     workers.call("forward", runner_id, batch, logits_index)          # then rank 0 runs the same forward
     workers.close()
 
-Mechanism: ``torch.multiprocessing`` (spawn) workers joined with rank 0 in a ``torch.distributed``
-group (gloo on CPU, NCCL on GPU) on 127.0.0.1 and a free port. The same code runs in tests and in
-a Ray Serve replica (a replica is a process that may spawn children). Commands travel over one
-multiprocessing queue per worker (so an idle server never hits a collective timeout); the model's
-collectives (row-parallel all-reduce, vocab all-gather) run over the process group. Every rank runs
-the same target forward with its shard; only rank 0 keeps logits and aux states. The draft runs
-replicated on rank 0 only (one small layer), with its own full embedding.
+Two backends, chosen explicitly by :class:`TPLaunch` (never a fallback), share one command
+protocol (:class:`RankWorker` runs ``kv`` / ``forward`` / ``move_kv`` / ``free`` / ``stop`` on a rank):
+
+- ``"mp"`` (the plain engine): ``torch.multiprocessing`` (spawn) children joined with rank 0 on
+  127.0.0.1; commands travel over one multiprocessing queue per worker.
+- ``"ray"`` (the Serve replica, :mod:`eagleray.serve.engine.tp_ray`): Ray actors placed in the
+  deployment's placement group (bundle ``r`` for rank ``r``); commands are actor method calls.
+
+Either way the ranks join one ``torch.distributed`` group (gloo on CPU, NCCL on GPU); an idle server
+never hits a collective timeout (idle time is spent waiting for commands); the model's collectives
+(row-parallel all-reduce, vocab all-gather) run over the group. Every rank runs the same target
+forward with its shard; only rank 0 keeps logits and aux states. The draft runs replicated on rank 0
+only (one small layer), with its own full embedding.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import queue as queue_mod
 import socket
 import traceback
 from datetime import timedelta
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -39,9 +46,24 @@ class TPWorkerError(EaglerayError):
     """A tensor-parallel worker failed (its traceback is in the message)."""
 
 
-def free_port() -> int:
+@dataclasses.dataclass(frozen=True)
+class TPLaunch:
+    """How ranks 1..N-1 start: ``"mp"`` (child processes) or ``"ray"`` (actors in ``placement_group``)."""
+
+    backend: Literal["mp", "ray"] = "mp"
+    placement_group: Any = None  # ray.util.placement_group.PlacementGroup with >= world bundles ("ray" only)
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("mp", "ray"):
+            raise EaglerayError(f"tensor-parallel backend {self.backend!r} is unknown\n    fix: use 'mp' or 'ray'")
+        if (self.backend == "ray") != (self.placement_group is not None):
+            raise EaglerayError(f"tensor-parallel backend {self.backend!r} with placement_group={self.placement_group!r}\n"
+                                f"    fix: the 'ray' backend needs the deployment's placement group; 'mp' takes none")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -49,11 +71,93 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
+def rank_device(device: torch.device, index: int) -> torch.device:
+    """The device of one rank: ``cuda:index`` (set current) on GPU; ``device`` itself on CPU."""
     if device.type == "cuda":
-        torch.cuda.set_device(rank)
-        return torch.device("cuda", rank)
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return device
+
+
+def start_workers(launch: TPLaunch, target_dir: str, world: int, dtype: str, device: torch.device):
+    """Start ranks 1..world-1 with ``launch.backend`` and join their group as rank 0."""
+    if dist.is_initialized():
+        raise EaglerayError("target.tensor_parallel_size > 1 but this process already has a torch.distributed group\n"
+                            "    fix: close the other tensor-parallel engine first (engine.close())")
+    if launch.backend == "ray":
+        from eagleray.serve.engine.tp_ray import RayTPWorkers
+
+        return RayTPWorkers.start(launch.placement_group, target_dir, world, dtype, device)
+    return TPWorkers.start(target_dir, world, dtype, device)
+
+
+class RankWorker:
+    """One worker rank's side of the command protocol (shared by every backend)."""
+
+    def __init__(self, rank: int, target_dir: str, dtype: str, device: torch.device):
+        from eagleray.platform.models.llama import LlamaModel
+
+        self.rank, self.device = rank, device
+        self.model = LlamaModel.from_dir(target_dir, dtype=dtype, device=device,
+                                         tp=TPInfo(rank=rank, world=dist.get_world_size()))
+        self.runners: dict = {}
+
+    def handle(self, cmd: str, args: tuple) -> bool:
+        """Run one command; False after 'stop'."""
+        from eagleray.serve.engine.model_runner import TargetRunner
+
+        args = move(args, self.device)
+        if cmd == "stop":
+            return False
+        if cmd == "kv":
+            rid, num_blocks, block_size = args
+            self.runners[rid] = TargetRunner(self.model, num_blocks, block_size)
+        elif cmd == "forward":
+            rid, batch, logits_index = args
+            self.runners[rid].forward(batch, logits_index)
+        elif cmd == "move_kv":
+            rid, src, dst = args
+            self.runners[rid].move_kv(src, dst)
+        elif cmd == "free":
+            self.runners.pop(args[0], None)
+        else:
+            raise EaglerayError(f"tensor-parallel worker got unknown command {cmd!r} (engine bug)")
+        return True
+
+
+class Rank0Workers:
+    """Rank 0's handle on ranks 1..N-1; a backend implements ``_send``, ``check`` and ``close``."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.tp = TPInfo(rank=0, world=world)
+        self._next_id = 0
+        self.closed = False
+        self.target_dir: str | None = None
+
+    def new_runner_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def call(self, cmd: str, *args) -> None:
+        """Send a command to every worker; rank 0 then does its own part (the collectives pair them)."""
+        if self.closed:
+            raise EaglerayError(f"tensor-parallel workers are closed; cannot run {cmd!r}\n    fix: do not use an engine after close()")
+        self.check()
+        self._send(cmd, move(args, torch.device("cpu")))
+
+    def _send(self, cmd: str, payload: tuple) -> None:
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """Backend and where ranks 1..N-1 run (for /health and tests)."""
+        raise NotImplementedError
+
+    def check(self) -> None:
+        raise NotImplementedError
+
+    def close(self, timeout: float = 30.0) -> None:
+        raise NotImplementedError
 
 
 def move(obj, device: torch.device):
@@ -68,21 +172,16 @@ def move(obj, device: torch.device):
     return obj
 
 
-class TPWorkers:
-    """Rank 0's handle on the worker processes of one tensor-parallel target."""
+class TPWorkers(Rank0Workers):
+    """The ``"mp"`` backend: rank 0's handle on the worker processes of one tensor-parallel target."""
 
     def __init__(self, procs, queues, errors, world: int):
-        self.procs, self.queues, self.errors, self.world = procs, queues, errors, world
-        self.tp = TPInfo(rank=0, world=world)
-        self._next_id = 0
-        self.closed = False
+        super().__init__(world)
+        self.procs, self.queues, self.errors = procs, queues, errors
 
     @classmethod
     def start(cls, target_dir: str, world: int, dtype: str, device: torch.device) -> "TPWorkers":
         """Spawn ranks 1..world-1 and join them in a process group as rank 0."""
-        if dist.is_initialized():
-            raise EaglerayError("target.tensor_parallel_size > 1 but this process already has a torch.distributed group\n"
-                                "    fix: close the other tensor-parallel engine first (engine.close())")
         ctx = mp.get_context("spawn")
         port, backend = free_port(), backend_for(device)
         queues = [ctx.Queue() for _ in range(world - 1)]
@@ -96,16 +195,10 @@ class TPWorkers:
                                 timeout=COLLECTIVE_TIMEOUT)
         return cls(procs, queues, errors, world)
 
-    def new_runner_id(self) -> int:
-        self._next_id += 1
-        return self._next_id
+    def describe(self) -> dict:
+        return {"backend": "mp", "world": self.world, "ranks": [{"rank": r, "pid": p.pid} for r, p in enumerate(self.procs, 1)]}
 
-    def call(self, cmd: str, *args) -> None:
-        """Send a command to every worker; rank 0 then does its own part (the collectives pair them)."""
-        if self.closed:
-            raise EaglerayError(f"tensor-parallel workers are closed; cannot run {cmd!r}\n    fix: do not use an engine after close()")
-        self.check()
-        payload = move(args, torch.device("cpu"))
+    def _send(self, cmd: str, payload: tuple) -> None:
         for q in self.queues:
             q.put((cmd, payload))
 
@@ -157,26 +250,6 @@ def _worker_main(rank: int, world: int, port: int, backend: str, target_dir: str
 
 
 def _serve(rank: int, target_dir: str, dtype: str, device: torch.device, commands) -> None:
-    from eagleray.platform.models.llama import LlamaModel
-    from eagleray.serve.engine.model_runner import TargetRunner
-
-    model = LlamaModel.from_dir(target_dir, dtype=dtype, device=device, tp=TPInfo(rank=rank, world=dist.get_world_size()))
-    runners: dict[int, TargetRunner] = {}
-    while True:
-        cmd, args = commands.get()
-        args = move(args, device)
-        if cmd == "stop":
-            return
-        if cmd == "kv":
-            rid, num_blocks, block_size = args
-            runners[rid] = TargetRunner(model, num_blocks, block_size)
-        elif cmd == "forward":
-            rid, batch, logits_index = args
-            runners[rid].forward(batch, logits_index)
-        elif cmd == "move_kv":
-            rid, src, dst = args
-            runners[rid].move_kv(src, dst)
-        elif cmd == "free":
-            runners.pop(args[0], None)
-        else:
-            raise EaglerayError(f"tensor-parallel worker got unknown command {cmd!r} (engine bug)")
+    worker = RankWorker(rank, target_dir, dtype, device)
+    while worker.handle(*commands.get()):
+        pass

@@ -63,6 +63,19 @@ def test_tp2_greedy_equals_tp1(tp_models, tp1_plain, copy_draft, mode):
         assert engine.metrics.spec.num_accepted_tokens > 0  # the copy draft is accepted: rollback and commit both ran
 
 
+def test_backend_choice_is_explicit():
+    """'ray' needs the deployment's placement group, 'mp' takes none, anything else is refused (no fallback)."""
+    from eagleray.serve.engine.tp_workers import TPLaunch
+
+    assert TPLaunch().backend == "mp"
+    with pytest.raises(EaglerayError, match="placement group"):
+        TPLaunch("ray")
+    with pytest.raises(EaglerayError, match="placement group"):
+        TPLaunch("mp", placement_group=object())
+    with pytest.raises(EaglerayError, match="unknown"):
+        TPLaunch("threads")
+
+
 def test_close_stops_workers(tp_models):
     """Last test of the module: engine.close() stops the workers of the shared TP target."""
     target, _, tok, _ = tp_models
