@@ -92,12 +92,19 @@ def test_driver_killed_then_ray_job_submit_resumes(cluster, tiny_target, tmp_pat
     job = [sys.executable, "-m", "eagleray.jobs.datagen", "--config", str(cfg_path)]
 
     # 1. A driver connected to the cluster, SIGKILLed as soon as its first shard lands.
-    driver = subprocess.Popen(job, env={**_env(), "RAY_ADDRESS": cluster["gcs"]}, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+    driver_log = open(tmp_path / "driver.log", "w")
+    driver = subprocess.Popen(job, env={**_env(), "RAY_ADDRESS": cluster["gcs"]}, stdout=driver_log,
+                              stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_for(lambda: shards.shard_files(out), 90, "the first shard", driver)
+        try:
+            _wait_for(lambda: shards.shard_files(out), 90, "the first shard", driver)
+        except AssertionError as err:
+            driver_log.flush()
+            raise AssertionError(f"{err}; driver output:\n{(tmp_path / 'driver.log').read_text()[-4000:]}") from None
     finally:
-        os.killpg(driver.pid, signal.SIGKILL)
+        driver_log.close()
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
         driver.wait(timeout=10)
     assert not (out / MANIFEST).exists(), "the run finished before the driver was killed"
     first = {p: p.stat().st_mtime_ns for p in shards.shard_files(out)}
