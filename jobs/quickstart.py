@@ -70,9 +70,10 @@ def _datagen(work: Path, args: argparse.Namespace) -> Path:
 
     cfg = DatagenConfig(prompts=["sharegpt"], output_dir=str(work / "datagen"), limit=args.prompts, shuffle_seed=0,
                         backend="transformers", generation=GenerationConfig(max_tokens=args.max_tokens),
-                        max_seq_len=2048, rows_per_shard=16, batch_size=8, num_workers=1, progress_seconds=15)
+                        max_seq_len=512, rows_per_shard=16, batch_size=8, num_workers=1, progress_seconds=15)
     manifest = run_datagen(cfg, emit=lambda s: print("  " + s, flush=True))
-    print(f"  {manifest['rows']} rows, {manifest.get('tokens', '?')} tokens -> {cfg.output_dir}")
+    print(f"  {manifest['rows']} rows, {manifest.get('tokens', '?')} tokens -> {cfg.output_dir}; {manifest['errors']} prompts "
+          f"recorded in errors.parquet (longer than the {cfg.max_seq_len}-token window this quick run allows)")
     return Path(cfg.output_dir)
 
 
