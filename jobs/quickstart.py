@@ -25,7 +25,7 @@ from eagleray.platform.smollm2 import smollm2_dir
 from eagleray.platform.target import TargetSpec
 
 MODEL_NAME = "quickstart-smollm2-eagle3"
-STEPS = 7
+STEPS = 6
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -17,7 +17,7 @@ def test_quickstart_whole_loop(tmp_path, smollm2_fp32):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-6000:]
-    for step in ("[1/7]", "[3/7] datagen", "[4/7] train", "[5/7] promote", "[6/7] serve", "quickstart finished"):
+    for step in ("[1/6]", "[3/6] datagen", "[4/6] train", "[5/6] promote", "[6/6] serve", "quickstart finished"):
         assert step in out.stdout, out.stdout[-4000:]
     assert "refused: algorithm" in out.stdout
     summary = json.loads((tmp_path / "quickstart.json").read_text())
