@@ -60,3 +60,21 @@ def make_tiny_llama(out_dir: str | Path, *, hidden_size: int = 64, num_layers: i
         model.save_pretrained(str(tmp), safe_serialization=True)
         tok.save_pretrained(str(tmp))
     return out
+
+
+def scaled_copy(src: str | Path, dst: str | Path, factor: float = 6.0) -> Path:
+    """Copy of a model directory with every 2-D weight times ``factor``.
+
+    Larger weights give peaked logits, so tests comparing runs with different reduction orders
+    (TP=2 vs TP=1) cannot see an argmax flip on a near-tie.
+    """
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = Path(dst)
+    shutil.copytree(src, out)
+    for f in out.glob("*.safetensors"):
+        tensors = {k: (v * factor if v.dim() == 2 else v).contiguous() for k, v in load_file(str(f)).items()}
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    return out

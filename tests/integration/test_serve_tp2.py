@@ -3,7 +3,6 @@ replica's STRICT_PACK placement group, and the greedy chat answer equals the eng
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -19,14 +18,9 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def peaked_target(tiny_target, tmp_path_factory):
     """The tiny target with 2-D weights x6: peaked logits, so TP's different reduction order cannot flip an argmax."""
-    from safetensors.torch import load_file, save_file
+    from eagleray.platform.tiny import scaled_copy
 
-    out = tmp_path_factory.mktemp("tp2") / "target"
-    shutil.copytree(tiny_target, out)
-    for f in out.glob("*.safetensors"):
-        tensors = {k: (v * 6.0 if v.dim() == 2 else v).contiguous() for k, v in load_file(str(f)).items()}
-        save_file(tensors, str(f), metadata={"format": "pt"})
-    return out
+    return scaled_copy(tiny_target, tmp_path_factory.mktemp("tp2") / "target")
 
 
 @pytest.fixture(scope="module")

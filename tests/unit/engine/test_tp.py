@@ -15,16 +15,9 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def scaled_dir(tiny_dir, tmp_path_factory):
     """The tiny target on disk with the conftest ``target`` fixture's weights (2-D weights x6)."""
-    import shutil
+    from eagleray.platform.tiny import scaled_copy
 
-    from safetensors.torch import load_file, save_file
-
-    out = tmp_path_factory.mktemp("tp") / "target"
-    shutil.copytree(tiny_dir, out)
-    for f in out.glob("*.safetensors"):
-        tensors = {k: (v * 6.0 if v.dim() == 2 else v).contiguous() for k, v in load_file(str(f)).items()}
-        save_file(tensors, str(f), metadata={"format": "pt"})
-    return out
+    return scaled_copy(tiny_dir, tmp_path_factory.mktemp("tp") / "target")
 
 
 @pytest.fixture(scope="module")
