@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +98,7 @@ class DraftCheckpoint:
     def algorithm(self) -> str | None:
         return derive_algorithm(self.config, self.shapes)
 
-    @property
+    @cached_property
     def metadata(self) -> DraftMetadata | None:
         raw = self.config.get("eagleray")
         if raw is None:
