@@ -160,15 +160,16 @@ class Rank0Workers:
         raise NotImplementedError
 
 
-def move(obj, device: torch.device):
-    """Tensors inside (nested) dataclasses, lists and tuples -> ``device``; other values unchanged."""
+def move(obj, device: torch.device, copy: bool = False):
+    """Tensors inside (nested) dataclasses, lists and tuples -> ``device`` (always a new tensor when
+    ``copy``); other values unchanged."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        return obj.to(device, copy=copy)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: move(getattr(obj, f.name), device)
+        return dataclasses.replace(obj, **{f.name: move(getattr(obj, f.name), device, copy)
                                           for f in dataclasses.fields(obj) if f.init})
     if isinstance(obj, (list, tuple)):
-        return type(obj)(move(x, device) for x in obj)
+        return type(obj)(move(x, device, copy) for x in obj)
     return obj
 
 
@@ -199,8 +200,11 @@ class TPWorkers(Rank0Workers):
         return {"backend": "mp", "world": self.world, "ranks": [{"rank": r, "pid": p.pid} for r, p in enumerate(self.procs, 1)]}
 
     def _send(self, cmd: str, payload: tuple) -> None:
+        # A queue pickles in its feeder thread, later, and pickling a CPU tensor moves its storage into
+        # shared memory in place. Rank 0 keeps using its own tensors meanwhile (the forward, the KV
+        # slot copy), so each queue gets private copies: rank 0's tensors are never swapped under it.
         for q in self.queues:
-            q.put((cmd, payload))
+            q.put((cmd, move(payload, torch.device("cpu"), copy=True)))
 
     def check(self) -> None:
         """Raise the first error a worker reported, or a dead worker."""

@@ -81,3 +81,23 @@ def test_close_stops_workers(tp_models):
     assert not dist.is_initialized()
     with pytest.raises(EaglerayError, match="closed"):
         engine.generate(["hi"])
+
+
+def test_mp_send_never_shares_rank0_tensors():
+    """Pickling for a torch.multiprocessing queue moves a CPU tensor's storage into shared memory in
+    the queue's feeder thread. Rank 0 must keep private tensors (it reads them while the thread runs):
+    this raced once as a garbage slot index in the KV compaction."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from eagleray.serve.engine.tp_workers import TPWorkers
+
+    q = mp.get_context("spawn").Queue()
+    workers = TPWorkers(procs=[], queues=[q], errors=None, world=2)
+    src, dst = torch.tensor([11, 12]), torch.tensor([10, 11])
+    workers._send("move_kv", (1, src, dst))
+    cmd, (rid, got_src, got_dst) = q.get(timeout=30)  # the feeder thread has pickled the payload by now
+    assert (cmd, rid) == ("move_kv", 1)
+    assert got_src.tolist() == [11, 12] and got_dst.tolist() == [10, 11]
+    assert not src.is_shared() and not dst.is_shared()
+    q.close()
