@@ -138,6 +138,7 @@ class TrainingConfig(StrictModel):
     grad_clip: float = Field(0.5, gt=0.0, description="Gradient norm clip.")
     autocast: Literal["auto", "bf16", "off"] = Field("auto", description="bf16 autocast: auto = on for CUDA, off on CPU.")
     seed: int = Field(0, description="Seed of the draft init and data order.")
+    max_shards: int | None = Field(None, ge=1, description="Offline only: train on the first N shards by name (names are content hashes: a fixed pseudo-random subset) for data-size studies; the draft vocabulary and dataset id then come from those shards.")
     eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of prompt ids held out for evaluation (simulated τ).")
     eval_batches: int | None = Field(50, ge=1, description="At most this many held-out batches are evaluated.")
     checkpoint_every: int = Field(100, ge=1, description="Save a resumable checkpoint every N steps (and at the end).")
@@ -158,6 +159,8 @@ class TrainingConfig(StrictModel):
     def _online_needs_prompts(self) -> "TrainingConfig":
         if self.data_dir == "online" and self.online is None:
             raise ValueError("data_dir is 'online' but `online` is not set; add online.prompts (conversations ending with the assistant answer)")
+        if self.data_dir == "online" and self.max_shards is not None:
+            raise ValueError("max_shards selects offline shards but data_dir is 'online'; use online.limit to train on less data")
         return self
 
 

@@ -72,6 +72,19 @@ def read_vocab_counts(data_dir: str | Path) -> torch.Tensor:
     return torch.from_numpy(np.load(path)).to(torch.int64)
 
 
+def count_loss_tokens(files: list[Path], vocab_size: int) -> torch.Tensor:
+    """Token counts [V] int64 over the loss-masked tokens of ``files`` (what datagen writes for all shards)."""
+    import pyarrow.parquet as pq
+
+    counts = np.zeros(vocab_size, dtype=np.int64)  # [V]
+    for p in files:
+        t = pq.read_table(p, columns=["input_ids", "loss_mask"])
+        ids = np.asarray(t.column("input_ids").combine_chunks().flatten(), dtype=np.int64)  # [sum T]
+        mask = np.asarray(t.column("loss_mask").combine_chunks().flatten(), dtype=np.int8).astype(bool)  # [sum T]
+        counts += np.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    return torch.from_numpy(counts)
+
+
 def shard_files(data_dir: str | Path) -> list[Path]:
     """Every shard of the dataset, sorted; a clear error when there is none."""
     files = sorted(Path(data_dir).glob(SHARDS_GLOB))

@@ -1,11 +1,13 @@
 """Resolve a draft source (``models:/name@alias``, ``models:/name/3``, a directory) to a local directory.
 
 Registry URIs go through :mod:`eagleray.platform.registry`; this module adds the version label
-("name/3") that responses and metrics report, and a download cache under $EAGLERAY_HOME/drafts.
+("name/3") that responses and metrics report, and a download cache under
+$EAGLERAY_HOME/drafts/<name>/<version>-<hash of the artifact source>.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -55,7 +57,9 @@ def resolve(uri: str, mlflow_cfg: MlflowConfig) -> ResolvedDraft:
         return ResolvedDraft(registry.resolve_draft(uri), Path(uri).name, uri)
     registry.configure(mlflow_cfg.tracking_uri)
     version = registry.lookup(uri)
-    dest = eagleray_home() / "drafts" / version.name / version.version
+    # keyed by the artifact source too: name/version alone is not unique across registries sharing $EAGLERAY_HOME
+    digest = hashlib.sha256(version.source.encode()).hexdigest()[:12]
+    dest = eagleray_home() / "drafts" / version.name / f"{version.version}-{digest}"
     if not dest.is_dir():  # download beside, then rename: a cached directory is always complete
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{version.version}.", dir=dest.parent))

@@ -23,7 +23,7 @@ from eagleray.platform.schemas import TrainingConfig
 from eagleray.training.build import draft_module, export
 from eagleray.training.plan import Plan, batch_streams, make_plan
 from eagleray.training.session import Session
-from eagleray.training.ttt import TTTBatch, TTTModel, summarize
+from eagleray.training.ttt import TTTBatch, TTTModel, TTTOutput, summarize
 
 STATE, DRAFT = "state.pt", "draft"
 
@@ -41,6 +41,32 @@ def lr_lambda(cfg: TrainingConfig):
 
 def use_bf16(cfg: TrainingConfig, device: torch.device) -> bool:
     return cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
+
+
+def make_optimizer(model: TTTModel, cfg: TrainingConfig):
+    """AdamW(betas 0.9, 0.95) over the trainable parameters and the warmup+cosine LambdaLR schedule."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+
+
+def train_step(net, batch: TTTBatch, opt, sched, amp: bool, grad_clip: float) -> tuple[TTTOutput, float, float]:
+    """One optimiser step (the trainer's, also timed by ``jobs/bench_train``): forward under bf16 autocast
+    when ``amp``, backward, grad-norm clip, AdamW step, schedule step.
+
+    ``net``: the TTTModel or its DDP wrapper; ``batch`` already on the device. Returns the output,
+    the grad norm before clipping (a float: one host sync) and the lr the step used.
+    """
+    with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=amp):
+        out = net(batch)
+    opt.zero_grad(set_to_none=True)
+    out.loss.backward()
+    params = [p for group in opt.param_groups for p in group["params"]]
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    lr = sched.get_last_lr()[0]
+    opt.step()
+    sched.step()
+    return out, grad_norm, lr
 
 
 def save_checkpoint(out: Path, model: TTTModel, plan: Plan, opt, sched, step: int, notes: dict[str, Any]) -> Path:
@@ -116,9 +142,7 @@ def train_worker(cfg: TrainingConfig, session: Session, run_id: str | None = Non
     plan = make_plan(cfg)
     dev = session.device
     model = TTTModel(draft_module(plan.init), plan.embed, plan.head, plan.init.t2d, cfg.ttt_steps, cfg.loss_decay).to(dev)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    opt, sched = make_optimizer(model, cfg)
     step = restore(session.latest_checkpoint(), model, opt, sched)
     resumed_from = step
     net = model
@@ -129,14 +153,7 @@ def train_worker(cfg: TrainingConfig, session: Session, run_id: str | None = Non
     meter, amp, metrics = Meter(cfg.ttt_steps, dev), use_bf16(cfg, dev), {}
     while step < cfg.max_steps:
         batch = next(train).to(dev)
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
-            out = net(batch)
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
-        lr = sched.get_last_lr()[0]
-        opt.step()
-        sched.step()
+        out, grad_norm, lr = train_step(net, batch, opt, sched, amp, cfg.grad_clip)
         step += 1
         meter.add(out, int(batch.loss_mask.sum()))
         if step % cfg.log_every == 0 or step == cfg.max_steps:

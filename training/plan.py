@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -55,7 +57,15 @@ def _offline_data(cfg: TrainingConfig, spec: TargetSpec) -> tuple[list[int], str
     if cfg.aux_layer_ids is not None and sorted(cfg.aux_layer_ids) != aux:
         _fail("aux_layer_ids", f"is {cfg.aux_layer_ids} but the shards hold layers {aux}",
               "leave aux_layer_ids unset (the dataset decides) or regenerate the data with these layers")
-    return aux, manifest.get("dataset_id"), data.read_vocab_counts(cfg.data_dir), data.shard_files(cfg.data_dir)
+    files = data.shard_files(cfg.data_dir)
+    if cfg.max_shards is None:
+        return aux, manifest.get("dataset_id"), data.read_vocab_counts(cfg.data_dir), files
+    if cfg.max_shards > len(files):
+        _fail("max_shards", f"is {cfg.max_shards} but {cfg.data_dir} holds {len(files)} shards",
+              f"use max_shards <= {len(files)}, or leave it unset to train on every shard")
+    files = files[:cfg.max_shards]
+    subset_id = hashlib.sha256(json.dumps([manifest.get("dataset_id"), [f.name for f in files]]).encode()).hexdigest()[:16]
+    return aux, subset_id, data.count_loss_tokens(files, spec.vocab_size), files
 
 
 def make_plan(cfg: TrainingConfig) -> Plan:

@@ -105,3 +105,22 @@ def test_online_mode_runs_the_target_in_the_loop(train_target, tmp_path):
     metrics = train_worker(cfg, session)
     assert metrics["step"] == 3 and 0.0 <= metrics["acc_0"] <= 1.0
     assert (session.latest_checkpoint() / DRAFT / "config.json").is_file()
+
+
+def test_max_shards_trains_on_a_subset_with_its_own_vocab_and_id(synthetic_data, train_target, tmp_path):
+    from eagleray.platform.errors import ConfigError
+    from eagleray.training.plan import make_plan
+
+    full = make_plan(_cfg(synthetic_data, train_target, tmp_path))
+    sub = make_plan(_cfg(synthetic_data, train_target, tmp_path, max_shards=1))
+    assert len(full.files) == 3 and sub.files == full.files[:1]
+    assert sub.dataset_id != full.dataset_id
+    # the subset's draft vocabulary is built from the subset's loss-masked token counts
+    counts = data.count_loss_tokens(sub.files, full.spec.vocab_size)
+    assert counts.sum() < data.read_vocab_counts(synthetic_data).sum()
+    seen = set(torch.nonzero(counts).flatten().tolist())  # fewer than draft_vocab_size here
+    assert len(seen) <= 128 and set(torch.nonzero(sub.init.t2d).flatten().tolist()) >= seen
+    with pytest.raises(ConfigError, match="training.max_shards: is 9 but .* holds 3 shards"):
+        make_plan(_cfg(synthetic_data, train_target, tmp_path, max_shards=9))
+    with pytest.raises(ValueError, match="max_shards selects offline shards"):
+        _cfg("online", train_target, tmp_path, max_shards=1, online={"prompts": ["sharegpt"]})
