@@ -1,7 +1,8 @@
 """Benchmark jobs: `python -m eagleray.jobs.bench SUITE [suite options]`.
 
 Suites print a table and write JSON (see each suite's --help). Available: `verify` (Triton
-verification kernels vs the PyTorch reference and vLLM). Room for more (e.g. `spec`, end-to-end).
+verification kernels vs the PyTorch reference and vLLM). `train` (EAGLE-3 TTT training
+throughput of a SmolLM2- and an 8B-shaped draft, jobs/bench_train.py). Room for more (e.g. `spec`, end-to-end).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import importlib
 import sys
 
 # suite name -> module with a `run(argv) -> dict` function
-SUITES = {"verify": "eagleray.kernels.bench_verify", "gpu": "eagleray.jobs.bench_gpu", "spec": "eagleray.jobs.bench_spec"}
+SUITES = {"verify": "eagleray.kernels.bench_verify", "gpu": "eagleray.jobs.bench_gpu", "spec": "eagleray.jobs.bench_spec",
+          "train": "eagleray.jobs.bench_train"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,9 @@ Run: `python -m eagleray.jobs.bench train [--models smollm2,8b] [--batch 8] [--s
 
   P_fc (fc, run once per slot), P_layer (the decoder layer and final norm) and P_lm_head (draft
   vocab x H) are trainable parameter counts; the peak default 989 TFLOP/s is the H200's dense bf16.
-- peak memory: ``torch.cuda.max_memory_allocated`` from before the model is built to the last step.
+- peak memory: ``torch.cuda.max_memory_allocated`` from before the model is built to the last step;
+  ``static_memory_GiB``: allocated after building the model, the target tensors and the batch (no optimiser state yet).
+  A case that runs out of memory is recorded with its ``error`` and the next model still runs.
 """
 
 from __future__ import annotations
@@ -124,6 +126,10 @@ def model_flops(model: TTTModel, params: dict[str, int], b: int, t: int) -> dict
     return {**parts, "total": sum(parts.values())}
 
 
+def _sig(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
 def time_steps(step, n: int, device: torch.device) -> list[float]:
     """Seconds of each of ``n`` calls of ``step()`` (CUDA events on CUDA)."""
     times = []
@@ -168,9 +174,9 @@ def case(name: str, args, device: torch.device) -> dict:
     losses = []
     for _ in range(args.warmup):
         step()
-        losses.append(float(state["out"].loss))
+        losses.append(float(state["out"].loss.detach()))
     times = time_steps(step, args.steps, device)
-    loss = float(state["out"].loss)
+    loss = float(state["out"].loss.detach())
     sec = statistics.median(times)
     params = param_counts(model)
     flops = model_flops(model, params, b, t)
@@ -181,15 +187,15 @@ def case(name: str, args, device: torch.device) -> dict:
                step_ms=round(sec * 1e3, 3), step_ms_mean=round(statistics.fmean(times) * 1e3, 3),
                step_ms_min=round(min(times) * 1e3, 3), step_ms_max=round(max(times) * 1e3, 3),
                tokens_per_s=round(b * t / sec, 1), params=params,
-               model_flops_per_step={k: float(f"{v:.4g}") for k, v in flops.items()},
-               model_TFLOPs=round(flops["total"] / sec / 1e12, 2), flop_fraction=round(flops["total"] / sec / peak, 4),
+               model_flops_per_step={k: _sig(v) for k, v in flops.items()},
+               model_TFLOPs=_sig(flops["total"] / sec / 1e12), flop_fraction=_sig(flops["total"] / sec / peak),
                peak_memory_GiB=round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2) if cuda else None,
                static_memory_GiB=round(static_bytes / 2 ** 30, 2) if cuda else None,
                loss_first=losses[0] if losses else None, loss_last=loss, grad_norm_last=state["grad_norm"],
                build_s=round(build_s, 2))
     log(f"  {name:8s} B={b} T={t} k={model.ttt_steps}: {rec['step_ms']:.1f} ms/step, {rec['tokens_per_s']:,.0f} tok/s, "
         f"{rec['model_TFLOPs']} TFLOP/s ({rec['flop_fraction']:.1%} of {args.peak_tflops}), "
-        f"peak {rec['peak_memory_GiB']} GiB, loss {loss:.3f}")
+        f"peak {rec['peak_memory_GiB'] or '-'} GiB, loss {loss:.3f}")
     return rec
 
 
@@ -260,7 +266,7 @@ def table(result: dict) -> str:
             continue
         lines.append(f"| {r['model']} | {r['batch']}x{r['seq_len']} | {r['ttt_steps']} | {r['params']['trainable'] / 1e6:.1f} | "
                      f"{r['step_ms']} | {r['tokens_per_s']:,.0f} | {r['model_TFLOPs']} | {r['flop_fraction']} | "
-                     f"{r['peak_memory_GiB']} | {r['loss_last']:.3f} |")
+                     f"{'-' if r['peak_memory_GiB'] is None else r['peak_memory_GiB']} | {r['loss_last']:.3f} |")
     return "\n".join(lines)
 
 

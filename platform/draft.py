@@ -12,6 +12,12 @@ A draft directory holds ``config.json`` and ``model.safetensors``:
   ``midlayer.mlp.{gate,up}_proj.weight`` [I, H], ``midlayer.mlp.down_proj.weight`` [H, I], ``norm.weight`` [H],
   ``lm_head.weight`` [draft_vocab, H], ``d2t`` [draft_vocab] int64 (target_id = draft_id + d2t[draft_id]),
   ``t2d`` [vocab] bool, optionally ``embed_tokens.weight`` [vocab, H] (else the target's is shared).
+
+A full-vocabulary draft (``draft_vocab_size == vocab_size``) has the identity map and is written
+without ``d2t``/``t2d``: vLLM's ``Eagle3LlamaForCausalLM`` only has a ``draft_id_to_target_id``
+parameter when the two sizes differ, yet renames any ``d2t`` it reads to that name and refuses the
+checkpoint ("no module or parameter named 'draft_id_to_target_id'"). :meth:`DraftCheckpoint.load_tensors`
+gives the identity maps back to readers that ask for them.
 """
 
 from __future__ import annotations
@@ -124,6 +130,10 @@ class DraftCheckpoint:
                 for name in sf.keys():
                     if names is None or name in names:
                         out[name] = sf.get_tensor(name)
+        vocab = self.config.get("vocab_size")
+        if vocab is not None and self.draft_vocab_size == int(vocab):
+            wanted = [n for n in ("d2t", "t2d") if n not in out and (names is None or n in names)]
+            out.update({n: t for n, t in identity_maps(self.draft_vocab_size).items() if n in wanted})
         return out
 
 
@@ -165,8 +175,26 @@ def save_draft(out_dir: str | Path, config: dict[str, Any], tensors: dict[str, t
     cfg = dict(config)
     if metadata is not None:
         cfg["eagleray"] = metadata.model_dump(mode="json")
+    tensors = _without_identity_maps(cfg, tensors)
     with atomic_dir(out) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / WEIGHTS_FILE),
                   metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out
+
+
+def identity_maps(vocab: int) -> dict[str, torch.Tensor]:
+    """The vocabulary maps of a full-vocabulary draft: d2t [V] int64 zeros, t2d [V] bool ones."""
+    return {"d2t": torch.zeros(vocab, dtype=torch.int64), "t2d": torch.ones(vocab, dtype=torch.bool)}
+
+
+def _without_identity_maps(cfg: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop d2t/t2d of a full-vocabulary draft (vLLM cannot load them, see the module docstring)."""
+    vocab = cfg.get("vocab_size")
+    if vocab is None or int(cfg.get("draft_vocab_size") or vocab) != int(vocab) or "d2t" not in tensors:
+        return tensors
+    if bool(tensors["d2t"].any()):
+        raise EaglerayError(f"draft.weights.d2t: draft_vocab_size == vocab_size == {vocab} but d2t is not the identity map "
+                            f"(vLLM cannot load a permuted full vocabulary)\n"
+                            f"    fix: build the maps with eagleray.platform.draft_factory.vocab_map, or use a smaller draft_vocab_size")
+    return {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}

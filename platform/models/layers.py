@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.arch import LlamaArch
 from eagleray.platform.models.attention import AttentionMetadata, paged_attention
 from eagleray.platform.models.rope import RotaryEmbedding
-from eagleray.platform.models.tp import ColumnParallelLinear, RowParallelLinear, TPInfo, default_weight_loader, divide, new_param
+from eagleray.platform.models.tp import ColumnParallelLinear, RowParallelLinear, TPInfo, default_weight_loader, new_param, split_sizes
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]  # one layer's K, V [num_blocks, block_size, Hkv_local, D]
 
@@ -51,15 +52,21 @@ class SelfAttention(nn.Module):
         super().__init__()
         d, dt = arch.head_dim, arch.dtype
         inp = in_features or arch.hidden_size
-        self.heads = divide(arch.num_heads, tp.world, "num_attention_heads")
-        self.kv_heads = divide(arch.num_kv_heads, tp.world, "num_key_value_heads")
+        if arch.num_heads % arch.num_kv_heads:
+            raise EaglerayError(f"num_attention_heads={arch.num_heads} is not a multiple of num_key_value_heads={arch.num_kv_heads}\n"
+                                "    fix: the config.json is not a GQA Llama-family config")
+        kv_parts = split_sizes(arch.num_kv_heads, tp.world, "num_key_value_heads")  # whole GQA groups per rank
+        group = arch.num_heads // arch.num_kv_heads
+        q_sizes, kv_sizes = [n * group * d for n in kv_parts], [n * d for n in kv_parts]
+        self.kv_heads = kv_parts[tp.rank]
+        self.heads = self.kv_heads * group
         self.head_dim = d
         self.scale = d ** -0.5
         self.sliding_window = arch.sliding_window
-        self.q_proj = ColumnParallelLinear(inp, arch.num_heads * d, arch.qkv_bias, tp, dt, device, "num_attention_heads*head_dim")
-        self.k_proj = ColumnParallelLinear(inp, arch.num_kv_heads * d, arch.qkv_bias, tp, dt, device, "num_key_value_heads*head_dim")
-        self.v_proj = ColumnParallelLinear(inp, arch.num_kv_heads * d, arch.qkv_bias, tp, dt, device, "num_key_value_heads*head_dim")
-        self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, arch.o_bias, tp, dt, device, "num_attention_heads*head_dim")
+        self.q_proj = ColumnParallelLinear(inp, arch.num_heads * d, arch.qkv_bias, tp, dt, device, "num_attention_heads*head_dim", q_sizes)
+        self.k_proj = ColumnParallelLinear(inp, arch.num_kv_heads * d, arch.qkv_bias, tp, dt, device, "num_key_value_heads*head_dim", kv_sizes)
+        self.v_proj = ColumnParallelLinear(inp, arch.num_kv_heads * d, arch.qkv_bias, tp, dt, device, "num_key_value_heads*head_dim", kv_sizes)
+        self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, arch.o_bias, tp, dt, device, "num_attention_heads*head_dim", q_sizes)
         self.q_norm = RMSNorm(d, arch.rms_norm_eps, dt, device) if arch.qk_norm else None
         self.k_norm = RMSNorm(d, arch.rms_norm_eps, dt, device) if arch.qk_norm else None
         self.rotary = RotaryEmbedding(arch.rope, d, device)

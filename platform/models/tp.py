@@ -8,6 +8,10 @@ Sharding (Megatron style):
 
 - :class:`ColumnParallelLinear`: weight [out/tp, in]; output stays sharded along the last dim.
 - :class:`RowParallelLinear`: weight [out, in/tp]; partial outputs are all-reduced, bias added once.
+- Attention heads are dealt out by KV group (:func:`split_sizes`): a rank holds whole GQA groups
+  (its KV heads and the query heads that read them). When the KV heads do not divide by the TP size
+  the shards are uneven (SmolLM2's 3 KV heads over 2 ranks: 2 + 1 groups, i.e. 6 + 3 query heads);
+  the row-parallel all-reduce sums uneven partials exactly like even ones.
 - :class:`VocabParallelEmbedding`: rows [V_pad/tp, H] per rank; lookups outside the shard give 0,
   then all-reduce.
 - :class:`ParallelLMHead`: same row shards as the embedding (so tying shares the Parameter);
@@ -49,6 +53,14 @@ def divide(n: int, world: int, what: str) -> int:
     return n // world
 
 
+def split_sizes(n: int, world: int, what: str) -> list[int]:
+    """``n`` items dealt to ``world`` ranks as evenly as possible (lower ranks get the extra one)."""
+    if n < world:
+        raise EaglerayError(f"{what}={n} cannot be split over tensor-parallel size {world} (every rank needs at least one)\n"
+                            f"    fix: choose a tensor-parallel size <= {n}")
+    return [n // world + (1 if r < n % world else 0) for r in range(world)]
+
+
 def all_reduce(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     """Sum ``x`` over the group in place (identity at world 1)."""
     if tp.world > 1:
@@ -72,14 +84,25 @@ def _copy_loader(param: torch.Tensor, full: torch.Tensor) -> None:
     param.data.copy_(full)
 
 
-def _shard_loader(dim: int, rank: int, world: int):
-    """A loader that copies slice ``rank`` of ``world`` equal parts of ``full`` along ``dim``."""
+def _shard_loader(dim: int, rank: int, sizes: list[int]):
+    """A loader that copies this rank's part of ``full`` along ``dim`` (parts of ``sizes``, in rank order)."""
+    offset = sum(sizes[:rank])
+
     def load(param: torch.Tensor, full: torch.Tensor) -> None:
-        if full.shape[dim] != param.shape[dim] * world:
+        if full.shape[dim] != sum(sizes) or param.shape[dim] != sizes[rank]:
             raise EaglerayError(f"weight shape {tuple(full.shape)} does not shard into {tuple(param.shape)} "
-                                f"x{world} along dim {dim}\n    fix: the checkpoint does not belong to this config.json")
-        _copy_loader(param, full.chunk(world, dim=dim)[rank])
+                                f"(parts {sizes}) along dim {dim}\n    fix: the checkpoint does not belong to this config.json")
+        _copy_loader(param, full.narrow(dim, offset, sizes[rank]))
     return load
+
+
+def _sizes(n: int, tp: TPInfo, what: str, sizes: list[int] | None) -> list[int]:
+    """Per-rank parts of ``n``: ``sizes`` when given (checked), else equal parts (``n`` must divide)."""
+    if sizes is None:
+        return [divide(n, tp.world, what)] * tp.world
+    if len(sizes) != tp.world or sum(sizes) != n or min(sizes) < 1:
+        raise EaglerayError(f"{what}: parts {sizes} do not split {n} over {tp.world} ranks (engine bug)")
+    return sizes
 
 
 def new_param(shape: tuple[int, ...], dtype: torch.dtype, device, loader) -> nn.Parameter:
@@ -97,12 +120,13 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by output rows: x [T, in] -> y [T, out/tp]."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo,
-                 dtype: torch.dtype, device=None, what: str = "out_features"):
+                 dtype: torch.dtype, device=None, what: str = "out_features", sizes: list[int] | None = None):
         super().__init__()
         self.tp = tp
-        local = divide(out_features, tp.world, what)
-        self.weight = new_param((local, in_features), dtype, device, _shard_loader(0, tp.rank, tp.world))
-        self.bias = new_param((local,), dtype, device, _shard_loader(0, tp.rank, tp.world)) if bias else None
+        parts = _sizes(out_features, tp, what, sizes)
+        local = parts[tp.rank]
+        self.weight = new_param((local, in_features), dtype, device, _shard_loader(0, tp.rank, parts))
+        self.bias = new_param((local,), dtype, device, _shard_loader(0, tp.rank, parts)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out/tp]
         return nn.functional.linear(x, self.weight, self.bias)
@@ -112,11 +136,12 @@ class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by input columns: x [T, in/tp] -> y [T, out] (all-reduced)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo,
-                 dtype: torch.dtype, device=None, what: str = "in_features"):
+                 dtype: torch.dtype, device=None, what: str = "in_features", sizes: list[int] | None = None):
         super().__init__()
         self.tp = tp
-        local = divide(in_features, tp.world, what)
-        self.weight = new_param((out_features, local), dtype, device, _shard_loader(1, tp.rank, tp.world))
+        parts = _sizes(in_features, tp, what, sizes)
+        local = parts[tp.rank]
+        self.weight = new_param((out_features, local), dtype, device, _shard_loader(1, tp.rank, parts))
         self.bias = new_param((out_features,), dtype, device, default_weight_loader) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in/tp] -> [T, out]

