@@ -2,7 +2,9 @@
 
 Suites print a table and write JSON (see each suite's --help). Available: `verify` (Triton
 verification kernels vs the PyTorch reference and vLLM). `train` (EAGLE-3 TTT training
-throughput of a SmolLM2- and an 8B-shaped draft, jobs/bench_train.py). Room for more (e.g. `spec`, end-to-end).
+throughput of a SmolLM2- and an 8B-shaped draft, jobs/bench_train.py). `vllm` (the same EAGLE-3 draft
+in eagleray and in vLLM on CPU, fp32, T=0: τ, acceptance per position, tokens/s and output agreement
+side by side, jobs/bench_vllm.py). Room for more (e.g. `spec`, end-to-end).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 
 # suite name -> module with a `run(argv) -> dict` function
 SUITES = {"verify": "eagleray.kernels.bench_verify", "gpu": "eagleray.jobs.bench_gpu", "spec": "eagleray.jobs.bench_spec",
-          "train": "eagleray.jobs.bench_train"}
+          "train": "eagleray.jobs.bench_train", "vllm": "eagleray.jobs.bench_vllm"}
 
 
 def main(argv: list[str] | None = None) -> int:

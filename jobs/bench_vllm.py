@@ -81,8 +81,8 @@ def vllm_aux_layer_ids(ckpt: DraftCheckpoint, num_layers: int) -> list[int]:
     return sorted({int(i) for i in (ids or (2, num_layers // 2, num_layers - 3))})
 
 
-def check_vllm_loadable(ckpt: DraftCheckpoint, eagleray_aux: list[int], num_layers: int) -> list[int]:
-    """Refuse, before loading vLLM, a draft that vLLM would load differently from eagleray; -> vLLM's aux ids."""
+def check_vllm_loadable(ckpt: DraftCheckpoint, num_layers: int) -> list[int]:
+    """Refuse, before running either engine, a draft vLLM cannot load or would feed differently; -> vLLM's aux ids."""
     vocab = int(ckpt.config.get("vocab_size") or 0)
     if ckpt.draft_vocab_size == vocab and "d2t" in ckpt.shapes:
         # llama_eagle3.py: no draft_id_to_target_id parameter when draft_vocab_size == target vocab, yet load_weights
@@ -90,9 +90,9 @@ def check_vllm_loadable(ckpt: DraftCheckpoint, eagleray_aux: list[int], num_laye
         raise EaglerayError(f"draft.weights.d2t: {ckpt.path} is a full-vocabulary draft (draft_vocab_size == vocab_size == {vocab}) "
                             f"that stores d2t/t2d, which vLLM cannot load\n"
                             f"    fix: re-save it with eagleray.platform.draft.save_draft (it drops the identity maps)")
-    ids = vllm_aux_layer_ids(ckpt, num_layers)
-    if ids != sorted(eagleray_aux):
-        raise EaglerayError(f"{AUX_FIELD}: vLLM would capture target layers {ids} but eagleray feeds the draft {sorted(eagleray_aux)}, "
+    ids, ours = vllm_aux_layer_ids(ckpt, num_layers), ckpt.aux_layer_ids  # ours: eagle_config, else the eagleray block
+    if ours is not None and ids != sorted(ours):  # None: eagleray's guard names the missing field
+        raise EaglerayError(f"{AUX_FIELD}: vLLM would capture target layers {ids} but eagleray feeds the draft {sorted(ours)}, "
                             f"so the two τ cannot be compared\n"
                             f"    fix: write the draft's aux layer ids into {AUX_FIELD} (eagleray.platform.draft_factory.eagle3_config does)")
     return ids
@@ -129,10 +129,12 @@ def run_eagleray(args, token_prompts: list[list[int]], draft_dir: Path) -> tuple
         outs, seconds = _timed_generate(engine, token_prompts, params)
     finally:
         close_target(target)
-    s = engine.metrics.spec
     ids = [list(o.token_ids) for o in outs]
-    row = summarize(sum(map(len, ids)), seconds, s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
-                    _pad(s.accepted_per_pos, args.k))
+    per_request = [o.spec for o in outs]  # SpecStats.to_dict of each timed request (the warm-up excluded)
+    per_pos = [sum(col) for col in zip(*(_pad(r["accepted_per_pos"], args.k) for r in per_request))]
+    total = {key: sum(r[key] for r in per_request) for key in VLLM_COUNTERS}
+    row = summarize(sum(map(len, ids)), seconds, total["num_drafts"], total["num_draft_tokens"],
+                    total["num_accepted_tokens"], per_pos)
     return row, ids, aux
 
 
@@ -146,6 +148,9 @@ def vllm_spec_counters(metrics: list) -> dict:
                 out[key] += int(m.value)
         if m.name == VLLM_PER_POS:
             out["per_pos"] = [a + b for a, b in zip(_pad(out["per_pos"], len(m.values)), m.values)]
+    if not any(m.name == VLLM_COUNTERS["num_drafts"] for m in metrics):
+        raise EaglerayError(f"vLLM reported no {VLLM_COUNTERS['num_drafts']} counter (stats off, or speculative decoding not enabled)\n"
+                            f"    fix: build LLM(..., disable_log_stats=False, speculative_config={{'method': 'eagle3', ...}})")
     return out
 
 
@@ -207,19 +212,19 @@ def measure(args) -> dict:
     target_dir = resolve_target(args.target, "fp32")
     with tempfile.TemporaryDirectory(prefix="eagleray-bench-vllm-") as work:
         draft_dir = resolve_draft_dir(args.draft, target_dir, Path(work))
+        ckpt = DraftCheckpoint.open(draft_dir)
+        check_vllm_loadable(ckpt, TargetSpec.from_dir(target_dir).num_layers)
         token_prompts = tokenize(target_dir, messages)
         ours, ours_ids, ours_aux = run_eagleray(args, token_prompts, draft_dir)
-        check_vllm_loadable(DraftCheckpoint.open(draft_dir), ours_aux, TargetSpec.from_dir(target_dir).num_layers)
         theirs, theirs_ids, theirs_aux = run_vllm(args, token_prompts, target_dir, draft_dir)
-        draft_vocab = DraftCheckpoint.open(draft_dir).draft_vocab_size
-    if theirs_aux != ours_aux:
+    if theirs_aux != ours_aux:  # what each engine actually captured
         raise EaglerayError(f"{AUX_FIELD}: vLLM captured target layers {theirs_aux}, eagleray {ours_aux}\n"
                             f"    fix: write the draft's aux layer ids into {AUX_FIELD}")
     import vllm
 
     return {"target": args.target, "draft": args.draft, "prompts": args.prompts, "num_prompts": len(messages),
             "max_tokens": args.max_tokens, "k": args.k, "batch": args.batch, "temperature": 0.0, "ignore_eos": True,
-            "dtype": "fp32", "device": "cpu", "draft_vocab_size": draft_vocab,
+            "dtype": "fp32", "device": "cpu", "draft_vocab_size": ckpt.draft_vocab_size,
             "aux_layer_ids": {"eagleray": ours_aux, "vllm": theirs_aux}, "vllm_version": vllm.__version__,
             "machine": std_platform.processor() or std_platform.machine(), "threads": torch.get_num_threads(),
             "date": time.strftime("%Y-%m-%d"), "eagleray": ours, "vllm": theirs,

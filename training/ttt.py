@@ -86,19 +86,28 @@ class TTTModel(nn.Module):
         self.register_buffer("t2d", t2d.to(torch.bool), persistent=False)  # [V]
         self.register_buffer("draft_ids", torch.nonzero(t2d).flatten(), persistent=False)  # [Vd] target id of each draft id
 
-    def targets(self, final_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Target distribution over the draft vocab [B, T, Vd], full-vocab argmax [B, T], in-draft-vocab [B, T]."""
+    def targets(self, final_hidden: torch.Tensor, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Target distribution over the draft vocab [B, T, Vd], full-vocab argmax [B, T], in-draft-vocab [B, T].
+
+        With ``keep`` [B, T] bool only those positions are computed (the loss-masked ones: every other
+        position is multiplied by loss_mask = 0 downstream); the rest hold zeros / argmax 0.
+        """
         with torch.no_grad():
-            logits = final_hidden.float() @ self.target_head.float().T  # [B, T, V]
-            argmax = logits.argmax(-1)  # [B, T]
-            probs = torch.softmax(logits[..., self.draft_ids], dim=-1)  # [B, T, Vd]
+            b, t, _ = final_hidden.shape
+            keep = torch.ones(b, t, dtype=torch.bool, device=final_hidden.device) if keep is None else keep
+            logits = final_hidden[keep].float() @ self.target_head.float().T  # [N, V]
+            argmax = torch.zeros(b, t, dtype=torch.long, device=final_hidden.device)  # [B, T]
+            argmax[keep] = logits.argmax(-1)
+            probs = final_hidden.new_zeros(b, t, self.draft_ids.numel(), dtype=torch.float32)  # [B, T, Vd]
+            probs[keep] = torch.softmax(logits[:, self.draft_ids], dim=-1)
             return probs, argmax, self.t2d[argmax]
 
     def forward(self, batch: TTTBatch) -> TTTOutput:
         ids, mask = batch.input_ids, batch.loss_mask.float()  # [B, T]
         b, t = ids.shape
         k = min(self.ttt_steps, t - 1)
-        probs, argmax, in_vocab = self.targets(batch.final_hidden)
+        keep = mask > 0  # [B, T] loss-masked positions: the only ones whose logits enter loss or accuracy
+        probs, argmax, in_vocab = self.targets(batch.final_hidden, keep)
         hidden = self.draft.combine_hidden_states(batch.aux)  # [B, T, H]
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         losses, stats, correct = [], [], []
@@ -107,9 +116,13 @@ class TTTModel(nn.Module):
             step_ids = F.pad(ids[:, 1 + i:], (0, 1 + i))  # [B, T] x_{t+1+i}
             positions = torch.arange(t, device=ids.device) + i  # [T]
             normed, hidden = self.step(step_ids, positions, hidden, cache)  # [B, T, H] each
-            logits = self.draft.compute_logits(normed[:, :n])  # [B, n, Vd]
             sl = slice(1 + i, None)  # target positions t+1+i of slots 0..n-1
-            ploss, row, hit = step_terms(logits, probs[:, sl], mask[:, sl], in_vocab[:, sl], argmax[:, sl], self.draft_ids)
+            sel = keep[:, sl]  # [B, n]; the draft lm_head runs on these slots only
+            logits = self.draft.compute_logits(normed[:, :n][sel])  # [N, Vd]
+            ploss, row, hit_sel = step_terms(logits, probs[:, sl][sel], mask[:, sl][sel], in_vocab[:, sl][sel],
+                                             argmax[:, sl][sel], self.draft_ids)
+            hit = mask.new_zeros(b, n)  # [B, n]
+            hit[sel] = hit_sel
             losses.append(self.loss_decay ** i * ploss)
             correct.append(F.pad(hit, (0, t - 1 - n)))  # [B, T-1]
             stats.append(row)
@@ -132,10 +145,11 @@ class TTTModel(nn.Module):
 
 def step_terms(logits: torch.Tensor, probs: torch.Tensor, loss_mask: torch.Tensor, in_vocab: torch.Tensor,
                target_argmax: torch.Tensor, draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One TTT step's loss terms (module doc): logits [B, n, Vd], probs [B, n, Vd], masks/argmax [B, n].
+    """One TTT step's loss terms (module doc): logits [..., Vd], probs [..., Vd], masks/argmax [...]
+    (any leading shape: [B, n], or [N] for the gathered loss-masked slots).
 
     Returns ploss [] (with grad), stats row [4] (ploss numerator, trained positions, hits, loss-masked
-    positions; detached) and hits [B, n] (draft argmax mapped to target ids == target argmax, masked).
+    positions; detached) and hits [...] (draft argmax mapped to target ids == target argmax, masked).
     """
     m = loss_mask * in_vocab.float()  # [B, n] trained positions
     ce = -(probs * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # [B, n]

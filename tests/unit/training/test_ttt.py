@@ -100,3 +100,42 @@ def test_window_keeps_the_answer_of_long_rows():
     ids, mask, spans = pad_tokens([row, {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}], 16)
     assert spans == [(82, 98), (0, 3)] and ids.shape == (2, 16)
     assert mask[0].sum() == 8 and ids[0, 0] == 82 and ids[1, :3].tolist() == [5, 6, 7]
+
+
+def _dense_forward(m, batch):
+    """The unroll with the lm_heads over EVERY position (what TTTModel computed before it gathered the
+    loss-masked slots): loss, stats and simulated τ must not change."""
+    import torch.nn.functional as F
+
+    from eagleray.training.ttt import _sim_tau
+
+    ids, mask = batch.input_ids, batch.loss_mask.float()
+    b, t = ids.shape
+    probs, argmax, in_vocab = m.targets(batch.final_hidden)
+    hidden, cache, losses, stats, correct = m.draft.combine_hidden_states(batch.aux), [], [], [], []
+    for i in range(min(m.ttt_steps, t - 1)):
+        n = t - 1 - i
+        normed, hidden = m.step(F.pad(ids[:, 1 + i:], (0, 1 + i)), torch.arange(t) + i, hidden, cache)
+        sl = slice(1 + i, None)
+        ploss, row, hit = step_terms(m.draft.compute_logits(normed[:, :n]), probs[:, sl], mask[:, sl], in_vocab[:, sl],
+                                     argmax[:, sl], m.draft_ids)
+        losses.append(m.loss_decay ** i * ploss)
+        correct.append(F.pad(hit, (0, t - 1 - n)))
+        stats.append(row)
+    return torch.stack(losses).sum(), torch.stack(stats), _sim_tau(correct, mask)
+
+
+def test_gathered_masked_slots_equal_the_dense_unroll(model):
+    m, spec = model
+    batch = _batch(spec, b=3, t=14, seed=5)
+    mask = torch.zeros(3, 14)
+    mask[0, 5:] = 1  # an answer after a prompt
+    mask[1, 2:9] = 1  # an answer, then padding
+    mask[2, 13] = 1  # one masked token only
+    batch.loss_mask = mask
+    with torch.no_grad():
+        out = m(batch)
+        loss, stats, tau = _dense_forward(m, batch)
+    torch.testing.assert_close(out.loss, loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.stats, stats, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(out.tau, tau)
