@@ -50,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _timed_generate(engine: LLMEngine, prompts, params: SamplingParams) -> tuple[list, float]:
     engine.generate(prompts[:1], params.model_copy(update={"max_tokens": 4}))  # warm-up
+    engine.metrics = type(engine.metrics)()  # counters (τ, acceptance) cover the timed run only
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
     return outs, time.perf_counter() - t0
