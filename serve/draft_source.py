@@ -66,6 +66,7 @@ def resolve(uri: str, mlflow_cfg: MlflowConfig) -> ResolvedDraft:
         logger.info("downloading %s (version %s) to %s", uri, version.version, dest)
         try:
             registry.resolve_draft(version.uri, tmp)
+            find_draft_dir(tmp)  # MLflow returns an empty directory when the artifacts are gone: never cache that
             os.replace(tmp, dest)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

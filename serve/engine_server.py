@@ -192,4 +192,8 @@ class EngineServer:
             if version not in (self.drafts.version, tried):
                 logger.info("alias %s moved to %s; hot-swapping", uri, version)
                 tried = version
-                await self.drafts.swap(uri)
+                try:
+                    await self.drafts.swap(uri)  # refusals are recorded by swap; anything else must not end the poller
+                except Exception:  # noqa: BLE001 - logged with traceback and counted, poll again
+                    logger.exception("alias poll of %s: swap to %s failed", uri, version)
+                    self.metrics.record_swap("failed_load")

@@ -1,10 +1,14 @@
 """Serving metrics through Ray Serve's Prometheus export, with vLLM's speculative-decoding names.
 
-Ray forbids ``:`` in metric names and prefixes every exported name with ``ray_``, so vLLM's
-``vllm:spec_decode_num_drafts`` is exported as ``ray_spec_decode_num_drafts`` (same suffixes for
-``_num_draft_tokens``, ``_num_accepted_tokens``, ``_num_accepted_tokens_per_pos``). eagleray's own
-series start with ``eagleray_``. Every value is also kept in :attr:`ServeMetrics.snapshot` so the
-engine deployment can report it (``GET /health`` and the tests read it without scraping).
+Ray forbids ``:`` in metric names, prefixes every exported name with ``ray_`` and its Prometheus
+exporter ends counters with ``_total``, so vLLM's ``vllm:spec_decode_num_drafts`` is scraped as
+``ray_spec_decode_num_drafts_total`` (likewise ``ray_spec_decode_num_draft_tokens_total``,
+``ray_spec_decode_num_accepted_tokens_total``, ``ray_spec_decode_num_accepted_tokens_per_pos_total``
+with label ``position``). eagleray's own series are scraped as ``ray_eagleray_*`` (counters already
+named ``*_total`` keep one suffix). Every series also carries Ray Serve's ``application``,
+``deployment`` and ``replica`` labels and ``model_name``. Every value is also kept in
+:attr:`ServeMetrics.snapshot` so the engine deployment can report it (``GET /health``).
+tests/integration/test_serve_registry_metrics.py scrapes them from Ray's metrics export port.
 """
 
 from __future__ import annotations

@@ -2,6 +2,11 @@
 
 One Ray instance for the module, started with a metrics export port and a 1 s metrics report interval:
 
+The target is the tiny random Llama with its final norm zeroed (all logits 0, so greedy decoding always
+emits token 0) and version 1 is a draft with its final norm zeroed (it always proposes token 0): every
+draft token is accepted (τ = k + 1), so the acceptance counters are non-zero. Version 2 is an untrained
+random draft (τ ≈ 1), so a hot-swap shows in τ, not only in the version label.
+
 * the vLLM-named speculative-decoding counters, τ and the draft-version gauge are scraped from
   ``http://127.0.0.1:<port>/metrics`` (the names Ray exports: ``ray_`` prefix, ``_total`` on counters)
   and equal the engine's own counts;
@@ -12,11 +17,15 @@ One Ray instance for the module, started with a metrics export port and a 1 s me
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 
+from pathlib import Path
+
 import httpx
 import pytest
+import torch
 
 from eagleray.platform import registry
 from eagleray.platform.draft_factory import make_random_draft
@@ -26,6 +35,7 @@ from eagleray.platform.target import TargetSpec
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CTX = 128
+K = 3  # draft tokens per verification step
 NAME = "tiny-draft"
 URI = f"models:/{NAME}@champion"
 # The vLLM names (``vllm:spec_decode_*``) as Ray exports them: ':' is not allowed, Ray adds ``ray_``,
@@ -48,17 +58,40 @@ def _restore_env(saved: dict[str, str | None]) -> None:
             os.environ[k] = v
 
 
+def _zero(model_dir: Path, key: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    for f in model_dir.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        if key in tensors:
+            tensors[key] = torch.zeros_like(tensors[key])
+            save_file(tensors, str(f), metadata={"format": "pt"})
+            return
+    raise KeyError(f"{key} not in {model_dir}")
+
+
 @pytest.fixture(scope="module")
-def reg(tiny_target, tmp_path_factory):
-    """A sqlite MLflow registry with NAME/1, NAME/2 (random drafts) and NAME/3 (aux layer 99: incompatible)."""
+def constant_target(tiny_target, tmp_path_factory) -> Path:
+    """The tiny target with ``model.norm.weight`` = 0: every logit is 0, greedy decoding emits token 0."""
+    out = tmp_path_factory.mktemp("constant") / "target"
+    shutil.copytree(tiny_target, out)
+    _zero(out, "model.norm.weight")
+    return out
+
+
+@pytest.fixture(scope="module")
+def reg(constant_target, tmp_path_factory):
+    """A sqlite MLflow registry: NAME/1 always proposes token 0 (τ = 4), NAME/2 is random (τ ≈ 1),
+    NAME/3 reads target layer 99 (incompatible); champion -> 1."""
     import mlflow
 
     saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "EAGLERAY_HOME")}
     root = tmp_path_factory.mktemp("registry")
     uri = registry.configure(f"sqlite:///{root / 'mlflow.db'}", experiment="serve-alias")
-    spec = TargetSpec.from_dir(tiny_target)
+    spec = TargetSpec.from_dir(constant_target)
     drafts = [make_random_draft(spec, root / "d1", seed=1), make_random_draft(spec, root / "d2", seed=2),
               make_random_draft(spec, root / "bad", aux_layer_ids=[1, 4, 99], seed=3)]
+    _zero(drafts[0], "norm.weight")
     versions = []
     for d in drafts:
         with mlflow.start_run() as run:
@@ -71,7 +104,7 @@ def reg(tiny_target, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_target, reg):
+def server(constant_target, reg):
     """Ray with a Prometheus export port; the app serves models:/NAME@champion and polls the alias every 1 s."""
     import ray
 
@@ -85,8 +118,8 @@ def server(tiny_target, reg):
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
              _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
     cfg = ServingConfig.model_validate({
-        "target": {"model": str(tiny_target), "device": "cpu", "max_model_len": CTX},
-        "draft": {"source": URI, "num_speculative_tokens": 3},
+        "target": {"model": str(constant_target), "device": "cpu", "max_model_len": CTX},
+        "draft": {"source": URI, "num_speculative_tokens": K, "policy": {"adaptive": False}},
         "alias_poll_seconds": 1, "mlflow": {"tracking_uri": tracking_uri},
         "model_name": "tiny", "api_key": KEY, "max_num_seqs": 8})
     try:
@@ -135,38 +168,49 @@ def until(fn, timeout_s: float, what: str, every: float = 0.5):
     pytest.fail(f"{what} within {timeout_s:.0f}s; last: {last!r}")
 
 
+def move_alias(cfg: ServingConfig, version: str) -> None:
+    """MlflowClient on the served registry (not the process-wide tracking URI another test may have moved)."""
+    from mlflow import MlflowClient
+
+    MlflowClient(tracking_uri=cfg.mlflow.tracking_uri).set_registered_model_alias(NAME, "champion", version)
+
+
+def serving_version(url: str, cfg: ServingConfig, version: str) -> None:
+    move_alias(cfg, version)  # whatever an earlier test left: the poller follows
+    until(lambda: health(url)["draft_version"] == f"{NAME}/{version}", 30, f"serving version {version}")
+
+
 def test_prometheus_export_has_vllm_spec_decode_counters(server):
-    url, _, metrics_url = server
+    url, cfg, metrics_url = server
+    serving_version(url, cfg, "1")
     exts = []
-    for i, prompt in enumerate(("Explain speculative decoding", "hello world", "write code", "the quick brown fox")):
+    for prompt in ("Explain speculative decoding", "hello world", "write code", "the quick brown fox"):
         r = chat(url, prompt, max_tokens=24)
         assert r.status_code == 200, r.text
         exts.append(r.json()["eagleray"])
-    assert sum(e["num_drafts"] for e in exts) > 0 and sum(e["num_draft_tokens"] for e in exts) > 0
+    assert all(e["num_drafts"] > 0 and e["num_accepted_tokens"] == e["num_draft_tokens"] == K * e["num_drafts"]
+               and e["tau"] == K + 1 and e["draft_version"] == f"{NAME}/1" for e in exts), exts
     own = health(url)["metrics"]  # the replica's own totals (every request of this module so far)
     want = {name: own.get(name.removeprefix("ray_").removesuffix("_total"), 0) for name in VLLM_COUNTERS}
 
-    def exported():
+    def exported():  # Ray exports every second here (metrics_report_interval_ms=1000)
         s = scrape(metrics_url)
-        return s if all(total(s, n) == v for n, v in want.items()) and total(s, REQUESTS) >= len(exts) else None
+        return s if all(total(s, n) == v for n, v in want.items()) and total(s, REQUESTS) == own["requests"] else None
 
     s = until(exported, 60, f"Prometheus counters equal to the engine's own {want}")
     drafts, proposed, accepted = (total(s, n) for n in VLLM_COUNTERS)
-    print(f"\nexported: {sorted(s)}\ndrafts={drafts} draft_tokens={proposed} accepted={accepted}")
-    assert drafts > 0 and proposed >= drafts and proposed > 0 and accepted > 0
-    assert accepted <= proposed and proposed <= 3 * drafts  # k=3 draft tokens per verification at most
-    if PER_POS in s:  # per position: only positions that accepted something have a series
-        assert total(s, PER_POS) == accepted
-        assert {lbl["position"] for lbl, _ in s[PER_POS]} <= {"0", "1", "2"}
-    else:
-        assert accepted == 0
+    print(f"\nexported: {sorted(s)}\nlabels: {sorted(s[VLLM_COUNTERS[0]][0][0])}\n"
+          f"drafts={drafts} draft_tokens={proposed} accepted={accepted}")
+    assert drafts >= sum(e["num_drafts"] for e in exts) and accepted >= sum(e["num_accepted_tokens"] for e in exts)
+    assert 0 < accepted <= proposed <= K * drafts
+    per_pos = {lbl["position"]: v for lbl, v in s[PER_POS]}
+    assert set(per_pos) <= {str(i) for i in range(K)} and per_pos["0"] > 0 and sum(per_pos.values()) == accepted
     labels = s[VLLM_COUNTERS[0]][0][0]
     assert labels["application"] == "eagleray" and labels["deployment"] == "EagleRayEngine"
-    (tau_labels, tau), = s[TAU]
-    assert 1.0 <= tau <= 4.0 and tau == pytest.approx(own["tau"])  # the gauge is the replica's own τ
-    assert total(s, TOKENS_PER_S) > 0 and s[WATCHDOG][0][1] in (0, 1, 2, 3)
-    serving = {lbl["draft_version"] for lbl, v in s[DRAFT_INFO] if v == 1}
-    assert serving == {exts[-1]["draft_version"]} == {f"{NAME}/1"}
+    (_, tau), = s[TAU]
+    assert tau == pytest.approx(own["tau"]) and 1.0 < tau <= K + 1  # the replica's τ over its recent window
+    assert total(s, TOKENS_PER_S) > 0 and s[WATCHDOG][0][1] == 0  # watchdog ok
+    assert {lbl["draft_version"] for lbl, v in s[DRAFT_INFO] if v == 1} == {f"{NAME}/1"}
 
 
 def _background_requests(url: str, stop: threading.Event, results: list) -> threading.Thread:
@@ -174,7 +218,8 @@ def _background_requests(url: str, stop: threading.Event, results: list) -> thre
         i = 0
         while not stop.is_set():
             r = chat(url, f"request {i} hello", max_tokens=8)
-            results.append((r.status_code, r.json()["eagleray"]["draft_version"] if r.status_code == 200 else r.text))
+            ext = r.json()["eagleray"] if r.status_code == 200 else {}
+            results.append((r.status_code, ext.get("draft_version", r.text), ext.get("tau")))
             i += 1
 
     t = threading.Thread(target=loop, daemon=True)
@@ -183,17 +228,14 @@ def _background_requests(url: str, stop: threading.Event, results: list) -> thre
 
 
 def test_alias_poller_hot_swaps_when_the_alias_moves(server):
-    from mlflow import MlflowClient
-
     url, cfg, metrics_url = server
-    registry.set_alias(NAME, "champion", "1")
-    until(lambda: health(url)["draft_version"] == f"{NAME}/1", 30, "serving version 1")
+    serving_version(url, cfg, "1")
     results: list = []
     stop = threading.Event()
     worker = _background_requests(url, stop, results)
     try:
         until(lambda: len(results) >= 2, 60, "requests before the move")
-        MlflowClient(tracking_uri=cfg.mlflow.tracking_uri).set_registered_model_alias(NAME, "champion", "2")
+        move_alias(cfg, "2")
         h = until(lambda: (lambda h: h if h["draft_version"] == f"{NAME}/2" else None)(health(url)), 30,
                   "the poller moving to version 2")
         n = len(results)
@@ -201,12 +243,15 @@ def test_alias_poller_hot_swaps_when_the_alias_moves(server):
     finally:
         stop.set()
         worker.join(60)
-    codes = [c for c, _ in results]
-    versions = [v for c, v in results if c == 200]
-    assert all(c == 200 for c in codes), [r for r in results if r[0] != 200][:3]
+    print(f"\n{len(results)} requests during the move: {[(v, t) for _, v, t in results]}")
+    assert all(c == 200 for c, _, _ in results), [r for r in results if r[0] != 200][:3]
+    versions = [v for _, v, _ in results]
     assert versions[0] == f"{NAME}/1" and versions[-1] == f"{NAME}/2"
     first_v2 = versions.index(f"{NAME}/2")
     assert set(versions[first_v2:]) == {f"{NAME}/2"}  # sequential requests: once swapped, never back
+    # the new weights are really used: version 1 accepts every draft token, version 2 (random) almost none
+    assert all(t == K + 1 for _, v, t in results[:first_v2 - 1])  # (the last v1 request may span the swap)
+    assert all(t is None or t < K + 1 for _, _, t in results[first_v2 + 1:])
     swap = [r for r in h["history"] if r["outcome"] == "swapped"][-1]
     assert swap["source"] == URI and swap["version"] == f"{NAME}/2"
     assert chat(url, "after the swap").json()["eagleray"]["draft_version"] == f"{NAME}/2"
@@ -222,14 +267,12 @@ def test_alias_poller_hot_swaps_when_the_alias_moves(server):
 
 
 def test_alias_moved_to_incompatible_draft_is_refused_and_counted(server):
-    from mlflow import MlflowClient
-
     url, cfg, _ = server
     before = health(url)
     serving = before["draft_version"]
     assert serving in (f"{NAME}/1", f"{NAME}/2")
     refused_before = before["metrics"].get("swaps_refused_guard", 0)
-    MlflowClient(tracking_uri=cfg.mlflow.tracking_uri).set_registered_model_alias(NAME, "champion", "3")
+    move_alias(cfg, "3")
     h = until(lambda: (lambda h: h if h["metrics"].get("swaps_refused_guard", 0) > refused_before else None)(health(url)),
               30, "the guard refusing version 3")
     rec = [r for r in h["history"] if r["outcome"] == "refused_guard"][-1]
@@ -240,3 +283,53 @@ def test_alias_moved_to_incompatible_draft_is_refused_and_counted(server):
     time.sleep(3)  # three more polls: a refused version is not retried until the alias moves again
     after = health(url)
     assert after["metrics"]["swaps_refused_guard"] == refused_before + 1 and after["draft_version"] == serving
+
+
+def test_alias_deleted_poll_errors_are_counted_and_the_poller_recovers(server):
+    """A failing registry lookup (here: the alias is gone) is logged and counted; the draft keeps serving."""
+    from mlflow import MlflowClient
+
+    url, cfg, _ = server
+    serving_version(url, cfg, "1")
+    errors_before = health(url)["metrics"].get("swaps_poll_error", 0)
+    MlflowClient(tracking_uri=cfg.mlflow.tracking_uri).delete_registered_model_alias(NAME, "champion")
+    until(lambda: health(url)["metrics"].get("swaps_poll_error", 0) >= errors_before + 2, 30, "two failed polls")
+    r = chat(url, "registry trouble?")
+    assert r.status_code == 200 and r.json()["eagleray"]["draft_version"] == f"{NAME}/1"
+    move_alias(cfg, "2")  # the poller survived: it follows the alias once it is back
+    until(lambda: health(url)["draft_version"] == f"{NAME}/2", 30, "serving version 2 after the alias is back")
+
+
+def test_registry_download_cache_is_per_source_and_never_empty(tiny_target, tmp_path, monkeypatch):
+    """In-process (no Ray): two registries' 'd/1' are two cache entries; a version whose artifacts are gone is
+    refused without caching an empty directory, and resolves once they are back."""
+    import mlflow
+
+    from eagleray.platform.errors import EaglerayError
+    from eagleray.platform.schemas import MlflowConfig
+    from eagleray.serve.draft_source import resolve
+
+    monkeypatch.setenv("EAGLERAY_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    spec = TargetSpec.from_dir(tiny_target)
+    got = []
+    for i in (1, 2):  # two registries, each with its own version 1 of "d"
+        uri = registry.configure(f"sqlite:///{tmp_path / f'reg{i}' / 'mlflow.db'}", experiment="cache")
+        d = make_random_draft(spec, tmp_path / f"draft{i}", seed=i)
+        with mlflow.start_run() as run:
+            mlflow.log_artifacts(str(d), "draft")
+        registry.register_draft("d", run.info.run_id, "draft")
+        r = resolve("models:/d/1", MlflowConfig(tracking_uri=uri))
+        assert r.version == "d/1" and (r.path / "model.safetensors").read_bytes() == (d / "model.safetensors").read_bytes()
+        got.append(r.path)
+    assert got[0] != got[1]
+    with mlflow.start_run() as run:  # registry 2, version 2: its artifacts disappear before anyone downloads them
+        mlflow.log_artifacts(str(tmp_path / "draft1"), "draft")
+    registry.register_draft("d", run.info.run_id, "draft")
+    artifacts = Path(run.info.artifact_uri.removeprefix("file://")) / "draft"
+    artifacts.rename(artifacts.with_name("moved"))
+    with pytest.raises(EaglerayError, match="expected one draft checkpoint"):
+        resolve("models:/d/2", MlflowConfig(tracking_uri=uri))
+    assert not list((tmp_path / "home" / "drafts" / "d").glob("2-*"))
+    artifacts.with_name("moved").rename(artifacts)
+    assert resolve("models:/d/2", MlflowConfig(tracking_uri=uri)).version == "d/2"
