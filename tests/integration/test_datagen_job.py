@@ -84,6 +84,18 @@ def _job_api_up(url: str) -> bool:
         return False
 
 
+def _submit(cmd: list[str], agent_wait_s: float = 90.0) -> subprocess.CompletedProcess:
+    """`ray job submit`, again while the head's job agent is still starting: the dashboard answers before
+    the raylet's agent registers, and Ray refuses with "No available agent to submit job, please try
+    again later" (seen on a loaded 2-core machine). No job is created by a refused submit."""
+    end = time.monotonic() + agent_wait_s
+    while True:
+        res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
+        if res.returncode == 0 or "No available agent" not in res.stderr + res.stdout or time.monotonic() > end:
+            return res
+        time.sleep(2)
+
+
 def test_driver_killed_then_ray_job_submit_resumes(cluster, tiny_target, tmp_path):
     out = tmp_path / "out"
     cfg = datagen_config(tiny_target, FIXTURE, out, rows_per_shard=2, testing={"chunk_delay_s": 1.0})
@@ -113,7 +125,7 @@ def test_driver_killed_then_ray_job_submit_resumes(cluster, tiny_target, tmp_pat
     # 2. The same config through the real `ray job submit` CLI (blocking; streams the job's output).
     submit = [str(BIN / "ray"), "job", "submit", "--address", cluster["dashboard"], "--",
               *job, "--set", "testing.chunk_delay_s=0"]
-    res = subprocess.run(submit, env=_env(), capture_output=True, text=True, timeout=120)
+    res = _submit(submit)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "already done" in res.stdout and "datagen summary" in res.stdout, res.stdout[-3000:]
 

@@ -77,7 +77,7 @@ def test_serve_run_shipped_yaml(smollm2_fp32, tmp_path):
     cfg_path.write_text(yaml.safe_dump(data, sort_keys=False))
     log = tmp_path / "serve-run.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")  # the log shows the shutdown
     url, model = f"http://127.0.0.1:{port}", serving["model_name"]
     with open(log, "wb") as out:
         # cwd: a scratch directory, so `serve run`'s default --app-dir "." puts nothing of the repo on sys.path
@@ -101,7 +101,7 @@ def test_serve_run_shipped_yaml(smollm2_fp32, tmp_path):
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)  # Ctrl-C: serve.shutdown(), then the driver's local Ray stops
         try:
-            code = proc.wait(timeout=90)
+            code = proc.wait(timeout=180)  # serve.shutdown() drains replicas, then the local Ray stops
         except subprocess.TimeoutExpired:
             code = None
         deadline = time.monotonic() + 30
