@@ -75,12 +75,31 @@ def _fit_local(cfg: TrainingConfig, run_id: str) -> tuple[Path, dict[str, float]
     return session.latest_checkpoint(), metrics
 
 
+def absolute_paths(cfg: TrainingConfig) -> TrainingConfig:
+    """A copy with the local paths made absolute against this process's working directory: data_dir,
+    output_dir, and target.model / init_from when they name existing paths (not 'smollm2' or models:/)."""
+    def local(value: str) -> str:
+        return str(Path(value).resolve()) if Path(value).exists() else value
+
+    cfg = cfg.model_copy(deep=True)
+    if cfg.data_dir != "online":
+        cfg.data_dir = str(Path(cfg.data_dir).resolve())
+    cfg.output_dir = str(Path(cfg.output_dir).resolve())
+    if cfg.target.model.lower() not in ("smollm2", "smollm2-135m-instruct"):
+        cfg.target.model = local(cfg.target.model)
+    if cfg.init_from is not None and not cfg.init_from.startswith("models:/"):
+        cfg.init_from = local(cfg.init_from)
+    if cfg.online is not None:
+        cfg.online.prompts = [local(p) for p in cfg.online.prompts]
+    return cfg
+
+
 def train(cfg: TrainingConfig, emit: Callable[[str], None] = print, run_name: str | None = None) -> TrainResult:
     """Train, then log the draft and register it (see module doc). ``cfg`` is not modified."""
     from eagleray.training.plan import make_plan
     from eagleray.training.tracking import finish_run, start_run
 
-    cfg = cfg.model_copy(deep=True)
+    cfg = absolute_paths(cfg)  # Ray Train workers run in their own working directory
     plan = make_plan(cfg)  # fail fast on config/data problems, before Ray starts
     facts = {"target_fingerprint": plan.spec.fingerprint, "tokenizer_fingerprint": plan.spec.tokenizer_fingerprint,
              "aux_layer_ids": plan.aux_layer_ids, "dataset_id": plan.dataset_id,

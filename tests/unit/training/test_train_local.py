@@ -124,3 +124,19 @@ def test_max_shards_trains_on_a_subset_with_its_own_vocab_and_id(synthetic_data,
         make_plan(_cfg(synthetic_data, train_target, tmp_path, max_shards=9))
     with pytest.raises(ValueError, match="max_shards selects offline shards"):
         _cfg("online", train_target, tmp_path, max_shards=1, online={"prompts": ["sharegpt"]})
+
+
+def test_relative_paths_are_made_absolute_for_ray_train_workers(synthetic_data, train_target, tmp_path, monkeypatch):
+    """Ray Train runs each worker in its own directory: a config with paths relative to where the user
+    started the job must reach the workers as absolute paths."""
+    import os
+
+    from eagleray.training.trainer import absolute_paths
+
+    monkeypatch.chdir(synthetic_data.parent)
+    rel = _cfg(synthetic_data.name, os.path.relpath(train_target), "out", init_from="models:/d@a")
+    got = absolute_paths(rel)
+    assert got.data_dir == str(synthetic_data.resolve()) and got.output_dir == str((synthetic_data.parent / "out").resolve())
+    assert got.target.model == str(Path(train_target).resolve()) and got.init_from == "models:/d@a"
+    assert rel.data_dir == synthetic_data.name  # the caller's config is not modified
+    assert absolute_paths(_cfg(synthetic_data, "smollm2", tmp_path)).target.model == "smollm2"
