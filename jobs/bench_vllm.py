@@ -61,10 +61,8 @@ def resolve_draft_dir(source: str, target_dir: Path, workdir: Path) -> Path:
     if source == "random":
         return make_random_draft(TargetSpec.from_dir(target_dir), workdir / "random-draft")
     if registry.is_registry_uri(source):
-        from eagleray.serve.draft_source import find_draft_dir
-
         registry.configure()
-        return find_draft_dir(registry.resolve_draft(source, workdir / "registry-draft"))
+        return registry.resolve_draft(source, workdir / "registry-draft")
     return registry.resolve_draft(source)
 
 

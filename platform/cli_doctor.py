@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 
+from eagleray.platform import registry
 from eagleray.platform.guard import GuardReport, check_compatibility
 from eagleray.platform.smollm2 import resolve_target
 from eagleray.platform.target import TargetSpec
@@ -12,7 +14,8 @@ from eagleray.platform.target import TargetSpec
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target model directory, or 'smollm2' for the packaged model")
-    p.add_argument("--draft", required=True, help="draft checkpoint directory (or models:/name@alias with MLflow)")
+    p.add_argument("--draft", required=True, help="draft checkpoint directory, or models:/<name>@<alias> | models:/<name>/<version> "
+                   "(MLflow registry at MLFLOW_TRACKING_URI, default the sqlite store under $EAGLERAY_HOME)")
     p.add_argument("--algorithm", default=None, help="the speculative algorithm you intend to serve with (eagle3, eagle); "
                    "checked against the draft. Default: derived from the draft")
     p.add_argument("--max-model-len", type=int, default=None, help="serving context length (default: the target's)")
@@ -20,7 +23,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     target = TargetSpec.from_dir(resolve_target(args.target))
-    report = check_compatibility(target, args.draft, algorithm=args.algorithm, max_model_len=args.max_model_len)
+    with tempfile.TemporaryDirectory(prefix="eagleray-doctor-") as tmp:
+        draft = args.draft
+        if registry.is_registry_uri(draft):  # MLFLOW_TRACKING_URI, else the sqlite store under $EAGLERAY_HOME
+            registry.configure()
+            draft = registry.resolve_draft(draft, tmp)
+        report = check_compatibility(target, draft, algorithm=args.algorithm, max_model_len=args.max_model_len)
     if report.ok:
         print(summary(report, target, args.draft))
         return 0

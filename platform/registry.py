@@ -169,7 +169,8 @@ def lookup(uri: str) -> DraftVersion:
 
 
 def resolve_draft(source: str | Path, dst_dir: str | Path | None = None) -> Path:
-    """A local draft directory for a registry URI (downloaded) or a path (returned as is)."""
+    """A local draft directory for a registry URI (downloaded; the checkpoint directory inside it) or a
+    path (returned as is)."""
     if not is_registry_uri(str(source)):
         p = Path(source)
         if not p.is_dir():
@@ -178,4 +179,13 @@ def resolve_draft(source: str | Path, dst_dir: str | Path | None = None) -> Path
     version = lookup(str(source))  # clear error for a missing alias/version
     kw = {"dst_path": str(dst_dir)} if dst_dir is not None else {}
     local = _mlflow().artifacts.download_artifacts(artifact_uri=version.uri, **kw)
-    return Path(local)
+    return find_draft_dir(Path(local))
+
+
+def find_draft_dir(root: Path) -> Path:
+    """The directory under ``root`` holding the draft's config.json and safetensors."""
+    hits = sorted({p.parent for p in Path(root).rglob("config.json") if any(p.parent.glob("*.safetensors"))})
+    if len(hits) != 1:
+        raise EaglerayError(f"expected one draft checkpoint (config.json + *.safetensors) under {root}, found {len(hits)}: "
+                            f"{[str(h) for h in hits][:4]}\n    fix: register the draft directory itself as the model version's artifact")
+    return hits[0]

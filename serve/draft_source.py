@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagleray.platform import registry
-from eagleray.platform.errors import EaglerayError
 from eagleray.platform.paths import eagleray_home
 from eagleray.platform.schemas import MlflowConfig
 
@@ -38,15 +37,6 @@ def registry_version(uri: str, cfg: MlflowConfig) -> str:
     return registry.lookup(uri).version
 
 
-def find_draft_dir(root: Path) -> Path:
-    """The directory under ``root`` holding the draft's config.json and safetensors."""
-    hits = sorted({p.parent for p in root.rglob("config.json") if any(p.parent.glob("*.safetensors"))})
-    if len(hits) != 1:
-        raise EaglerayError(f"expected one draft checkpoint (config.json + *.safetensors) under {root}, found {len(hits)}: "
-                            f"{[str(h) for h in hits][:4]}\n    fix: register the draft directory itself as the model version's artifact")
-    return hits[0]
-
-
 def resolve_draft_source(uri: str, mlflow_cfg: MlflowConfig) -> Path:
     """Local directory of a draft source (downloads registry versions into $EAGLERAY_HOME/drafts)."""
     return resolve(uri, mlflow_cfg).path
@@ -66,9 +56,9 @@ def resolve(uri: str, mlflow_cfg: MlflowConfig) -> ResolvedDraft:
         logger.info("downloading %s (version %s) to %s", uri, version.version, dest)
         try:
             registry.resolve_draft(version.uri, tmp)
-            find_draft_dir(tmp)  # MLflow returns an empty directory when the artifacts are gone: never cache that
+            registry.find_draft_dir(tmp)  # MLflow returns an empty directory when the artifacts are gone: never cache that
             os.replace(tmp, dest)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    return ResolvedDraft(find_draft_dir(dest), f"{version.name}/{version.version}", uri)
+    return ResolvedDraft(registry.find_draft_dir(dest), f"{version.name}/{version.version}", uri)

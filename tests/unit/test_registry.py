@@ -33,3 +33,29 @@ def test_register_alias_and_resolve(tiny_target, tmp_path):
         registry.resolve_draft("models:/d@nope")
     with pytest.raises(EaglerayError, match="not a model URI"):
         registry.lookup("models:/d")
+
+
+def test_doctor_checks_a_registered_draft_by_alias(tiny_target, tmp_path, monkeypatch, capsys):
+    """`eagleray doctor --draft models:/name@alias` downloads the version from the registry and guards it."""
+    import argparse
+
+    import mlflow
+
+    from eagleray.platform import cli_doctor
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    registry.configure(uri, "doctor-test")
+    spec = TargetSpec.from_dir(tiny_target)
+    draft = make_random_draft(spec, tmp_path / "draft", draft_vocab_size=64, counts=torch.arange(spec.vocab_size))
+    client = mlflow.MlflowClient(uri)
+    run = client.create_run(client.get_experiment_by_name("doctor-test").experiment_id)
+    client.log_artifacts(run.info.run_id, str(draft), "draft")
+    v = registry.register_draft("dd", run.info.run_id, "draft", {})
+    registry.set_alias("dd", "candidate", v.version)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    args = argparse.Namespace(target=str(tiny_target), draft="models:/dd@candidate", algorithm=None, max_model_len=None)
+    assert cli_doctor.run(args) == 0
+    assert "compatible: models:/dd@candidate can serve" in capsys.readouterr().out
+    args.draft = "models:/dd@missing"
+    with pytest.raises(EaglerayError, match="models:/dd@missing does not exist"):
+        cli_doctor.run(args)
