@@ -63,6 +63,13 @@ def test_shipped_serve_yaml_is_a_valid_ray_serve_config():
     assert schema.http_options.host == "127.0.0.1" and SERVE.is_file()
 
 
+def _default_sigint() -> None:
+    """Ctrl-C must reach `serve run` as KeyboardInterrupt. A test run started in the background by a
+    non-interactive shell (`cmd &`, as CI scripts do) inherits SIGINT *ignored*, exec keeps that, and
+    Python then never raises KeyboardInterrupt: `serve run` would ignore the test's SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_serve_run_shipped_yaml(smollm2_fp32, tmp_path):
     """The shipped file as is (SmolLM2-135M, random draft, CPU) but for the port; smollm2_fp32 converts the
     model into $EAGLERAY_HOME beforehand when a fresh cache lacks it."""
@@ -82,7 +89,7 @@ def test_serve_run_shipped_yaml(smollm2_fp32, tmp_path):
     with open(log, "wb") as out:
         # cwd: a scratch directory, so `serve run`'s default --app-dir "." puts nothing of the repo on sys.path
         proc = subprocess.Popen([str(SERVE), "run", str(cfg_path), "--address", "local"], cwd=tmp_path, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_default_sigint)
     try:
         health = _wait(lambda: (lambda r: r.json() if r.status_code == 200 else None)(httpx.get(f"{url}/health", timeout=10)),
                        240, "GET /health", proc, log)
