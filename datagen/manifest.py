@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagleray.datagen import shards
-from eagleray.platform.shard_format import MANIFEST, VOCAB_COUNTS, read_vocab_counts  # noqa: F401  (re-exported)
+from eagleray.platform.shard_format import MANIFEST, VOCAB_COUNTS, ids_and_mask, read_vocab_counts  # noqa: F401  (re-exported)
 from eagleray.platform.errors import DataError, EaglerayError
 from eagleray.platform.schemas import DatagenConfig
 
@@ -74,8 +74,7 @@ def scan_shards(output_dir: str, vocab_size: int) -> dict[str, Any]:
     files = shards.shard_files(output_dir)
     for p in files:
         t = pq.read_table(p, columns=["prompt_id", "input_ids", "loss_mask"])
-        ids = np.asarray(t.column("input_ids").combine_chunks().flatten(), dtype=np.int64)  # [sum T]
-        mask = np.asarray(t.column("loss_mask").combine_chunks().flatten(), dtype=np.int8).astype(bool)  # [sum T]
+        ids, mask = ids_and_mask(t)  # [sum T] each
         counts += np.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
         for pid in t.column("prompt_id").to_pylist():
             if pid in seen:

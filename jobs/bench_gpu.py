@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import pathlib
 import statistics
 import sys
@@ -29,45 +28,21 @@ import time
 
 import torch
 
+from eagleray.jobs.bench_common import LLAMA_8B, SMOLLM2, log, step_times, write_json
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.graphs import BUCKETS, DecodeGraphRunner
 from eagleray.platform.models.llama import LlamaModel
 
-LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
-                max_position_embeddings=131072, tie_word_embeddings=False, rope_theta=500000.0,
-                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_max_position_embeddings": 8192})
-SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-               num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, max_position_embeddings=8192,
-               tie_word_embeddings=True, rope_theta=100000.0)
 TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False)
 CONFIGS = {"8b": LLAMA_8B, "smollm2": SMOLLM2, "tiny": TINY}
 BLOCK = 16
 
 
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
 def timed(fn, reps: int, device) -> float:
     """Median seconds of ``fn()`` over ``reps`` runs after one warm-up (events on CUDA)."""
     fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(step_times(fn, reps, device))
 
 
 def ceilings(device) -> dict:
@@ -297,15 +272,9 @@ def run(argv: list[str]) -> dict:
             torch.cuda.empty_cache()
         if "hf" not in skip and name != "tiny" and device.type == "cuda":
             result["decode"].extend(hf_generate(name, args, device))
-        _write(result, args.out)
+        write_json(result, args.out)
     print(table(result))
     return result
-
-
-def _write(result: dict, out: pathlib.Path | None) -> None:
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1))
 
 
 def table(result: dict) -> str:

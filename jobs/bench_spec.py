@@ -10,7 +10,6 @@ plain outputs match transformers' greedy output. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import platform as std_platform
 import sys
 import tempfile
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from eagleray.jobs.bench_common import run_suite
 from eagleray.platform.data import load_prompts
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.schemas import DraftConfig, PolicyConfig, TargetConfig, TreeConfig
@@ -189,17 +189,7 @@ def print_table(r: dict) -> None:
 
 def run(args: argparse.Namespace | list[str] | None = None) -> dict:
     """Entry for `eagleray bench spec` (a Namespace) and the bench dispatcher (an argv list)."""
-    if not isinstance(args, argparse.Namespace):
-        parser = argparse.ArgumentParser(prog="eagleray bench spec", description=__doc__.splitlines()[0])
-        add_arguments(parser)
-        args = parser.parse_args(args or [])
-    result = measure_args(args)
-    print_table(result)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.json}")
-    return result
+    return run_suite(args, "eagleray bench spec", __doc__, add_arguments, measure_args, print_table)
 
 
 if __name__ == "__main__":

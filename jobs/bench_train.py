@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import pathlib
 import statistics
 import sys
@@ -48,21 +47,13 @@ import time
 
 import torch
 
+from eagleray.jobs.bench_common import LLAMA_8B, SMOLLM2, log, step_times, write_json
 from eagleray.platform.schemas import TrainingConfig
 from eagleray.platform.target import TargetSpec
 from eagleray.training.build import draft_module, new_draft
 from eagleray.training.loop import make_optimizer, train_step, use_bf16
 from eagleray.training.ttt import TTTBatch, TTTModel
 
-# Target configs (the same shapes as jobs/bench_gpu.py, copied to keep this job free of its Triton imports).
-LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
-                max_position_embeddings=131072, tie_word_embeddings=False, rope_theta=500000.0,
-                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_max_position_embeddings": 8192})
-SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-               num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, max_position_embeddings=8192,
-               tie_word_embeddings=True, rope_theta=100000.0)
 TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=4096,
             tie_word_embeddings=False, rope_theta=10000.0)
@@ -71,10 +62,6 @@ FLOP_FORMULA = ("6*B*T*(P_fc + k*(P_layer + P_lm_head)) + 3*k*4*B*T^2*Hq*D + 2*B
                 "(draft matmuls fwd+bwd; step-0 attention as a full TxT product at each of k steps, fwd+bwd; "
                 "frozen target logits fwd)")
 TOKENS = "B*T input positions per step (each trained through ttt_steps unrolled steps) / median step seconds"
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
 
 
 def target_config(name: str, args) -> dict:
@@ -130,24 +117,6 @@ def _sig(x: float) -> float:
     return float(f"{x:.4g}")
 
 
-def time_steps(step, n: int, device: torch.device) -> list[float]:
-    """Seconds of each of ``n`` calls of ``step()`` (CUDA events on CUDA)."""
-    times = []
-    for _ in range(n):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-    return times
-
-
 def case(name: str, args, device: torch.device) -> dict:
     """Build, warm up and time one model; the record of the result table."""
     cuda = device.type == "cuda"
@@ -175,7 +144,7 @@ def case(name: str, args, device: torch.device) -> dict:
     for _ in range(args.warmup):
         step()
         losses.append(float(state["out"].loss.detach()))
-    times = time_steps(step, args.steps, device)
+    times = step_times(step, args.steps, device)
     loss = float(state["out"].loss.detach())
     sec = statistics.median(times)
     params = param_counts(model)
@@ -246,15 +215,9 @@ def run(argv: list[str]) -> dict:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        _write(result, args.out)
+        write_json(result, args.out)
     print(table(result))
     return result
-
-
-def _write(result: dict, out: pathlib.Path | None) -> None:
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1))
 
 
 def table(result: dict) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import platform as std_platform
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from eagleray.jobs.bench_common import run_suite
 from eagleray.jobs.bench_spec import _timed_generate
 from eagleray.platform import registry
 from eagleray.platform.data import load_prompts
@@ -242,17 +242,7 @@ def print_table(r: dict) -> None:
 
 def run(args: argparse.Namespace | list[str] | None = None) -> dict:
     """Entry for the bench dispatcher (an argv list) or a parsed Namespace."""
-    if not isinstance(args, argparse.Namespace):
-        parser = argparse.ArgumentParser(prog="eagleray bench vllm", description=__doc__.splitlines()[0])
-        add_arguments(parser)
-        args = parser.parse_args(args or [])
-    result = measure(args)
-    print_table(result)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.json}")
-    return result
+    return run_suite(args, "eagleray bench vllm", __doc__, add_arguments, measure, print_table)
 
 
 if __name__ == "__main__":

@@ -72,15 +72,20 @@ def read_vocab_counts(data_dir: str | Path) -> torch.Tensor:
     return torch.from_numpy(np.load(path)).to(torch.int64)
 
 
+def ids_and_mask(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """A shard table's ``input_ids`` [sum T] int64 and ``loss_mask`` [sum T] bool, rows concatenated."""
+    ids = np.asarray(table.column("input_ids").combine_chunks().flatten(), dtype=np.int64)
+    mask = np.asarray(table.column("loss_mask").combine_chunks().flatten(), dtype=np.int8).astype(bool)
+    return ids, mask
+
+
 def count_loss_tokens(files: list[Path], vocab_size: int) -> torch.Tensor:
     """Token counts [V] int64 over the loss-masked tokens of ``files`` (what datagen writes for all shards)."""
     import pyarrow.parquet as pq
 
     counts = np.zeros(vocab_size, dtype=np.int64)  # [V]
     for p in files:
-        t = pq.read_table(p, columns=["input_ids", "loss_mask"])
-        ids = np.asarray(t.column("input_ids").combine_chunks().flatten(), dtype=np.int64)  # [sum T]
-        mask = np.asarray(t.column("loss_mask").combine_chunks().flatten(), dtype=np.int8).astype(bool)  # [sum T]
+        ids, mask = ids_and_mask(pq.read_table(p, columns=["input_ids", "loss_mask"]))
         counts += np.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
     return torch.from_numpy(counts)
 

@@ -55,8 +55,7 @@ def resolve(uri: str, mlflow_cfg: MlflowConfig) -> ResolvedDraft:
         tmp = Path(tempfile.mkdtemp(prefix=f".{version.version}.", dir=dest.parent))
         logger.info("downloading %s (version %s) to %s", uri, version.version, dest)
         try:
-            registry.resolve_draft(version.uri, tmp)
-            registry.find_draft_dir(tmp)  # MLflow returns an empty directory when the artifacts are gone: never cache that
+            registry.resolve_draft(version.uri, tmp)  # raises on an empty download (artifacts gone): never cached
             os.replace(tmp, dest)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

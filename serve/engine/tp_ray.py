@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from eagleray.platform.errors import EaglerayError
 from eagleray.serve.engine.tp_workers import (COLLECTIVE_TIMEOUT, Rank0Workers, RankWorker, TPWorkerError,
-                                              backend_for, free_port, rank_device)
+                                              backend_for, free_port, move, rank_device)
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0  # actor placement + shard load
@@ -117,7 +117,7 @@ class RayTPWorkers(Rank0Workers):
                 "ranks": list(self.placement)}
 
     def _send(self, cmd: str, payload: tuple) -> None:
-        ref = ray.put(payload)  # one copy for every rank
+        ref = ray.put(move(payload, torch.device("cpu")))  # serialised now, one copy for every rank
         for rank, actor in enumerate(self.actors, start=1):
             self.pending[actor.run.remote(cmd, ref)] = rank
 

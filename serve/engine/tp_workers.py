@@ -144,9 +144,10 @@ class Rank0Workers:
         if self.closed:
             raise EaglerayError(f"tensor-parallel workers are closed; cannot run {cmd!r}\n    fix: do not use an engine after close()")
         self.check()
-        self._send(cmd, move(args, torch.device("cpu")))
+        self._send(cmd, args)
 
     def _send(self, cmd: str, payload: tuple) -> None:
+        """Deliver ``payload`` (tensors on any device) to ranks 1..N-1 as CPU tensors."""
         raise NotImplementedError
 
     def describe(self) -> dict:

@@ -1,0 +1,68 @@
+"""Helpers shared by the benchmark suites (no Triton imports: `bench train` runs without them).
+
+Target shapes, progress lines, per-call timing (CUDA events on CUDA), JSON output and the
+parse -> measure -> table -> JSON entry every suite exposes as ``run(argv)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
+                max_position_embeddings=131072, tie_word_embeddings=False, rope_theta=500000.0,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192})
+SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, max_position_embeddings=8192,
+               tie_word_embeddings=True, rope_theta=100000.0)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def step_times(fn: Callable[[], object], n: int, device: torch.device) -> list[float]:
+    """Seconds of each of ``n`` calls of ``fn()`` (CUDA events on CUDA, perf_counter elsewhere)."""
+    times = []
+    for _ in range(n):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def write_json(result: dict, out: str | Path | None, indent: int = 1) -> None:
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=indent))
+
+
+def run_suite(args: argparse.Namespace | list[str] | None, prog: str, doc: str,
+              add_arguments: Callable[[argparse.ArgumentParser], None],
+              measure: Callable[[argparse.Namespace], dict], print_table: Callable[[dict], None]) -> dict:
+    """Parse (an argv list, or an already parsed Namespace), measure, print the table, write ``--json``."""
+    if not isinstance(args, argparse.Namespace):
+        parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+        add_arguments(parser)
+        args = parser.parse_args(args or [])
+    result = measure(args)
+    print_table(result)
+    if args.json:
+        write_json(result, args.json, indent=2)
+        print(f"wrote {args.json}")
+    return result
