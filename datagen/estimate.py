@@ -20,7 +20,7 @@ _DEVICE = {"cpu": {"bytes_per_s": 10e9, "flops": 5e10}, "cuda": {"bytes_per_s": 
 @dataclass
 class Estimate:
     rows: int
-    avg_prompt_tokens: float
+    avg_prompt_tokens: float  # backend 'given': the whole record, answer included
     tokens_per_row: float  # upper bound: prompt + max_tokens (capped at max_seq_len)
     bytes_per_token: int
     total_bytes: int
@@ -74,7 +74,7 @@ def _seconds(cfg: DatagenConfig, spec: TargetSpec, rows: int, tokens_per_row: fl
         gen_tps = cfg.est_tokens_per_second
     else:  # one decode step reads every weight once and serves batch_size rows
         gen_tps = min(dev["bytes_per_s"] / (params * wbytes) * cfg.batch_size, dev["flops"] / (2 * params))
-    gen_s = rows * cfg.generation.max_tokens / gen_tps
+    gen_s = 0.0 if cfg.backend == "given" else rows * cfg.generation.max_tokens / gen_tps
     fwd_s = rows * tokens_per_row * 2 * params / dev["flops"]
     return (gen_s + fwd_s) / cfg.num_workers
 
@@ -84,7 +84,8 @@ def estimate(cfg: DatagenConfig, spec: TargetSpec, tokenizer, conversations: lis
     """Size and time of writing ``conversations`` (a sample of <= 256 is tokenized for the prompt length)."""
     sample = conversations[:256]
     avg = sum(len(prompt_ids(tokenizer, c)) for c in sample) / max(1, len(sample))
-    per_row = min(cfg.max_seq_len, avg + cfg.generation.max_tokens + 2)
+    answer = 0 if cfg.backend == "given" else cfg.generation.max_tokens  # given: the sample already holds the answers
+    per_row = min(cfg.max_seq_len, avg + answer + 2)
     bpt = 2 * spec.hidden_size * (n_aux + 1) + 4 + 1  # aux + final hidden (bf16) + int32 id + int8 mask
     total = int(len(conversations) * per_row * bpt)
     seconds = _seconds(cfg, spec, len(conversations), per_row, device)

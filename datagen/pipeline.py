@@ -20,6 +20,7 @@ from eagleray.datagen import manifest as mf
 from eagleray.datagen import shards
 from eagleray.datagen.estimate import check_space, estimate, human_bytes, human_seconds
 from eagleray.datagen.prompts import make_chunks, select_prompts
+from eagleray.datagen.regenerate import check_given_sources
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.schemas import DatagenConfig
 from eagleray.platform.smollm2 import resolve_target
@@ -85,7 +86,7 @@ def build_dataset(cfg: DatagenConfig, chunks: list[dict], model_dir: str, meta: 
     """The Ray Data pipeline over chunk rows; yields one summary row per chunk."""
     import ray
 
-    from eagleray.datagen.stages import ExtractStage, RegenerateStage
+    from eagleray.datagen.stages import ExtractStage, GivenAnswersStage, RegenerateStage
 
     cfg_json = cfg.model_dump_json()
     ds = ray.data.from_items(chunks, override_num_blocks=len(chunks))
@@ -93,6 +94,12 @@ def build_dataset(cfg: DatagenConfig, chunks: list[dict], model_dir: str, meta: 
         from eagleray.datagen.vllm_stage import regenerate_with_vllm
 
         ds = regenerate_with_vllm(ds, cfg, model_dir)
+    elif cfg.backend == "given":
+        import ray.data
+
+        # One tokenizer-only actor with no CPU reserved: the hidden-state actors keep every core.
+        ds = ds.map_batches(GivenAnswersStage, fn_constructor_args=(cfg_json,), batch_size=1, batch_format="pyarrow",
+                            compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0)
     else:
         ds = ds.map_batches(RegenerateStage, fn_constructor_args=(cfg_json,), **_model_stage_args(cfg))
     return ds.map_batches(ExtractStage, fn_constructor_args=(cfg_json, json.dumps(meta)), **_model_stage_args(cfg))
@@ -136,6 +143,8 @@ def plan(cfg: DatagenConfig, emit: Callable[[str], None], write: bool = True) ->
     bad = [i for i in aux_ids if not 0 <= i <= spec.num_layers]
     if bad:
         raise EaglerayError(f"aux_layer_ids: {bad} outside [0, {spec.num_layers}]\n    fix: use ids of the target's layers")
+    if cfg.backend == "given":
+        check_given_sources(cfg, spec, emit)
     settings = mf.compat_settings(cfg, spec.fingerprint, spec.tokenizer_fingerprint, aux_ids)
     compat = mf.check_or_write_run(cfg.output_dir, settings, write=write)
     records, pstats = select_prompts(cfg)

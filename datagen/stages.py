@@ -98,6 +98,40 @@ class RegenerateStage:
             responses[i] = out.text
 
 
+class GivenAnswersStage:
+    """backend 'given': the last message of each conversation (role assistant) is the answer; nothing is generated.
+
+    Out: the same REGEN_SCHEMA rows as RegenerateStage, with ``conversations`` cut before the answer,
+    so the hidden-state stage templates prompt + answer exactly as it does for regenerated rows.
+    """
+
+    def __init__(self, cfg_json: str):
+        from transformers import AutoTokenizer
+
+        self.cfg = DatagenConfig.model_validate_json(cfg_json)
+        self.tok = AutoTokenizer.from_pretrained(str(resolve_target(self.cfg.target.model, self.cfg.target.dtype)))
+        self.max_prompt = self.cfg.max_prompt_tokens or max(1, self.cfg.max_seq_len - self.cfg.generation.max_tokens)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return pa.Table.from_pylist([self._chunk(row) for row in batch.to_pylist()], schema=REGEN_SCHEMA)
+
+    def _chunk(self, row: dict) -> dict:
+        chunk, ids = row["chunk_id"], row["prompt_ids"]
+        convs, responses, errors = list(row["conversations"]), [""] * len(ids), [""] * len(ids)
+        for i, conv in enumerate(row["conversations"]):
+            msgs = json.loads(conv)
+            if len(msgs) < 2 or msgs[-1]["role"] != "assistant":
+                errors[i] = _error(ids[i], chunk, "given", "no_answer", "the record does not end with an assistant message "
+                                   "(backend 'given' reads the answer from there)")
+                continue
+            n = len(prompt_ids(self.tok, msgs[:-1]))
+            if n > self.max_prompt:
+                errors[i] = _error(ids[i], chunk, "given", "prompt_too_long", f"prompt has {n} tokens > max_prompt_tokens {self.max_prompt}")
+                continue
+            convs[i], responses[i] = json.dumps(msgs[:-1], ensure_ascii=False), msgs[-1]["content"]
+        return {**row, "conversations": convs, "responses": responses, "errors": errors}
+
+
 class ExtractStage:
     """Target forward over prompt+response capturing the aux layers; writes the chunk's shard."""
 

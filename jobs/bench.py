@@ -4,7 +4,9 @@ Suites print a table and write JSON (see each suite's --help). Available: `verif
 verification kernels vs the PyTorch reference and vLLM). `train` (EAGLE-3 TTT training
 throughput of a SmolLM2- and an 8B-shaped draft, jobs/bench_train.py). `vllm` (the same EAGLE-3 draft
 in eagleray and in vLLM on CPU, fp32, T=0: τ, acceptance per position, tokens/s and output agreement
-side by side, jobs/bench_vllm.py). Room for more (e.g. `spec`, end-to-end).
+side by side, jobs/bench_vllm.py). `spec` (plain vs speculative decoding in eagleray's engine vs transformers,
+jobs/bench_spec.py). `scaling` (drafts trained on different amounts of data, one plain baseline, τ against
+data size as a table, JSON, PNG and an MLflow run, jobs/bench_scaling.py).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import sys
 
 # suite name -> module with a `run(argv) -> dict` function
 SUITES = {"verify": "eagleray.kernels.bench_verify", "gpu": "eagleray.jobs.bench_gpu", "spec": "eagleray.jobs.bench_spec",
-          "train": "eagleray.jobs.bench_train", "vllm": "eagleray.jobs.bench_vllm"}
+          "train": "eagleray.jobs.bench_train", "vllm": "eagleray.jobs.bench_vllm",
+          "scaling": "eagleray.jobs.bench_scaling"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,28 +75,42 @@ def _draft_config(args) -> DraftConfig:
     return DraftConfig(source=args.draft, num_speculative_tokens=args.k, tree=tree, policy=PolicyConfig(adaptive=args.adaptive))
 
 
-def compare_engines(target, draft, tok, tcfg: TargetConfig, dcfg: DraftConfig, prompts: list, params: SamplingParams,
-                    batch: int = 1) -> tuple[dict, list]:
-    """Plain then speculative decoding of the same prompts on one target -> (metrics, plain outputs)."""
+def plain_run(target, tok, tcfg: TargetConfig, prompts: list, params: SamplingParams, batch: int = 1):
+    """Plain decoding of ``prompts`` (messages) -> (token prompts, outputs, seconds); the target captures nothing."""
     aux_ids = target.aux_layer_ids
-    target.set_aux_layers([])  # plain decoding captures nothing
-    plain_engine = LLMEngine(target, tok, EngineConfig(target=tcfg, max_num_seqs=batch))
-    token_prompts = [plain_engine._tokenize(m) for m in prompts]
-    plain, t_plain = _timed_generate(plain_engine, token_prompts, params)
-    target.set_aux_layers(aux_ids)
-    spec_engine = LLMEngine(target, tok, EngineConfig(target=tcfg, draft=dcfg, max_num_seqs=batch), draft)
-    spec, t_spec = _timed_generate(spec_engine, token_prompts, params)
-    stats = spec_engine.metrics.spec
+    target.set_aux_layers([])
+    try:
+        engine = LLMEngine(target, tok, EngineConfig(target=tcfg, max_num_seqs=batch))
+        token_prompts = [engine._tokenize(m) for m in prompts]
+        outs, seconds = _timed_generate(engine, token_prompts, params)
+    finally:
+        target.set_aux_layers(aux_ids)
+    return token_prompts, outs, seconds
+
+
+def spec_run(target, draft, tok, tcfg: TargetConfig, dcfg: DraftConfig, token_prompts: list, params: SamplingParams,
+             plain: list, t_plain: float, batch: int = 1) -> dict:
+    """Speculative decoding of the same token prompts, compared with the plain run (outputs and speed)."""
+    engine = LLMEngine(target, tok, EngineConfig(target=tcfg, draft=dcfg, max_num_seqs=batch), draft)
+    spec, t_spec = _timed_generate(engine, token_prompts, params)
+    stats = engine.metrics.spec
     n_plain, n_spec = sum(len(o.token_ids) for o in plain), sum(len(o.token_ids) for o in spec)
-    result = {
+    return {
         "plain": {"tokens": n_plain, "seconds": round(t_plain, 3), "tokens_per_s": round(n_plain / t_plain, 2)},
         "spec": {"tokens": n_spec, "seconds": round(t_spec, 3), "tokens_per_s": round(n_spec / t_spec, 2), **stats.to_dict()},
         "speedup": round((n_spec / t_spec) / (n_plain / t_plain), 3),
         "tau": round(stats.mean_acceptance_length, 3),
         "acceptance_per_pos": [round(a / max(stats.num_drafts, 1), 4) for a in stats.accepted_per_pos],
         "lossless": all(a.token_ids == b.token_ids for a, b in zip(plain, spec)) if params.temperature == 0 else None,
-        "watchdog_fired": spec_engine.metrics.watchdog_fired,
+        "watchdog_fired": engine.metrics.watchdog_fired,
     }
+
+
+def compare_engines(target, draft, tok, tcfg: TargetConfig, dcfg: DraftConfig, prompts: list, params: SamplingParams,
+                    batch: int = 1) -> tuple[dict, list]:
+    """Plain then speculative decoding of the same prompts on one target -> (metrics, (token prompts, plain outputs))."""
+    token_prompts, plain, t_plain = plain_run(target, tok, tcfg, prompts, params, batch)
+    result = spec_run(target, draft, tok, tcfg, dcfg, token_prompts, params, plain, t_plain, batch)
     return result, (token_prompts, plain)
 
 

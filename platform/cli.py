@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("eagleray.platform.cli_chat", "one chat answer from a target model"),
     "draft": ("eagleray.platform.cli_draft", "write an untrained EAGLE-3 draft for a target"),
     "datagen": ("eagleray.jobs.datagen", "regenerate responses and write aux hidden-state shards (Ray Data, resumable)"),
+    "regenerate": ("eagleray.jobs.regenerate", "regenerate the target's answers in one process (no Ray) to a JSONL, resumable"),
     "train": ("eagleray.jobs.train", "train an EAGLE-3 draft (Ray Train) with MLflow tracking and registry"),
     "serve": ("eagleray.jobs.serve", "serve the target + draft behind OpenAI-compatible HTTP on Ray Serve"),
     "promote": ("eagleray.jobs.promote", "measure a candidate draft against the champion and plain decoding; set the alias if it wins"),

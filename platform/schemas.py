@@ -85,7 +85,7 @@ class DatagenConfig(StrictModel):
     limit: int | None = Field(None, ge=1, description="Use at most this many prompts (after turn splitting, dedup and hold-out).")
     shuffle_seed: int | None = Field(None, description="Shuffle prompts with this seed before the limit.")
     split_turns: bool = Field(True, description="One prompt per assistant turn of a multi-turn conversation (platform.data.prompt_turns).")
-    backend: Literal["eagleray", "vllm", "transformers"] = Field("eagleray", description="Regeneration backend: eagleray's engine, vLLM through ray.data.llm, or transformers generate.")
+    backend: Literal["eagleray", "vllm", "transformers", "given"] = Field("eagleray", description="Regeneration backend: eagleray's engine, vLLM through ray.data.llm, transformers generate, or 'given': each record's last message (role assistant) is already the target's answer, e.g. from `eagleray regenerate`, so only hidden states are computed (needs split_turns: false).")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Sampling settings for regeneration.")
     draft: DraftConfig | None = Field(None, description="backend 'eagleray' only: an EAGLE-3 draft to decode speculatively (a directory or 'random'); greedy responses are unchanged.")
     aux_layer_ids: list[int] | None = Field(None, description="Target layers to capture; default EAGLE-3's (2, N//2, N-3).")
@@ -104,6 +104,15 @@ class DatagenConfig(StrictModel):
     disk_headroom: float = Field(1.2, ge=1.0, description="Refuse to start unless free space >= estimated output size x this factor.")
     ray_address: str | None = Field(None, description="Ray cluster address; default RAY_ADDRESS or a local instance.")
     testing: DatagenTesting = Field(default_factory=DatagenTesting, description="Fault-injection hooks used by eagleray's own tests; leave unset.")
+
+    @model_validator(mode="after")
+    def _given_keeps_conversations_whole(self) -> "DatagenConfig":
+        if self.backend == "given" and self.split_turns:
+            raise ValueError("backend is 'given' (the last assistant message of each record is the answer) but split_turns is true, "
+                             "which would cut the answers off; set split_turns: false")
+        if self.backend == "given" and self.draft is not None:
+            raise ValueError("backend is 'given' (nothing is generated) but draft is set; remove draft")
+        return self
 
 
 class OnlineDataConfig(StrictModel):

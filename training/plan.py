@@ -32,15 +32,17 @@ class Plan:
     dataset_id: str | None
     files: list[Path]  # offline shards ([] online)
     tokenizer: Any = None  # online only
+    data_size: dict[str, int] | None = None  # offline: shards, rows, loss_tokens of the shards trained on (held-out rows included)
 
     @property
     def online(self) -> bool:
         return self.cfg.data_dir == "online"
 
     def metadata(self, notes: dict[str, Any] | None = None) -> DraftMetadata:
+        data = {f"data_{k}": v for k, v in (self.data_size or {}).items()}
         return DraftMetadata(target_fingerprint=self.spec.fingerprint, tokenizer_fingerprint=self.spec.tokenizer_fingerprint,
                              aux_layer_ids=self.aux_layer_ids, dataset_id=self.dataset_id, created_by="eagleray train",
-                             notes=notes or {})
+                             notes={**data, **(notes or {})})
 
 
 def _fail(field: str, message: str, fix: str) -> None:
@@ -84,13 +86,22 @@ def make_plan(cfg: TrainingConfig) -> Plan:
         counts = online_vocab_counts(cfg, tok, spec.vocab_size) if cfg.init_from is None else None
     else:
         aux, dataset_id, counts, files = _offline_data(cfg, spec)
+    data_size = _data_size(files, counts) if files else None
     embed, head = target_embed_and_head(target_dir)
     if cfg.init_from is not None:
         init = _init_from(cfg, aux)
     else:
         init = new_draft(spec, counts, cfg.draft_vocab_size, aux_layer_ids=aux, seed=cfg.seed,
                          target_head=head if cfg.init_lm_head_from_target else None)
-    return Plan(cfg, target_dir, spec, init, embed, head, aux, dataset_id, files, tok)
+    return Plan(cfg, target_dir, spec, init, embed, head, aux, dataset_id, files, tok, data_size)
+
+
+def _data_size(files: list[Path], counts: torch.Tensor) -> dict[str, int]:
+    """How much data a run trains on (reported with its results): shards, rows, loss-masked tokens."""
+    import pyarrow.parquet as pq
+
+    rows = sum(pq.read_metadata(f).num_rows for f in files)
+    return {"shards": len(files), "rows": int(rows), "loss_tokens": int(counts.sum())}
 
 
 def _init_from(cfg: TrainingConfig, aux: list[int]) -> DraftInit:

@@ -99,7 +99,8 @@ class TTTModel(nn.Module):
             argmax = torch.zeros(b, t, dtype=torch.long, device=final_hidden.device)  # [B, T]
             argmax[keep] = logits.argmax(-1)
             probs = final_hidden.new_zeros(b, t, self.draft_ids.numel(), dtype=torch.float32)  # [B, T, Vd]
-            probs[keep] = torch.softmax(logits[:, self.draft_ids], dim=-1)
+            # .float(): under CPU autocast the matmul above yields bf16 logits and softmax keeps bf16.
+            probs[keep] = torch.softmax(logits[:, self.draft_ids].float(), dim=-1)
             return probs, argmax, self.t2d[argmax]
 
     def forward(self, batch: TTTBatch) -> TTTOutput:

@@ -49,6 +49,7 @@ def test_checkpoint_is_a_compatible_vllm_format_draft(trained, train_target, syn
     meta = d.metadata
     assert meta.target_fingerprint == spec.fingerprint and meta.tokenizer_fingerprint == spec.tokenizer_fingerprint
     assert meta.dataset_id == data.read_manifest(synthetic_data)["dataset_id"] and meta.notes["step"] == 20
+    assert meta.notes["data_loss_tokens"] == int(data.read_vocab_counts(synthetic_data).sum()) > 0
     assert d.config["architectures"] == ["LlamaForCausalLMEagle3"] and d.shapes["lm_head.weight"] == [128, 64]
     assert "embed_tokens.weight" not in d.shapes  # the target's embedding is shared
 
@@ -119,6 +120,12 @@ def test_max_shards_trains_on_a_subset_with_its_own_vocab_and_id(synthetic_data,
     counts = data.count_loss_tokens(sub.files, full.spec.vocab_size)
     assert counts.sum() < data.read_vocab_counts(synthetic_data).sum()
     seen = set(torch.nonzero(counts).flatten().tolist())  # fewer than draft_vocab_size here
+    import pyarrow.parquet as pq
+
+    rows = pq.read_metadata(sub.files[0]).num_rows
+    assert sub.data_size == {"shards": 1, "rows": rows, "loss_tokens": int(counts.sum())}
+    assert full.data_size["shards"] == 3 and full.data_size["rows"] > rows
+    assert sub.metadata({"step": 1}).notes == {"data_shards": 1, "data_rows": rows, "data_loss_tokens": int(counts.sum()), "step": 1}
     assert len(seen) <= 128 and set(torch.nonzero(sub.init.t2d).flatten().tolist()) >= seen
     with pytest.raises(ConfigError, match="training.max_shards: is 9 but .* holds 3 shards"):
         make_plan(_cfg(synthetic_data, train_target, tmp_path, max_shards=9))

@@ -139,3 +139,20 @@ def test_gathered_masked_slots_equal_the_dense_unroll(model):
     torch.testing.assert_close(out.loss, loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.stats, stats, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(out.tau, tau)
+
+
+def test_bf16_autocast_on_cpu_trains_and_keeps_fp32_soft_labels(model):
+    """autocast: bf16 on CPU (AMX) used to fail: the bf16 softmax of the soft labels met an fp32 buffer."""
+    m, spec = model
+    batch = _batch(spec, seed=3)
+    with torch.no_grad():
+        exact = m(batch).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = m(batch)
+        probs, _, _ = m.targets(batch.final_hidden)
+    out.loss.backward()
+    assert probs.dtype == torch.float32 and torch.allclose(probs.sum(-1), torch.ones(()), atol=1e-5)
+    assert torch.isfinite(out.loss) and abs(out.loss.item() - exact.item()) < 0.05 * abs(exact.item())
+    grads = [p.grad for p in m.draft.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    m.zero_grad(set_to_none=True)

@@ -1,0 +1,180 @@
+"""Regeneration alone, in one process, to a JSONL of conversations that end with the target's answer.
+
+For machines that have a GPU but no Ray cluster, or for splitting a datagen run into its two
+halves: regenerate the answers where decoding is fast (``eagleray regenerate``), then compute
+hidden states where the data will be trained (``eagleray datagen`` with ``backend: given``, or
+online training, which reads the same file).
+
+Output ``<out>`` (JSONL, one object per prompt, appended batch by batch so a killed run resumes):
+``{"prompt_id": <id of the prompt>, "source": str, "messages": [...prompt, {"role": "assistant",
+"content": <answer>}], "num_tokens": <generated tokens, the end-of-turn token included when reached>}``.
+Prompts that cannot be regenerated go to ``<out>.errors.jsonl`` (prompt_id, kind, message), never
+dropped. ``<out>.manifest.json`` records the target and tokenizer fingerprints, the generation
+settings and the counts; ``backend: given`` checks the fingerprints against its own target.
+
+``--prompts-only`` writes the selected prompts (after turn splitting, dedup, hold-out, shuffle,
+limit and the prompt-length cap) as messages JSONL without generating, so a machine without the
+prompt packages can regenerate them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagleray.datagen.backends import batch_seed, make_generator
+from eagleray.datagen.prompts import select_prompts
+from eagleray.datagen.template import prompt_ids
+from eagleray.platform.data import PromptRecord
+from eagleray.platform.errors import ConfigError, EaglerayError, Problem
+from eagleray.platform.schemas import DatagenConfig
+from eagleray.platform.smollm2 import resolve_target
+from eagleray.platform.target import TargetSpec
+
+MANIFEST_SUFFIX, ERRORS_SUFFIX = ".manifest.json", ".errors.jsonl"
+
+
+def manifest_path(out: str | Path) -> Path:
+    return Path(f"{out}{MANIFEST_SUFFIX}")
+
+
+def errors_path(out: str | Path) -> Path:
+    return Path(f"{out}{ERRORS_SUFFIX}")
+
+
+@dataclass
+class Selected:
+    """Prompts to regenerate (with their prompt token counts) and those refused for length."""
+
+    todo: list[tuple[PromptRecord, int]]
+    too_long: list[tuple[PromptRecord, int]]
+    done: int  # prompt ids already in the output (resume)
+
+
+def _read_ids(path: Path) -> set[str]:
+    if not path.is_file():
+        return set()
+    ids = set()
+    with path.open(encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                ids.add(json.loads(line)["prompt_id"])
+            except (json.JSONDecodeError, KeyError) as err:
+                raise EaglerayError(f"{path}:{n}: not a regenerate output line ({err})\n"
+                                    f"    fix: remove the broken line (a run killed mid-write leaves at most the last one) "
+                                    f"or write to a new --out") from err
+    return ids
+
+
+def select(cfg: DatagenConfig, tok, out: Path | None) -> Selected:
+    """The run's prompts minus those already written to ``out``, split by the prompt-length cap."""
+    records, _ = select_prompts(cfg)
+    done = _read_ids(out) | _read_ids(errors_path(out)) if out is not None else set()
+    cap = cfg.max_prompt_tokens or max(1, cfg.max_seq_len - cfg.generation.max_tokens)
+    todo, too_long = [], []
+    for rec in records:
+        if rec.prompt_id in done:
+            continue
+        n = len(prompt_ids(tok, [m.to_dict() for m in rec.messages]))
+        (todo if n <= cap else too_long).append((rec, n))
+    return Selected(todo, too_long, len(records) - len(todo) - len(too_long))
+
+
+def write_prompts(cfg: DatagenConfig, out: Path, emit: Callable[[str], None] = print) -> dict[str, int]:
+    """``--prompts-only``: the prompts of the run (length cap applied) as messages JSONL."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_target(cfg.target.model, cfg.target.dtype)))
+    sel = select(cfg, tok, None)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as fh:
+        for rec, _ in sel.todo:
+            fh.write(json.dumps({"messages": [m.to_dict() for m in rec.messages]}, ensure_ascii=False) + "\n")
+    counts = {"prompts": len(sel.todo), "too_long": len(sel.too_long)}
+    emit(f"wrote {counts['prompts']} prompts to {out} ({counts['too_long']} longer than the prompt cap left out)")
+    return counts
+
+
+def _append_errors(out: Path, rows: list[tuple[PromptRecord, int]], kind: str, message: str) -> None:
+    with errors_path(out).open("a", encoding="utf-8") as fh:
+        for rec, n in rows:
+            fh.write(json.dumps({"prompt_id": rec.prompt_id, "source": rec.source, "kind": kind,
+                                 "message": message.format(n=n)}) + "\n")
+
+
+def regenerate(cfg: DatagenConfig, out: Path, device: str, emit: Callable[[str], None] = print) -> dict[str, Any]:
+    """Regenerate every selected prompt's answer into ``out`` (resumable); returns the manifest."""
+    from tqdm import tqdm
+
+    if cfg.backend not in ("eagleray", "transformers"):
+        raise EaglerayError(f"backend: {cfg.backend!r} cannot regenerate in one process\n"
+                            f"    fix: use backend 'transformers' or 'eagleray' (vLLM runs inside `eagleray datagen`)")
+    model_dir = str(resolve_target(cfg.target.model, cfg.target.dtype))
+    spec = TargetSpec.from_dir(model_dir)
+    gen = make_generator(cfg, model_dir, device)
+    sel = select(cfg, gen.tokenizer, out)
+    cap = cfg.max_prompt_tokens or max(1, cfg.max_seq_len - cfg.generation.max_tokens)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _append_errors(out, sel.too_long, "prompt_too_long", "prompt has {n} tokens > max_prompt_tokens " + str(cap))
+    emit(f"regenerate: {len(sel.todo)} prompts to run, {sel.done} already done, {len(sel.too_long)} too long "
+         f"(recorded in {errors_path(out).name}); backend {cfg.backend} on {device}")
+    order = sorted(sel.todo, key=lambda x: x[1])  # similar lengths together: less padding per batch
+    started, tokens, rows = time.perf_counter(), 0, 0
+    bar = tqdm(total=len(order), unit="prompt", desc="regenerate", mininterval=cfg.progress_seconds)
+    with out.open("a", encoding="utf-8") as fh:
+        for b in range(0, len(order), cfg.batch_size):
+            batch = [rec for rec, _ in order[b:b + cfg.batch_size]]
+            outs = gen.generate([[m.to_dict() for m in r.messages] for r in batch], cfg.generation,
+                                batch_seed(cfg.generation.seed, batch[0].prompt_id))
+            for rec, g in zip(batch, outs):
+                msgs = [m.to_dict() for m in rec.messages] + [{"role": "assistant", "content": g.text}]
+                fh.write(json.dumps({"prompt_id": rec.prompt_id, "source": rec.source, "messages": msgs,
+                                     "num_tokens": g.num_tokens}, ensure_ascii=False) + "\n")
+                tokens += g.num_tokens
+            fh.flush()
+            rows += len(batch)
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{tokens / max(1e-9, time.perf_counter() - started):.0f}")
+    bar.close()
+    seconds = time.perf_counter() - started
+    manifest = {"target_fingerprint": spec.fingerprint, "tokenizer_fingerprint": spec.tokenizer_fingerprint,
+                "target": cfg.target.model_dump(), "backend": cfg.backend, "device": device,
+                "generation": cfg.generation.model_dump(), "max_prompt_tokens": cap,
+                "rows": len(_read_ids(out)), "errors": len(_read_ids(errors_path(out))),
+                "this_run": {"rows": rows, "generated_tokens": tokens, "seconds": seconds,
+                             "tokens_per_s": tokens / max(1e-9, seconds)}}
+    manifest_path(out).write_text(json.dumps(manifest, indent=2))
+    emit(f"regenerate: {rows} answers, {tokens} tokens in {seconds:.1f} s ({manifest['this_run']['tokens_per_s']:.0f} tokens/s); "
+         f"{manifest['rows']} rows and {manifest['errors']} errors in {out}")
+    return manifest
+
+
+def check_given_sources(cfg: DatagenConfig, spec: TargetSpec, emit: Callable[[str], None] = print) -> None:
+    """backend 'given': answers written by ``eagleray regenerate`` must come from this very target.
+
+    A source with a ``<file>.manifest.json`` is checked (target and tokenizer fingerprints); a source
+    without one cannot be checked, and the run says so (training on another model's answers teaches
+    the draft the wrong distribution, silently).
+    """
+    problems = []
+    for i, src in enumerate(cfg.prompts):
+        path = manifest_path(src)
+        if not path.is_file():
+            emit(f"warning: prompts[{i}] {src} has no {path.name}: cannot check that its answers were generated by "
+                 f"this target ({spec.fingerprint}); write them with `eagleray regenerate` to have them checked")
+            continue
+        m = json.loads(path.read_text())
+        for key, want in (("target_fingerprint", spec.fingerprint), ("tokenizer_fingerprint", spec.tokenizer_fingerprint)):
+            if m.get(key) != want:
+                problems.append(Problem(f"prompts[{i}]", f"{src}: its answers were generated with {key} {m.get(key)} "
+                                        f"but target.model {cfg.target.model!r} has {want}",
+                                        "regenerate the answers with this target, or set target.model to the one that wrote them"))
+    if problems:
+        raise ConfigError(problems)
+    emit(f"given answers: {len(cfg.prompts)} source(s); every manifest present matches target {spec.fingerprint}")

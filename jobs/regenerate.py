@@ -1,0 +1,47 @@
+"""``python -m eagleray.jobs.regenerate --config FILE --out FILE.jsonl`` (also ``eagleray regenerate``).
+
+Regenerates the target's answers to a datagen config's prompts in this process (no Ray): for a GPU
+box without a cluster, or to split datagen into regeneration here and hidden states elsewhere
+(``eagleray datagen`` with ``backend: given`` and ``prompts: [FILE.jsonl]``, ``split_turns: false``).
+Rerun the same command to resume. ``--prompts-only`` writes the selected prompts and stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from eagleray.platform.cli import run_job
+from eagleray.platform.config import load_yaml_config
+from eagleray.platform.schemas import DatagenConfig
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="datagen YAML config: prompts, limit, target, backend, generation")
+    p.add_argument("--out", required=True, type=Path, help="JSONL to append the answered conversations to")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
+                   help="override a config field, dotted, value as JSON or a bare string (e.g. --set limit=100)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: the config's target.device; auto = cuda when available)")
+    p.add_argument("--prompts-only", action="store_true",
+                   help="write the selected prompts (messages JSONL) to --out without generating")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from eagleray.datagen.regenerate import regenerate, write_prompts
+
+    cfg = load_yaml_config(DatagenConfig, args.config, args.set)
+    if args.prompts_only:
+        write_prompts(cfg, args.out, emit=lambda s: print(s, flush=True))
+        return 0
+    device = args.device or cfg.target.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    manifest = regenerate(cfg, args.out, device, emit=lambda s: print(s, flush=True))
+    return 0 if manifest["rows"] > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(run_job("python -m eagleray.jobs.regenerate", add_arguments, run))
