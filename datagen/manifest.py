@@ -96,8 +96,12 @@ def write_errors_table(output_dir: str) -> int:
 
 
 def finalize(output_dir: str, cfg: DatagenConfig, settings: dict[str, Any], compat: str, vocab_size: int,
-             hidden_size: int) -> dict[str, Any]:
-    """Scan every shard, write vocab_counts.npy, errors.parquet and manifest.json; return the manifest."""
+             hidden_size: int, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Scan every shard, write vocab_counts.npy, errors.parquet and manifest.json; return the manifest.
+
+    ``provenance``: facts about where the answers came from that do not decide row content
+    (backend 'given': the regeneration manifests of its sources), kept in the manifest as is.
+    """
     shards.remove_tmp_files(output_dir)
     scan = scan_shards(output_dir, vocab_size)
     if scan["duplicates"]:
@@ -115,6 +119,7 @@ def finalize(output_dir: str, cfg: DatagenConfig, settings: dict[str, Any], comp
         "rows": scan["rows"], "tokens": scan["tokens"], "loss_tokens": scan["loss_tokens"], "bytes": scan["bytes"],
         "shards": scan["shards"], "errors": n_errors, "vocab_size": vocab_size, "vocab_counts": VOCAB_COUNTS,
         "errors_table": ERRORS_TABLE, "prompts": cfg.prompts, "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **(provenance or {}),
     }
     _atomic_text(Path(output_dir) / MANIFEST, json.dumps(manifest, indent=2))
     return manifest

@@ -131,6 +131,7 @@ class Plan:
     compat: str
     todo: list  # [PromptRecord] still to run, in run order
     estimate: Any
+    provenance: dict[str, Any]  # kept in the manifest (backend 'given': where the answers came from)
 
 
 def plan(cfg: DatagenConfig, emit: Callable[[str], None], write: bool = True) -> Plan:
@@ -143,8 +144,7 @@ def plan(cfg: DatagenConfig, emit: Callable[[str], None], write: bool = True) ->
     bad = [i for i in aux_ids if not 0 <= i <= spec.num_layers]
     if bad:
         raise EaglerayError(f"aux_layer_ids: {bad} outside [0, {spec.num_layers}]\n    fix: use ids of the target's layers")
-    if cfg.backend == "given":
-        check_given_sources(cfg, spec, emit)
+    given = check_given_sources(cfg, spec, emit) if cfg.backend == "given" else None
     settings = mf.compat_settings(cfg, spec.fingerprint, spec.tokenizer_fingerprint, aux_ids)
     compat = mf.check_or_write_run(cfg.output_dir, settings, write=write)
     records, pstats = select_prompts(cfg)
@@ -159,7 +159,7 @@ def plan(cfg: DatagenConfig, emit: Callable[[str], None], write: bool = True) ->
     for line in est.lines():
         emit(line)
     check_space(est, cfg.output_dir)
-    return Plan(model_dir, spec, aux_ids, settings, compat, todo, est)
+    return Plan(model_dir, spec, aux_ids, settings, compat, todo, est, {"given_answers": given} if given is not None else {})
 
 
 def dry_run(cfg: DatagenConfig, emit: Callable[[str], None] = print) -> Plan:
@@ -181,7 +181,7 @@ def run_datagen(cfg: DatagenConfig, emit: Callable[[str], None] = print) -> dict
         for summary in ds.iter_rows():
             progress.add(summary)
         emit(progress.line())
-    manifest = mf.finalize(cfg.output_dir, cfg, p.settings, p.compat, p.spec.vocab_size, p.spec.hidden_size)
+    manifest = mf.finalize(cfg.output_dir, cfg, p.settings, p.compat, p.spec.vocab_size, p.spec.hidden_size, p.provenance)
     manifest["run"] = {"seconds": time.perf_counter() - started, "rows": progress.rows, "errors": progress.errors,
                        "tokens": progress.tokens, "chunks": progress.chunks, "estimate": json.loads(p.estimate.to_json())}
     emit(summary_table(manifest))

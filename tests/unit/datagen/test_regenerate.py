@@ -116,6 +116,9 @@ def test_given_answers_become_shards_without_regeneration(given_run):
     assert manifest["rows"] == len(rows) == 20 and sorted(r["response"] for r in rows) == sorted(answers.values())
     assert all(sum(r["loss_mask"]) > 0 for r in rows)
     assert any("every manifest present matches target" in line for line in lines)
+    given = json.loads((dg_out / mf.MANIFEST).read_text())["given_answers"]
+    assert len(given) == 1 and given[0]["backend"] == "transformers" and given[0]["device"] == "cpu"
+    assert given[0]["rows"] == 20 and given[0]["target_fingerprint"] == manifest["target_fingerprint"]
     assert any(line.startswith("estimate: time") for line in lines)
 
 
