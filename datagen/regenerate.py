@@ -9,7 +9,8 @@ Output ``<out>`` (JSONL, one object per prompt, appended batch by batch so a kil
 ``{"prompt_id": <id of the prompt>, "source": str, "messages": [...prompt, {"role": "assistant",
 "content": <answer>}], "num_tokens": <generated tokens, the end-of-turn token included when reached>}``.
 Prompts that cannot be regenerated go to ``<out>.errors.jsonl`` (prompt_id, kind, message), never
-dropped. ``<out>.manifest.json`` records the target and tokenizer fingerprints, the generation
+dropped; a batch whose generate() call fails stops the run with its error and writes nothing for
+that batch (rerun to resume). ``<out>.manifest.json`` records the target and tokenizer fingerprints, the generation
 settings and the counts; ``backend: given`` checks the fingerprints against its own target.
 
 ``--prompts-only`` writes the selected prompts (after turn splitting, dedup, hold-out, shuffle,
