@@ -84,10 +84,11 @@ def _job_api_up(url: str) -> bool:
         return False
 
 
-def _submit(cmd: list[str], agent_wait_s: float = 90.0) -> subprocess.CompletedProcess:
+def _submit(cmd: list[str], agent_wait_s: float = 240.0) -> subprocess.CompletedProcess:
     """`ray job submit`, again while the head's job agent is still starting: the dashboard answers before
     the raylet's agent registers, and Ray refuses with "No available agent to submit job, please try
-    again later" (seen on a loaded 2-core machine). No job is created by a refused submit."""
+    again later" (seen on a loaded 2-core machine; once still refused after 90 s while two training
+    workers shared the cores). No job is created by a refused submit."""
     end = time.monotonic() + agent_wait_s
     while True:
         res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
