@@ -54,7 +54,12 @@ class Selected:
 
     todo: list[tuple[PromptRecord, int]]
     too_long: list[tuple[PromptRecord, int]]
-    done: int  # prompt ids already in the output (resume)
+    written: set[str]  # prompt ids already in the output (resume)
+    failed: set[str]  # prompt ids already in the errors file
+
+    @property
+    def done(self) -> int:
+        return len(self.written | self.failed)
 
 
 def _read_ids(path: Path) -> set[str]:
@@ -77,15 +82,14 @@ def _read_ids(path: Path) -> set[str]:
 def select(cfg: DatagenConfig, tok, out: Path | None) -> Selected:
     """The run's prompts minus those already written to ``out``, split by the prompt-length cap."""
     records, _ = select_prompts(cfg)
-    done = _read_ids(out) | _read_ids(errors_path(out)) if out is not None else set()
-    cap = cfg.max_prompt_tokens or max(1, cfg.max_seq_len - cfg.generation.max_tokens)
+    written, failed = (_read_ids(out), _read_ids(errors_path(out))) if out is not None else (set(), set())
     todo, too_long = [], []
     for rec in records:
-        if rec.prompt_id in done:
+        if rec.prompt_id in written or rec.prompt_id in failed:
             continue
         n = len(prompt_ids(tok, [m.to_dict() for m in rec.messages]))
-        (todo if n <= cap else too_long).append((rec, n))
-    return Selected(todo, too_long, len(records) - len(todo) - len(too_long))
+        (todo if n <= cfg.prompt_token_cap else too_long).append((rec, n))
+    return Selected(todo, too_long, written, failed)
 
 
 def write_prompts(cfg: DatagenConfig, out: Path, emit: Callable[[str], None] = print) -> dict[str, int]:
@@ -103,11 +107,11 @@ def write_prompts(cfg: DatagenConfig, out: Path, emit: Callable[[str], None] = p
     return counts
 
 
-def _append_errors(out: Path, rows: list[tuple[PromptRecord, int]], kind: str, message: str) -> None:
+def _append_too_long(cfg: DatagenConfig, out: Path, rows: list[tuple[PromptRecord, int]]) -> None:
     with errors_path(out).open("a", encoding="utf-8") as fh:
         for rec, n in rows:
-            fh.write(json.dumps({"prompt_id": rec.prompt_id, "source": rec.source, "kind": kind,
-                                 "message": message.format(n=n)}) + "\n")
+            fh.write(json.dumps({"prompt_id": rec.prompt_id, "source": rec.source, "kind": "prompt_too_long",
+                                 "message": cfg.prompt_too_long(n)}) + "\n")
 
 
 def regenerate(cfg: DatagenConfig, out: Path, device: str, emit: Callable[[str], None] = print) -> dict[str, Any]:
@@ -121,9 +125,8 @@ def regenerate(cfg: DatagenConfig, out: Path, device: str, emit: Callable[[str],
     spec = TargetSpec.from_dir(model_dir)
     gen = make_generator(cfg, model_dir, device)
     sel = select(cfg, gen.tokenizer, out)
-    cap = cfg.max_prompt_tokens or max(1, cfg.max_seq_len - cfg.generation.max_tokens)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _append_errors(out, sel.too_long, "prompt_too_long", "prompt has {n} tokens > max_prompt_tokens " + str(cap))
+    _append_too_long(cfg, out, sel.too_long)
     emit(f"regenerate: {len(sel.todo)} prompts to run, {sel.done} already done, {len(sel.too_long)} too long "
          f"(recorded in {errors_path(out).name}); backend {cfg.backend} on {device}")
     order = sorted(sel.todo, key=lambda x: x[1])  # similar lengths together: less padding per batch
@@ -147,8 +150,8 @@ def regenerate(cfg: DatagenConfig, out: Path, device: str, emit: Callable[[str],
     seconds = time.perf_counter() - started
     manifest = {"target_fingerprint": spec.fingerprint, "tokenizer_fingerprint": spec.tokenizer_fingerprint,
                 "target": cfg.target.model_dump(), "backend": cfg.backend, "device": device,
-                "generation": cfg.generation.model_dump(), "max_prompt_tokens": cap,
-                "rows": len(_read_ids(out)), "errors": len(_read_ids(errors_path(out))),
+                "generation": cfg.generation.model_dump(), "max_prompt_tokens": cfg.prompt_token_cap,
+                "rows": len(sel.written) + rows, "errors": len(sel.failed) + len(sel.too_long),
                 "this_run": {"rows": rows, "generated_tokens": tokens, "seconds": seconds,
                              "tokens_per_s": tokens / max(1e-9, seconds)}}
     manifest_path(out).write_text(json.dumps(manifest, indent=2))

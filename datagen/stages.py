@@ -58,7 +58,6 @@ class RegenerateStage:
         _set_threads(self.cfg)
         model_dir = str(resolve_target(self.cfg.target.model, self.cfg.target.dtype))
         self.gen = make_generator(self.cfg, model_dir, _device(self.cfg))
-        self.max_prompt = self.cfg.max_prompt_tokens or max(1, self.cfg.max_seq_len - self.cfg.generation.max_tokens)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         return pa.Table.from_pylist([self._chunk(row) for row in batch.to_pylist()], schema=REGEN_SCHEMA)
@@ -69,10 +68,9 @@ class RegenerateStage:
         responses, errors = [""] * len(ids), [""] * len(ids)
         ok = []
         for i, conv in enumerate(convs):
-            n = len(prompt_ids(self.gen.tokenizer, conv))
-            if n > self.max_prompt:
-                errors[i] = _error(ids[i], chunk, "regenerate", "prompt_too_long",
-                                   f"prompt has {n} tokens > max_prompt_tokens {self.max_prompt}")
+            too_long = self.cfg.prompt_too_long(len(prompt_ids(self.gen.tokenizer, conv)))
+            if too_long:
+                errors[i] = _error(ids[i], chunk, "regenerate", "prompt_too_long", too_long)
             else:
                 ok.append(i)
         bs = self.cfg.batch_size
@@ -110,7 +108,6 @@ class GivenAnswersStage:
 
         self.cfg = DatagenConfig.model_validate_json(cfg_json)
         self.tok = AutoTokenizer.from_pretrained(str(resolve_target(self.cfg.target.model, self.cfg.target.dtype)))
-        self.max_prompt = self.cfg.max_prompt_tokens or max(1, self.cfg.max_seq_len - self.cfg.generation.max_tokens)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         return pa.Table.from_pylist([self._chunk(row) for row in batch.to_pylist()], schema=REGEN_SCHEMA)
@@ -124,9 +121,9 @@ class GivenAnswersStage:
                 errors[i] = _error(ids[i], chunk, "given", "no_answer", "the record does not end with an assistant message "
                                    "(backend 'given' reads the answer from there)")
                 continue
-            n = len(prompt_ids(self.tok, msgs[:-1]))
-            if n > self.max_prompt:
-                errors[i] = _error(ids[i], chunk, "given", "prompt_too_long", f"prompt has {n} tokens > max_prompt_tokens {self.max_prompt}")
+            too_long = self.cfg.prompt_too_long(len(prompt_ids(self.tok, msgs[:-1])))
+            if too_long:
+                errors[i] = _error(ids[i], chunk, "given", "prompt_too_long", too_long)
                 continue
             convs[i], responses[i] = json.dumps(msgs[:-1], ensure_ascii=False), msgs[-1]["content"]
         return {**row, "conversations": convs, "responses": responses, "errors": errors}

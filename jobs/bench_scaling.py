@@ -29,6 +29,7 @@ from eagleray.platform.draft import DraftCheckpoint
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.guard import ensure_compatible
 from eagleray.platform.schemas import DraftConfig, PolicyConfig, TargetConfig
+from eagleray.platform.smollm2 import resolve_target
 from eagleray.platform.target import TargetSpec
 from eagleray.serve.engine import SamplingParams
 from eagleray.serve.engine.loader import close_target, load_draft, load_models
@@ -71,19 +72,18 @@ def measure_args(args) -> dict:
     if not messages:
         raise EaglerayError(f"--prompts {args.prompts!r} gave no prompts\n    fix: pass mtbench, humaneval or a non-empty file")
     tcfg = TargetConfig(model=args.target, dtype=args.dtype, device=args.device)
-    dcfgs = [DraftConfig(source=f["draft"], num_speculative_tokens=args.k, policy=PolicyConfig(adaptive=False)) for f in facts]
-    target, first, tok, device = load_models(tcfg, dcfgs[0], tempfile.mkdtemp(prefix="eagleray-bench-"))
+    target, _, tok, device = load_models(tcfg, None)  # each draft is guarded and loaded below
+    spec = TargetSpec.from_dir(resolve_target(tcfg.model, tcfg.dtype))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     rows = []
     try:
         token_prompts, plain, t_plain = plain_run(target, tok, tcfg, messages, params, args.batch)
-        spec = TargetSpec.from_dir(target_dir_of(tcfg))
-        for f, dcfg in zip(facts, dcfgs):
+        for f in facts:
+            dcfg = DraftConfig(source=f["draft"], num_speculative_tokens=args.k, policy=PolicyConfig(adaptive=False))
             report = ensure_compatible(spec, Path(f["draft"]), algorithm=dcfg.algorithm)
             target.set_aux_layers(report.facts["aux_layer_ids"])
-            draft = first if f is facts[0] else load_draft(Path(f["draft"]), target, device)
-            r = spec_run(target, draft, tok, tcfg, dcfg, token_prompts, params, plain, t_plain, args.batch)
-            rows.append({**f, **r})
+            draft = load_draft(Path(f["draft"]), target, device)
+            rows.append({**f, **spec_run(target, draft, tok, tcfg, dcfg, token_prompts, params, plain, t_plain, args.batch)})
     finally:
         close_target(target)
     taus = [r["tau"] for r in rows]
@@ -92,12 +92,6 @@ def measure_args(args) -> dict:
             "machine": std_platform.processor() or std_platform.machine(), "date": time.strftime("%Y-%m-%d"),
             "plain": rows[0]["plain"], "drafts": rows,
             "tau_rises_with_data": all(b > a for a, b in zip(taus, taus[1:])), "lossless": all(r["lossless"] for r in rows)}
-
-
-def target_dir_of(tcfg: TargetConfig) -> Path:
-    from eagleray.platform.smollm2 import resolve_target
-
-    return resolve_target(tcfg.model, tcfg.dtype)
 
 
 def plot(result: dict, path: Path) -> Path:

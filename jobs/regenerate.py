@@ -28,17 +28,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from eagleray.datagen.regenerate import regenerate, write_prompts
+    from eagleray.serve.engine.loader import pick_device
 
     cfg = load_yaml_config(DatagenConfig, args.config, args.set)
     if args.prompts_only:
         write_prompts(cfg, args.out, emit=lambda s: print(s, flush=True))
         return 0
-    device = args.device or cfg.target.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = pick_device(args.device or cfg.target.device).type
     manifest = regenerate(cfg, args.out, device, emit=lambda s: print(s, flush=True))
     return 0 if manifest["rows"] > 0 else 1
 

@@ -105,6 +105,16 @@ class DatagenConfig(StrictModel):
     ray_address: str | None = Field(None, description="Ray cluster address; default RAY_ADDRESS or a local instance.")
     testing: DatagenTesting = Field(default_factory=DatagenTesting, description="Fault-injection hooks used by eagleray's own tests; leave unset.")
 
+    @property
+    def prompt_token_cap(self) -> int:
+        """Longest prompt regenerated: max_prompt_tokens, else max_seq_len - generation.max_tokens."""
+        return self.max_prompt_tokens or max(1, self.max_seq_len - self.generation.max_tokens)
+
+    def prompt_too_long(self, n: int) -> str | None:
+        """The prompt_too_long error message for a prompt of ``n`` tokens, or None when it fits."""
+        cap = self.prompt_token_cap
+        return f"prompt has {n} tokens > max_prompt_tokens {cap}" if n > cap else None
+
     @model_validator(mode="after")
     def _given_keeps_conversations_whole(self) -> "DatagenConfig":
         if self.backend == "given" and self.split_turns:

@@ -38,11 +38,15 @@ class Plan:
     def online(self) -> bool:
         return self.cfg.data_dir == "online"
 
+    @property
+    def data_facts(self) -> dict[str, int]:
+        """``data_shards``, ``data_rows``, ``data_loss_tokens`` (empty online): in the MLflow params and the draft's notes."""
+        return {f"data_{k}": v for k, v in (self.data_size or {}).items()}
+
     def metadata(self, notes: dict[str, Any] | None = None) -> DraftMetadata:
-        data = {f"data_{k}": v for k, v in (self.data_size or {}).items()}
         return DraftMetadata(target_fingerprint=self.spec.fingerprint, tokenizer_fingerprint=self.spec.tokenizer_fingerprint,
                              aux_layer_ids=self.aux_layer_ids, dataset_id=self.dataset_id, created_by="eagleray train",
-                             notes={**data, **(notes or {})})
+                             notes={**self.data_facts, **(notes or {})})
 
 
 def _fail(field: str, message: str, fix: str) -> None:

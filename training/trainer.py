@@ -104,7 +104,7 @@ def train(cfg: TrainingConfig, emit: Callable[[str], None] = print, run_name: st
     facts = {"target_fingerprint": plan.spec.fingerprint, "tokenizer_fingerprint": plan.spec.tokenizer_fingerprint,
              "aux_layer_ids": plan.aux_layer_ids, "dataset_id": plan.dataset_id,
              "draft_vocab_size": plan.init.config["draft_vocab_size"], "target_dir": str(plan.target_dir),
-             **{f"data_{k}": v for k, v in (plan.data_size or {}).items()}}
+             **plan.data_facts}
     run_id = start_run(cfg, facts, run_name)
     emit(f"train: MLflow run {run_id} ({cfg.mlflow.tracking_uri}), backend={cfg.backend}, workers={cfg.num_workers}")
     ckpt, metrics = (_fit_ray if cfg.backend == "ray" else _fit_local)(cfg, run_id)
