@@ -10,13 +10,23 @@ One background task runs ``engine.step()`` in a single worker thread while reque
 outputs. Every engine call (add, abort, step, draft swap) happens in that one thread under one
 asyncio lock, so :meth:`AsyncEngine.between_steps` runs a function strictly between two steps.
 
-A step that raises fails the requests it was running (their streams raise the error); it is logged
-with its traceback and counted, and the loop keeps serving new requests.
+A step that raises fails only the request that made it fail when that one can be told apart; the
+loop survives any single request. A request is *proven* once a step that ran it succeeded (it got
+an output). When a step raises:
+
+* one unproven request in the engine: it is the one the step could not run; it alone fails
+  (its stream raises :class:`RequestFailed`), the others continue with the next step;
+* several unproven requests: they leave the engine (nothing was streamed to them yet) and are
+  re-admitted one at a time (new requests queue behind them) until the culprit is alone;
+* none: a proven request failed later and cannot be told apart; every request in the engine fails.
+
+Every failure is logged with its traceback and the request id, and counted (``step_errors``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -31,6 +41,15 @@ from eagleray.serve.engine.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+class RequestFailed(EaglerayError):
+    """The engine could not run this request (its step raised ``cause``; the traceback is in the log)."""
+
+    def __init__(self, request_id: str, cause: BaseException, alone: bool):
+        self.request_id, self.cause, self.alone = request_id, cause, alone
+        who = "this request" if alone else "the batch this request was in"
+        super().__init__(f"request {request_id}: an engine step failed on {who} ({type(cause).__name__})")
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -39,9 +58,12 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._queues: dict[str, asyncio.Queue] = {}
         self._to_abort: list[str] = []
+        self._unproven: dict[str, tuple[Prompt, SamplingParams]] = {}  # in the engine, no successful step yet
+        self._probation: collections.deque[tuple[str, Prompt, SamplingParams]] = collections.deque()  # waiting to re-enter
         self._task: asyncio.Task | None = None
-        self.step_errors = 0  # steps that raised (each is re-raised to the affected requests)
-        self.last_error: str | None = None
+        self.step_errors = 0  # steps that raised
+        self.requests_failed = 0  # requests failed by a step that raised
+        self.last_error: str | None = None  # the exception type of the last failed step (details in the log)
         self.steps = 0
 
     # ----------------------------------------------------------------- loop state
@@ -71,8 +93,14 @@ class AsyncEngine:
     async def _run(self) -> None:
         while True:
             if self._to_abort:
-                ids, self._to_abort = self._to_abort, []
+                ids, self._to_abort = set(self._to_abort), []
+                self._probation = collections.deque(e for e in self._probation if e[0] not in ids)
+                for i in ids:
+                    self._unproven.pop(i, None)
                 await self.between_steps(lambda: [self.engine.abort(i) for i in ids])
+            if self._probation and not self._unproven:
+                await self._admit_next()
+                continue
             if not self.engine.has_unfinished():
                 self._wake.clear()
                 await self._wake.wait()
@@ -80,24 +108,58 @@ class AsyncEngine:
             async with self._lock:
                 try:
                     outputs = await self._call(self.engine.step)
-                except Exception as err:  # noqa: BLE001 - not swallowed: logged, counted, sent to every stream
-                    await self._fail_all(err)
+                except Exception as err:  # noqa: BLE001 - not swallowed: logged, counted, sent to the failed requests
+                    await self._step_failed(err)
                     continue
             self.steps += 1
             for out in outputs:
+                self._unproven.pop(out.request_id, None)
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
 
-    async def _fail_all(self, err: Exception) -> None:
-        """A step raised: the requests in it cannot continue; each stream raises ``err``."""
+    async def _admit_next(self) -> None:
+        """Re-admit the oldest request on probation (alone among the unproven)."""
+        async with self._lock:
+            rid, prompt, params = self._probation.popleft()
+            queue = self._queues.get(rid)
+            if queue is None:
+                return
+            try:
+                await self._call(self.engine.add_request, prompt, params, rid)
+            except Exception as err:  # noqa: BLE001 - the caller's stream raises it (as add_request would have)
+                queue.put_nowait(err)
+                return
+            self._unproven[rid] = (prompt, params)
+
+    async def _step_failed(self, err: Exception) -> None:
+        """A step raised (called under the lock): fail the request responsible if it can be told apart."""
         self.step_errors += 1
-        self.last_error = f"{type(err).__name__}: {err}"
-        logger.exception("engine step failed; failing %d in-flight request(s)", len(self._queues))
-        ids = list(self._queues)
+        self.last_error = type(err).__name__
+        suspects = list(self._unproven)
+        if len(suspects) == 1:
+            logger.error("engine step failed; request %s is the only one not yet through a successful step: it alone "
+                         "fails, %d other(s) continue", suspects[0], len(self._queues) - 1, exc_info=err)
+            await self._fail(suspects, err, alone=True)
+        elif suspects:
+            logger.warning("engine step failed (%s) with %d new requests in it; re-admitting them one at a time to find "
+                           "the one it cannot run", type(err).__name__, len(suspects))
+            await self._call(lambda: [self.engine.abort(i) for i in suspects])
+            self._probation.extendleft((rid, *self._unproven.pop(rid)) for rid in reversed(suspects))
+        else:
+            ids = [rid for rid in self._queues if rid not in {e[0] for e in self._probation}]
+            logger.error("engine step failed on requests that had run before; failing the %d request(s) in the engine: %s",
+                         len(ids), ids, exc_info=err)
+            await self._fail(ids, err, alone=False)
+
+    async def _fail(self, ids: list[str], err: Exception, *, alone: bool) -> None:
         await self._call(lambda: [self.engine.abort(i) for i in ids])
         for rid in ids:
-            self._queues[rid].put_nowait(err)
+            self._unproven.pop(rid, None)
+            queue = self._queues.get(rid)
+            if queue is not None:
+                self.requests_failed += 1
+                queue.put_nowait(RequestFailed(rid, err, alone))
 
     # ----------------------------------------------------------------- requests
     async def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -110,11 +172,15 @@ class AsyncEngine:
             if rid in self._queues:
                 raise EaglerayError(f"request_id {rid!r} is already in use\n    fix: pass a unique request_id")
             self._queues[rid] = queue
-            try:
-                await self._call(self.engine.add_request, prompt, params or SamplingParams(), rid)
-            except BaseException:
-                self._queues.pop(rid, None)
-                raise
+            if self._probation:  # finding a request a step could not run: new ones wait their turn
+                self._probation.append((rid, prompt, params or SamplingParams()))
+            else:
+                try:
+                    await self._call(self.engine.add_request, prompt, params or SamplingParams(), rid)
+                except BaseException:
+                    self._queues.pop(rid, None)
+                    raise
+                self._unproven[rid] = (prompt, params or SamplingParams())
         self._wake.set()
         finished = False
         try:
