@@ -81,7 +81,8 @@ class _Ctx:
 
     @property
     def hidden(self) -> int:
-        return int(self.cfg.get("hidden_size") or 0)
+        value = self.cfg.get("hidden_size")
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0  # else _check_dims reports it
 
     @property
     def aux_ids(self) -> list[int]:
@@ -158,21 +159,48 @@ def _check_fc(c: _Ctx) -> list[Problem]:
     return out
 
 
+def _config_int(c: _Ctx, key: str, out: list[Problem]) -> int | None:
+    """An integer field of the draft config (None when absent); a non-integer is a problem, not a crash."""
+    value = c.cfg.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        out.append(Problem(f"draft.config.{key}", f"is {value!r}, not a positive integer", "restore the draft's config.json"))
+        return None
+    return value
+
+
 def _check_dims(c: _Ctx) -> list[Problem]:
+    """Hidden size and head geometry: the target's where they must agree, and the draft's own against its weights."""
     t, out = c.target, []
-    pairs = [("hidden_size", c.hidden, t.hidden_size)]
-    heads = int(c.cfg.get("num_attention_heads") or 0)
-    head_dim = int(c.cfg.get("head_dim") or (c.hidden // heads if heads else 0))
-    pairs.append(("head_dim", head_dim, t.head_dim))
-    for name, got, want in pairs:
+    hidden = _config_int(c, "hidden_size", out) or 0
+    heads = _config_int(c, "num_attention_heads", out)
+    if heads is None and "num_attention_heads" not in c.cfg:
+        out.append(Problem("draft.config.num_attention_heads", "is missing", "restore the draft's config.json"))
+    heads = heads or 0
+    kv = _config_int(c, "num_key_value_heads", out) or heads
+    head_dim = _config_int(c, "head_dim", out) or (hidden // heads if heads else 0)
+    if out:
+        return out
+    if c.cfg.get("head_dim") is None and heads and hidden % heads:
+        out.append(Problem("draft.config.head_dim", f"is not set and hidden_size {hidden} is not a multiple of "
+                           f"num_attention_heads {heads}", "set head_dim to the target's head_dim"))
+    for name, got, want in (("hidden_size", hidden, t.hidden_size), ("head_dim", head_dim, t.head_dim)):
         if got != want:
             out.append(Problem(f"draft.config.{name}", f"is {got} but the target's {name} is {want}",
                                "use a draft trained for this target (eagleray train builds one from the target's config)"))
-    kv = int(c.cfg.get("num_key_value_heads") or heads)
-    for proj, rows in (("q_proj", heads * head_dim), ("k_proj", kv * head_dim), ("v_proj", kv * head_dim)):
+    if heads and kv and (kv > heads or heads % kv):
+        out.append(Problem("draft.config.num_key_value_heads", f"{heads} attention heads cannot be split into {kv} key/value "
+                           f"groups (num_attention_heads must be a multiple of num_key_value_heads); vLLM and transformers "
+                           f"refuse such a model at load", f"use a draft whose num_attention_heads is a multiple of "
+                           f"num_key_value_heads (the target has {t.num_heads} heads, {t.num_kv_heads} key/value heads)"))
+    shapes = {"q_proj": [heads * head_dim, 2 * hidden], "k_proj": [kv * head_dim, 2 * hidden],
+              "v_proj": [kv * head_dim, 2 * hidden], "o_proj": [hidden, heads * head_dim]}
+    for proj, want in shapes.items():
         s = c.shape(f"midlayer.self_attn.{proj}.weight")
-        if s is not None and s != [rows, 2 * c.hidden]:
-            out.append(Problem(f"draft.weights.midlayer.self_attn.{proj}.weight", f"has shape {s}, config implies {[rows, 2 * c.hidden]}",
+        if s is not None and s != want:
+            out.append(Problem(f"draft.weights.midlayer.self_attn.{proj}.weight", f"has shape {s}, config implies {want} "
+                               f"({heads} heads, {kv} key/value heads, head_dim {head_dim}, hidden {hidden})",
                                "restore the config.json that belongs to these weights"))
     return out
 

@@ -8,7 +8,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from eagleray.platform.errors import EaglerayError
+from eagleray.platform.errors import ConfigError, EaglerayError, Problem
 from eagleray.platform.fingerprint import target_fingerprint, tokenizer_fingerprint, weight_shapes
 
 SUPPORTED_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -37,6 +37,38 @@ def rope_of(config: dict[str, Any]) -> dict[str, Any]:
     return {"rope_theta": float(theta), "rope_type": kind, **extra}
 
 
+REQUIRED_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings", "intermediate_size")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def check_target_config(config: dict[str, Any]) -> list[Problem]:
+    """The architecture fields eagleray reads from a target's config.json: present, positive integers, consistent."""
+    fix = "restore config.json from the original checkpoint (a Hugging Face Llama-family config)"
+    out = []
+    for key in REQUIRED_INTS:
+        if key not in config:
+            out.append(Problem(f"target.config.{key}", "is missing", fix))
+        elif not _positive_int(config[key]):
+            out.append(Problem(f"target.config.{key}", f"is {config[key]!r}, not a positive integer", fix))
+    for key in OPTIONAL_INTS:
+        if config.get(key) is not None and not _positive_int(config[key]):
+            out.append(Problem(f"target.config.{key}", f"is {config[key]!r}, not a positive integer", fix))
+    if out:
+        return out
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    if heads % kv:
+        out.append(Problem("target.config.num_key_value_heads", f"{heads} attention heads cannot be split into {kv} "
+                           "key/value groups (num_attention_heads must be a multiple of num_key_value_heads)", fix))
+    if config.get("head_dim") is None and config["hidden_size"] % heads:
+        out.append(Problem("target.config.head_dim", f"is not set and hidden_size {config['hidden_size']} is not a multiple "
+                           f"of num_attention_heads {heads}", "set head_dim, or " + fix))
+    return out
+
+
 @dataclass
 class TargetSpec:
     """A target model directory and the architecture facts the guard and engine use."""
@@ -49,7 +81,11 @@ class TargetSpec:
         p = Path(path)
         if not p.is_dir():
             raise EaglerayError(f"target: {p} is not a directory\n    fix: pass a Hugging Face model directory (config.json + *.safetensors) or 'smollm2'")
-        return cls(path=p, config=read_json(p / "config.json", "target"))
+        config = read_json(p / "config.json", "target")
+        problems = check_target_config(config)
+        if problems:
+            raise ConfigError(problems, source=str(p / "config.json"))
+        return cls(path=p, config=config)
 
     @property
     def hidden_size(self) -> int:

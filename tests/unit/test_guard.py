@@ -81,6 +81,26 @@ def _eagle1_weights(t):
     t["fc.weight"] = t["fc.weight"][:, : 2 * 64].contiguous()
 
 
+def _heads(heads, kv, head_dim=16, hidden=64):
+    """Config and matching attention weights for ``heads`` query heads and ``kv`` key/value heads."""
+    def config(cfg):
+        cfg.update(num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim)
+
+    def tensors(t):
+        a = "midlayer.self_attn."
+        t[a + "q_proj.weight"] = torch.zeros(heads * head_dim, 2 * hidden)
+        t[a + "k_proj.weight"] = torch.zeros(kv * head_dim, 2 * hidden)
+        t[a + "v_proj.weight"] = torch.zeros(kv * head_dim, 2 * hidden)
+        t[a + "o_proj.weight"] = torch.zeros(hidden, heads * head_dim)
+    return config, tensors
+
+
+def _shape(name, *shape):
+    def edit(t):
+        t[name] = torch.zeros(*shape)
+    return edit
+
+
 # (case id, config edit, tensor edit, extra doctor args, text the message must contain)
 CASES = [
     ("aux-out-of-range", _aux([2, 4, 12]), None, [], "outside [0, 8]"),
@@ -103,6 +123,15 @@ CASES = [
     ("midlayer-missing", None, _drop("midlayer.mlp.down_proj.weight"), [], "missing tensors ['midlayer.mlp.down_proj.weight']"),
     ("q-proj-shape", _set("num_attention_heads", 8), None, [], "midlayer.self_attn.q_proj.weight: has shape"),
     ("use-aux-false", lambda c: c["eagle_config"].update(use_aux_hidden_state=False), None, [], "use_aux_hidden_state"),
+    # the draft's own head geometry (the issue's 9 heads / 4 kv heads passed with exit 0)
+    ("heads-9-kv-4", *_heads(9, 4), [], "draft.config.num_key_value_heads: 9 attention heads cannot be split into 4"),
+    ("kv-more-than-heads", *_heads(2, 4), [], "2 attention heads cannot be split into 4"),
+    ("o-proj-shape", None, _shape("midlayer.self_attn.o_proj.weight", 64, 32), [], "midlayer.self_attn.o_proj.weight: has shape [64, 32]"),
+    ("k-proj-shape", None, _shape("midlayer.self_attn.k_proj.weight", 48, 128), [], "midlayer.self_attn.k_proj.weight: has shape [48, 128]"),
+    ("kv-heads-vs-weights", _set("num_key_value_heads", 4), None, [], "midlayer.self_attn.k_proj.weight: has shape [32, 128], config implies [64, 128]"),
+    ("heads-not-an-int", _set("num_attention_heads", "nine"), None, [], "draft.config.num_attention_heads: is 'nine', not a positive integer"),
+    ("heads-missing", lambda c: c.pop("num_attention_heads"), None, [], "draft.config.num_attention_heads: is missing"),
+    ("hidden-not-an-int", _set("hidden_size", "64"), None, [], "draft.config.hidden_size: is '64', not a positive integer"),
 ]
 
 
@@ -160,3 +189,35 @@ def test_vllm_format_draft_without_metadata_passes(capsys, tmp_path, tiny_target
 def test_missing_target_dir_is_a_clean_error(capsys, tmp_path, good_draft):
     rc, text = _doctor(capsys, tmp_path / "nope", good_draft)
     assert rc == 2 and "is not a directory" in text and "Traceback" not in text
+
+
+def test_grouped_heads_that_divide_pass(capsys, tmp_path, tiny_target, good_draft):
+    """The geometry check refuses only what cannot be grouped: 8 heads / 4 key/value heads with matching weights serve."""
+    rc, text = _doctor(capsys, tiny_target, _variant(good_draft, tmp_path / "h8kv4", *_heads(8, 4)))
+    assert rc == 0, text
+
+
+def _bad_target(tmp_path, tiny_target, edit) -> Path:
+    out = tmp_path / "target"
+    shutil.copytree(tiny_target, out)
+    cfg = json.loads((out / "config.json").read_text())
+    edit(cfg)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize("edit, expect", [
+    (lambda c: c.pop("hidden_size"), "target.config.hidden_size: is missing"),
+    (lambda c: c.pop("num_hidden_layers"), "target.config.num_hidden_layers: is missing"),
+    (lambda c: c.update(vocab_size="many"), "target.config.vocab_size: is 'many', not a positive integer"),
+    (lambda c: c.update(num_attention_heads=0), "target.config.num_attention_heads: is 0, not a positive integer"),
+    (lambda c: c.update(head_dim=-1), "target.config.head_dim: is -1"),
+    (lambda c: c.update(num_attention_heads=3, num_key_value_heads=2), "target.config.num_key_value_heads: 3 attention heads"),
+    (lambda c: c.update(num_attention_heads=3, num_key_value_heads=3, head_dim=None), "target.config.head_dim: is not set"),
+])
+def test_malformed_target_config_exits_2_naming_file_and_field(capsys, tmp_path, tiny_target, good_draft, edit, expect):
+    """Was exit 1 with a KeyError traceback."""
+    target = _bad_target(tmp_path, tiny_target, edit)
+    rc, text = _doctor(capsys, target, good_draft)
+    assert rc == 2 and expect in text and str(target / "config.json") in text, text
+    assert "Traceback" not in text and "KeyError" not in text and "fix:" in text

@@ -74,9 +74,12 @@ def test_wheel_contains_every_module(tmp_path):
     out = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path), str(REPO)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    # `make install` showed setuptools' 40-line warning ("'eagleray.jobs.configs' is absent from the `packages`")
+    assert "Warning" not in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
     wheel = next(tmp_path.glob("eagleray-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     want = {"eagleray/__init__.py"} | {"eagleray/" + str(p.relative_to(REPO)) for p in _modules()}
+    want |= {"eagleray/" + str(p.relative_to(REPO)) for p in (REPO / "jobs" / "configs").glob("*.yaml")}
     missing = sorted(want - names)
     assert not missing, f"wheel lacks {missing}"
     assert not any(n.startswith("eagleray/tests/") for n in names)
@@ -86,4 +89,5 @@ def test_pyproject_lists_exactly_the_package_folders():
     import tomllib
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {"eagleray"} | {"eagleray." + ".".join(p.parent.relative_to(REPO).parts) for p in _modules()}
+    found.add("eagleray.jobs.configs")  # package data only (the shipped YAML configs)
     assert listed == found, f"missing from pyproject: {sorted(found - listed)}; listed but absent: {sorted(listed - found)}"
