@@ -58,9 +58,10 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_serving(args.config)
     cfg = cfg.model_copy(update={k: v for k, v in (("port", args.port), ("host", args.host)) if v is not None})
+    app = build(cfg)  # before Ray starts: a draft the guard refuses is the error the user sees (exit 2)
     ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
-    serve.run(build(cfg), name=APP_NAME, route_prefix="/", blocking=False)
+    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     url = f"http://{cfg.host}:{cfg.port}"
     wait_ready(url, cfg.api_key, timeout_s=600)
     print(f"eagleray serving {cfg.model_name!r} at {url}/v1 (draft: {cfg.draft.source if cfg.draft else 'none'}); Ctrl-C stops",

@@ -5,6 +5,9 @@
 
 ``args``: either ``config`` (a ServingConfig YAML path) or ``serving`` (the ServingConfig inline).
 The engine deployment gets the draft as its ``user_config`` so a config update hot-swaps it.
+A draft directory that exists where the app is built is checked by the compatibility guard first:
+an incompatible or broken draft (a zero-byte checkpoint, say) stops ``build`` with the guard's
+message instead of a replica that fails to start (whose message only reaches the replica log).
 With ``target.tensor_parallel_size > 1`` the engine replica is placed in a STRICT_PACK placement
 group of one bundle per rank: the replica (rank 0) takes bundle 0 and starts ranks 1..N-1 as Ray
 actors in bundles 1..N-1 (:mod:`eagleray.serve.engine.tp_ray`).
@@ -18,8 +21,14 @@ from pydantic import Field, model_validator
 from ray import serve
 from ray.serve import Application
 
+from pathlib import Path
+
 from eagleray.platform.config import StrictModel, load_yaml_config, parse_config
+from eagleray.platform.guard import ensure_compatible
+from eagleray.platform.registry import is_registry_uri
 from eagleray.platform.schemas import ServingConfig
+from eagleray.platform.smollm2 import resolve_target
+from eagleray.platform.target import TargetSpec
 from eagleray.serve.engine_server import EngineServer
 from eagleray.serve.ingress import OpenAIIngress, app as fastapi_app
 
@@ -65,18 +74,36 @@ def user_config_of(cfg: ServingConfig) -> dict[str, Any] | None:
     return out
 
 
+def guard_local_draft(cfg: ServingConfig) -> None:
+    """Run the guard here when the draft is a directory this machine has (raises CompatibilityError).
+
+    Registry drafts and directories that exist only on the cluster are guarded by the replica.
+    """
+    if cfg.draft is None or cfg.draft.source == "random" or is_registry_uri(cfg.draft.source):
+        return
+    draft = Path(cfg.draft.source)
+    target = resolve_target(cfg.target.model, cfg.target.dtype)
+    if draft.exists() and target.is_dir():
+        ensure_compatible(TargetSpec.from_dir(target), draft, algorithm=cfg.draft.algorithm,
+                          max_model_len=cfg.target.max_model_len)
+
+
+def ingress_deployment(cfg: ServingConfig):
+    """The ingress deployment (bind it to an engine deployment or handle and the serving dict)."""
+    ingress_cls = serve.ingress(fastapi_app)(OpenAIIngress)
+    return serve.deployment(ingress_cls, name="EagleRayIngress", num_replicas=1,
+                            max_ongoing_requests=max(128, 8 * cfg.max_num_seqs), ray_actor_options={"num_cpus": 0})
+
+
 def build(cfg: ServingConfig) -> Application:
-    """The application for a validated ServingConfig."""
+    """The application for a validated ServingConfig (the guard first, for a local draft directory)."""
+    guard_local_draft(cfg)
     serving = cfg.model_dump(mode="json")
     engine_dep = serve.deployment(EngineServer, name="EagleRayEngine", **engine_options(cfg))
     user_config = user_config_of(cfg)
     if user_config is not None:
         engine_dep = engine_dep.options(user_config=user_config)
-    ingress_cls = serve.ingress(fastapi_app)(OpenAIIngress)
-    ingress_dep = serve.deployment(ingress_cls, name="EagleRayIngress", num_replicas=1,
-                                   max_ongoing_requests=max(128, 8 * cfg.max_num_seqs),
-                                   ray_actor_options={"num_cpus": 0})
-    return ingress_dep.bind(engine_dep.bind(serving), serving)
+    return ingress_deployment(cfg).bind(engine_dep.bind(serving), serving)
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -27,7 +27,7 @@ from eagleray.serve.engine.engine import LLMEngine
 from eagleray.serve.engine.sampling import SamplingParams
 from eagleray.serve.engine.tp_workers import TPLaunch
 from eagleray.serve.hotswap import DraftManager
-from eagleray.serve.engine.async_engine import AsyncEngine
+from eagleray.serve.engine.async_engine import AsyncEngine, RequestFailed
 from eagleray.serve.metrics import ServeMetrics
 from eagleray.serve.protocol import APIError
 from eagleray.serve.responses import Delta
@@ -92,11 +92,14 @@ class EngineServer:
             return list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
         if isinstance(prompt, str):
             return list(tok(prompt, add_special_tokens=True)["input_ids"])
+        self._check_token_ids(prompt, field)
+        return [int(t) for t in prompt]
+
+    def _check_token_ids(self, ids: list[int], field: str) -> None:
         vocab = self.spec.vocab_size
-        bad = [t for t in prompt if not 0 <= int(t) < vocab]
+        bad = [t for t in ids if not 0 <= int(t) < vocab]
         if bad:
             raise APIError(400, f"{field}: token ids {bad[:5]} are outside [0, {vocab})", param=field, code="invalid_value")
-        return [int(t) for t in prompt]
 
     def prepare(self, payload: dict[str, Any]) -> tuple[list[int], SamplingParams]:
         """Tokenize and check the request against the context; raises :class:`APIError` (4xx)."""
@@ -111,26 +114,34 @@ class EngineServer:
         if max_tokens is not None and len(ids) + max_tokens > ctx:
             raise APIError(400, f"{limit_field}={max_tokens} plus the prompt's {len(ids)} tokens exceeds the context of "
                            f"{ctx} tokens; ask for at most {ctx - len(ids)}", param=limit_field, code="context_length_exceeded")
+        self._check_token_ids(payload["params"].get("stop_token_ids", []), "stop_token_ids")
         params = SamplingParams(**payload["params"], max_tokens=max_tokens or ctx - len(ids))
         return ids, params
 
     async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream one request: {'kind': 'error'|'start', ...} then {'kind': 'delta', ...} per step."""
+        rid = payload.get("request_id")
         try:
             ids, params = self.prepare(payload)
         except APIError as err:
-            self.metrics.record_error(err.status)
             yield {"kind": "error", **err.to_dict()}
             return
         yield {"kind": "start", "prompt_tokens": len(ids)}
-        async for out in self.loop.stream(ids, params):
-            d = Delta(out.delta_text, len(out.token_ids), len(ids), out.finished, out.finish_reason,
-                      self.drafts.version, out.spec)
-            if out.finished:
-                self.metrics.record_request(len(out.token_ids), out.spec)
-                self.metrics.set_watchdog(self.drafts.watchdog_state())
-                self.metrics.set_draft(self.drafts.version)
-            yield {"kind": "delta", **d.to_dict()}
+        try:
+            async for out in self.loop.stream(ids, params, rid):
+                d = Delta(out.delta_text, len(out.token_ids), len(ids), out.finished, out.finish_reason,
+                          self.drafts.version, out.spec)
+                self.metrics.record_tokens(len(out.delta_token_ids))
+                if out.finished:
+                    self.metrics.record_request(len(out.token_ids), out.spec)
+                    self.metrics.set_watchdog(self.drafts.watchdog_state())
+                    self.metrics.set_draft(self.drafts.version)
+                yield {"kind": "delta", **d.to_dict()}
+        except RequestFailed as err:  # logged with its traceback by the step loop; the other requests continue
+            which = "it" if err.alone else "the batch it was in"
+            yield {"kind": "error", **APIError(500, f"the engine could not run this request: a step failed on {which} "
+                                               f"({type(err.cause).__name__}); the server log has the details under "
+                                               f"request id {rid}", type="server_error", code="engine_error").to_dict()}
 
     # ------------------------------------------------------------------ status
     async def info(self) -> dict[str, Any]:
@@ -143,7 +154,7 @@ class EngineServer:
         self.loop.ensure_started()
         return {"status": "ok" if self.loop.alive else "unhealthy", "model": self.cfg.model_name,
                 "in_flight": self.loop.num_in_flight, "steps": self.loop.steps, "step_errors": self.loop.step_errors,
-                "last_error": self.loop.last_error, **self.drafts.status(),
+                "requests_failed": self.loop.requests_failed, "last_error": self.loop.last_error, **self.drafts.status(),
                 "metrics": self.metrics.to_dict(), "engine": self.engine.metrics.snapshot()}
 
     async def check_health(self) -> None:

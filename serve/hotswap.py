@@ -185,5 +185,6 @@ class DraftManager:
     def status(self) -> dict:
         cur = self.current
         return {"draft_version": self.version, "draft_path": str(cur.path) if cur else None,
+                "aux_layer_ids": list(self.engine.target.model.aux_layer_ids),  # the target layers captured now
                 "draft_source": cur.source if cur else None, "watchdog_state": self.watchdog_state(),
                 "history": [r.to_dict() for r in self.history[-10:]]}

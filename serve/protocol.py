@@ -1,7 +1,13 @@
 """OpenAI-compatible request models and the error body every 4xx carries.
 
 Requests are strict (``extra="forbid"``): an unknown field is a 400 that names it, so a typo such
-as ``max_token`` never silently falls back to a default. Errors follow OpenAI's shape::
+as ``max_token`` never silently falls back to a default. Every other field of OpenAI's chat and
+completions APIs, and the vLLM sampling extensions real clients send (vLLM's benchmark client
+sends ``repetition_penalty: 1.0`` and ``logprobs: null``), is accepted at its default/null value;
+a non-default value of a feature eagleray does not implement is a 400 naming the field
+(:data:`CHAT_DEFAULT_ONLY`, :data:`COMPLETION_DEFAULT_ONLY`). Numbers are range-checked here, at
+the edge, so nothing the engine cannot run reaches it, and text must be encodable (a lone UTF-16
+surrogate such as ``"\\ud800"`` is valid JSON but not Unicode text). Errors follow OpenAI's shape::
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "messages.0.content", "code": "..."}}
 """
@@ -11,10 +17,14 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # pydantic error type -> OpenAI-style error code
-_CODES = {"extra_forbidden": "unknown_field", "missing": "missing_field", "json_invalid": "invalid_json"}
+_CODES = {"extra_forbidden": "unknown_field", "missing": "missing_field", "json_invalid": "invalid_json",
+          "finite_number": "invalid_value"}
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what torch's generators take (vLLM's bound on seed too)
+INT32_MAX = 2**31 - 1
+MAX_JSON_DEPTH = 32  # OpenAI bodies nest 5 levels deep
 
 
 class APIError(Exception):
@@ -42,7 +52,106 @@ class APIError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    """``value`` equals the API default ``default`` (``False`` is not ``0``, ``1`` is ``1.0``)."""
+    if default is None or value is None:
+        return value is default
+    if isinstance(value, bool) or isinstance(default, bool):
+        return isinstance(value, bool) and isinstance(default, bool) and value == default
+    if isinstance(default, (int, float)):
+        return isinstance(value, (int, float)) and value == default
+    return type(value) is type(default) and value == default
+
+
+def refuse_non_defaults(data: Any, table: dict[str, tuple[tuple, str]]) -> Any:
+    """Raw request ``data``: a field of ``table`` (field -> (its defaults, why)) with another value is refused."""
+    if isinstance(data, dict):
+        for name, (defaults, why) in table.items():
+            if name in data and not any(_is_default(data[name], d) for d in defaults):
+                shown = " or ".join(json.dumps(d) for d in defaults)
+                raise _FieldError(name, f"{json.dumps(data[name])[:60]} is not supported: {why}; remove the field "
+                                        f"or send {shown}")
+    return data
+
+
+class _FieldError(ValueError):
+    """A problem with one named field found outside pydantic's field validation."""
+
+    def __init__(self, param: str, message: str, code: str = "unsupported_value"):
+        super().__init__(f"{param}: {message}")
+        self.param, self.message, self.code = param, message, code
+
+
+# Fields of OpenAI's APIs (and vLLM's extensions) eagleray accepts only at their defaults.
+_COMMON_DEFAULT_ONLY: dict[str, tuple[tuple, str]] = {
+    "frequency_penalty": ((None, 0), "frequency penalties are not implemented"),
+    "presence_penalty": ((None, 0), "presence penalties are not implemented"),
+    "repetition_penalty": ((None, 1), "repetition penalties are not implemented"),
+    "logit_bias": ((None, {}), "logit biases are not implemented"),
+    "min_p": ((None, 0), "min_p filtering is not implemented"),
+    "min_tokens": ((None, 0), "min_tokens is not implemented"),
+    "use_beam_search": ((None, False), "beam search is not implemented"),
+    "best_of": ((None, 1), "only one candidate is generated"),
+    "length_penalty": ((None, 1), "length penalties apply to beam search, which is not implemented"),
+    "include_stop_str_in_output": ((None, False), "stop strings are always cut from the output"),
+    "skip_special_tokens": ((None, True), "special tokens are always skipped in the text"),
+    "spaces_between_special_tokens": ((None, True), "special tokens are always skipped in the text"),
+    "truncate_prompt_tokens": ((None,), "prompts are never truncated (a prompt over the context is a 400)"),
+    "prompt_logprobs": ((None,), "prompt logprobs are not implemented"),
+    "return_tokens_as_token_ids": ((None, False), "tokens are returned as text"),
+    "guided_json": ((None,), "guided decoding is not implemented"),
+    "guided_regex": ((None,), "guided decoding is not implemented"),
+    "guided_choice": ((None,), "guided decoding is not implemented"),
+    "guided_grammar": ((None,), "guided decoding is not implemented"),
+    "structured_outputs": ((None,), "structured outputs are not implemented"),
+    "response_format": ((None, {"type": "text"}), "structured outputs (json_object, json_schema) are not implemented"),
+    "priority": ((None, 0), "requests are served in arrival order"),
+    "store": ((None, False), "completions are not stored"),
+    "service_tier": ((None, "auto", "default"), "there is one service tier"),
+    "kv_transfer_params": ((None,), "disaggregated prefill is not implemented"),
+}
+CHAT_DEFAULT_ONLY: dict[str, tuple[tuple, str]] = {
+    **_COMMON_DEFAULT_ONLY,
+    "logprobs": ((None, False), "logprobs are not implemented"),
+    "top_logprobs": ((None, 0), "logprobs are not implemented"),
+    "tools": ((None, []), "tool calling is not implemented"),
+    "tool_choice": ((None, "none", "auto"), "tool calling is not implemented"),
+    "functions": ((None, []), "function calling is not implemented"),
+    "function_call": ((None, "none", "auto"), "function calling is not implemented"),
+    "audio": ((None,), "audio output is not implemented"),
+    "modalities": ((None, ["text"]), "only text output is implemented"),
+    "prediction": ((None,), "predicted outputs are not implemented"),
+    "web_search_options": ((None,), "web search is not implemented"),
+    "reasoning_effort": ((None,), "the target is not a reasoning model"),
+    "verbosity": ((None, "medium"), "verbosity control is not implemented"),
+    "echo": ((None, False), "echoing the conversation is not implemented"),
+    "add_generation_prompt": ((None, True), "the chat template always ends with the assistant's generation prompt"),
+    "continue_final_message": ((None, False), "the chat template always starts a new assistant message"),
+    "add_special_tokens": ((None, False), "the chat template adds the special tokens"),
+    "documents": ((None,), "documents for the chat template are not implemented"),
+    "chat_template": ((None,), "the model's own chat template is used"),
+    "chat_template_kwargs": ((None, {}), "the model's own chat template is used"),
+    "mm_processor_kwargs": ((None,), "multimodal input is not implemented"),
+}
+COMPLETION_DEFAULT_ONLY: dict[str, tuple[tuple, str]] = {
+    **_COMMON_DEFAULT_ONLY,
+    "logprobs": ((None,), "logprobs are not implemented"),
+    "suffix": ((None, ""), "insertion (suffix) is not implemented"),
+    "add_special_tokens": ((None, True), "the tokenizer's special tokens are always added to a text prompt"),
+}
+# Fields accepted with any value: ids and tags that do not change the answer.
+_RECORDED = {
+    "user": "End-user id (recorded, not used).",
+    "metadata": "Key/value tags (not stored).",
+    "prompt_cache_key": "Cache routing hint (not used).",
+    "safety_identifier": "End-user id for safety monitoring (not used).",
+    "request_id": "vLLM extension: the client's request id (the response id is eagleray's).",
+    "parallel_tool_calls": "Tool calling option; without tools it changes nothing.",
+    "cache_salt": "vLLM prefix-cache salt (eagleray has no prefix cache).",
+}
 
 
 class TextPart(_Strict):
@@ -52,30 +161,84 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer"] = Field(description="Author of the message.")
-    content: str | list[TextPart] = Field(description="Message text, or a list of text parts.")
+    content: str | list[TextPart] | None = Field(description="Message text, or a list of text parts (null only for an assistant message).")
     name: str | None = Field(None, description="Optional participant name (ignored by the chat template).")
+    refusal: str | None = Field(None, description="An assistant message's refusal (replayed conversations carry it as null).")
+    tool_calls: list[Any] | None = Field(None, description="Only null or [] (tool calling is not implemented).")
+    function_call: None = Field(None, description="Only null (function calling is not implemented).")
+    audio: None = Field(None, description="Only null (audio is not implemented).")
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, v):
+        if v:
+            raise ValueError("tool calls are not supported (tool calling is not implemented); send null or []")
+        return v
+
+    @model_validator(mode="after")
+    def _content(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise _FieldError("content", f"is null; a {self.role} message needs text", code="invalid_value")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class StreamOptions(_Strict):
     include_usage: bool = Field(False, description="Send a final chunk with token usage before [DONE].")
+    include_obfuscation: bool | None = Field(None, description="OpenAI's stream padding option (eagleray sends no padding).")
+    continuous_usage_stats: Literal[False] | None = Field(None, description="vLLM extension: only false (usage comes once, at the end).")
 
 
 class _Sampling(_Strict):
     model: str = Field(description="Model id; must be one listed by GET /v1/models.")
-    max_tokens: int | None = Field(None, ge=1, description="Maximum generated tokens; default: what the context leaves.")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature; 0 is greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (vLLM extension); 0 keeps all.")
-    n: Literal[1] = Field(1, description="Number of choices; only 1 is supported.")
-    stream: bool = Field(False, description="Stream the answer as server-sent events.")
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description="Maximum generated tokens; default: what the context leaves.")
+    temperature: float | None = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature in [0, 2]; 0 is greedy.")
+    top_p: float | None = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1].")
+    top_k: int | None = Field(0, ge=-1, le=INT32_MAX, description="Keep the k most likely tokens (vLLM extension); 0 or -1 keeps all.")
+    n: Literal[1] | None = Field(1, description="Number of choices; only 1 is supported.")
+    stream: bool | None = Field(False, description="Stream the answer as server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options (include_usage).")
     stop: str | list[str] | None = Field(None, description="Up to 4 stop strings; the text is cut before the first.")
-    seed: int | None = Field(None, description="Seed of the random draws (sampled requests are reproducible).")
-    user: str | None = Field(None, description="End-user id (recorded, not used).")
-    ignore_eos: bool = Field(False, description="Do not stop at EOS (vLLM extension; for benchmarks).")
+    stop_token_ids: list[int] | None = Field(None, max_length=64, description="vLLM extension: token ids that end the answer.")
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="Seed of the random draws (sampled requests are reproducible).")
+    ignore_eos: bool | None = Field(False, description="Do not stop at EOS (vLLM extension; for benchmarks).")
+    user: str | None = Field(None, description=_RECORDED["user"])
+    metadata: dict[str, str] | None = Field(None, description=_RECORDED["metadata"])
+    prompt_cache_key: str | None = Field(None, description=_RECORDED["prompt_cache_key"])
+    safety_identifier: str | None = Field(None, description=_RECORDED["safety_identifier"])
+    request_id: str | None = Field(None, description=_RECORDED["request_id"])
+    cache_salt: str | None = Field(None, description=_RECORDED["cache_salt"])
+    # Accepted at their defaults only (CHAT_DEFAULT_ONLY / COMPLETION_DEFAULT_ONLY check the values first).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    use_beam_search: bool | None = None
+    best_of: int | None = None
+    length_penalty: float | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    truncate_prompt_tokens: None = None
+    prompt_logprobs: None = None
+    return_tokens_as_token_ids: bool | None = None
+    guided_json: None = None
+    guided_regex: None = None
+    guided_choice: None = None
+    guided_grammar: None = None
+    structured_outputs: None = None
+    response_format: dict[str, str] | None = None
+    priority: int | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    kv_transfer_params: None = None
+    add_special_tokens: bool | None = None
 
     @field_validator("stop")
     @classmethod
@@ -87,16 +250,56 @@ class _Sampling(_Strict):
             raise ValueError("stop strings must be non-empty")
         return v
 
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v):
+        bad = [t for t in v or [] if not 0 <= t <= INT32_MAX]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are not valid token ids (>= 0)")
+        return v
+
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def sampling(self) -> dict[str, Any]:
+        """The engine's SamplingParams fields (null means the API default; top_k -1 means off)."""
+        top_k = 0 if self.top_k in (None, -1) else self.top_k
+        return {"temperature": 1.0 if self.temperature is None else self.temperature,
+                "top_p": 1.0 if self.top_p is None else self.top_p, "top_k": top_k, "stop": self.stop_list(),
+                "stop_token_ids": list(self.stop_token_ids or []), "seed": self.seed, "ignore_eos": bool(self.ignore_eos)}
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far (at least one message).")
-    max_completion_tokens: int | None = Field(None, ge=1, description="Newer name of max_tokens; wins when both are set.")
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description="Newer name of max_tokens; wins when both are set.")
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | None = None
+    functions: list[Any] | None = None
+    function_call: str | None = None
+    audio: None = None
+    modalities: list[str] | None = None
+    prediction: None = None
+    web_search_options: None = None
+    reasoning_effort: None = None
+    verbosity: str | None = None
+    echo: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    documents: None = None
+    chat_template: None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: None = None
+    parallel_tool_calls: bool | None = Field(None, description=_RECORDED["parallel_tool_calls"])
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, data: Any) -> Any:
+        return refuse_non_defaults(data, CHAT_DEFAULT_ONLY)
 
     @field_validator("messages")
     @classmethod
@@ -114,8 +317,15 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] = Field(description="One prompt: text, token ids, or a one-element list of text.")
-    max_tokens: int | None = Field(16, ge=1, description="Maximum generated tokens (OpenAI's default is 16).")
-    echo: Literal[False] = Field(False, description="Echoing the prompt is not supported.")
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX, description="Maximum generated tokens (OpenAI's default is 16).")
+    echo: Literal[False] | None = Field(False, description="Echoing the prompt is not supported.")
+    logprobs: None = None
+    suffix: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, data: Any) -> Any:
+        return refuse_non_defaults(data, COMPLETION_DEFAULT_ONLY)
 
     @field_validator("prompt")
     @classmethod
@@ -129,7 +339,7 @@ class CompletionRequest(_Sampling):
         return v
 
     def limit(self) -> tuple[int | None, str]:
-        return self.max_tokens, "max_tokens"
+        return (16 if self.max_tokens is None else self.max_tokens), "max_tokens"
 
 
 def _param_of(loc: tuple) -> str | None:
@@ -140,26 +350,71 @@ def _param_of(loc: tuple) -> str | None:
 
 def validation_error(err: ValidationError) -> APIError:
     """The first problem of a pydantic error as a 400 naming the field (all problems in the message)."""
-    errors = err.errors()
-    first = errors[0]
-    param = _param_of(first["loc"])
-    msgs = []
-    for e in errors[:5]:
-        p = _param_of(e["loc"]) or "body"
-        hint = "unknown field; remove it or fix its spelling" if e["type"] == "extra_forbidden" else e["msg"]
-        msgs.append(f"{p}: {hint}")
-    code = _CODES.get(first["type"], "invalid_type" if first["type"].endswith(("_type", "_parsing")) else "invalid_value")
-    return APIError(400, "; ".join(msgs), param=param, code=code)
+    problems = []
+    for e in err.errors():
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, _FieldError):  # raised by a model validator: it names its own field
+            param = ".".join(p for p in (_param_of(e["loc"]), cause.param) if p)
+            problems.append((param, cause.message, cause.code))
+            continue
+        param = _param_of(e["loc"])
+        hint = "unknown field; remove it or fix its spelling" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
+        code = _CODES.get(e["type"], "invalid_type" if e["type"].endswith(("_type", "_parsing")) else "invalid_value")
+        problems.append((param, hint, code))
+    param, _, code = problems[0]
+    return APIError(400, "; ".join(f"{p or 'body'}: {m}" for p, m, _ in problems[:5]), param=param, code=code)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number; send a finite number")
+
+
+def _surrogate(s: str) -> int | None:
+    """Index of the first character UTF-8 cannot carry (a lone UTF-16 surrogate), else None."""
+    try:
+        s.encode("utf-8")
+        return None
+    except UnicodeEncodeError as err:
+        return err.start
+
+
+def check_text(data: Any) -> None:
+    """Every string (and key) in ``data`` must be Unicode text UTF-8 can carry; a 400 names the first that is not."""
+    stack: list[tuple[str, Any, int]] = [("", data, 0)]
+    while stack:
+        path, value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"{path}: nested more than {MAX_JSON_DEPTH} levels deep", param=path, code="invalid_value")
+        if isinstance(value, str):
+            at = _surrogate(value)
+            if at is not None:
+                raise APIError(400, f"{path or 'body'}: character {at} is a lone UTF-16 surrogate (U+{ord(value[at]):04X}), "
+                               f"which is not text; send valid Unicode (a \\ud800-\\udbff escape must be followed by a "
+                               f"\\udc00-\\udfff one)", param=path or None, code="invalid_encoding")
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                at = _surrogate(k)
+                if at is not None:
+                    raise APIError(400, f"{path or 'body'}: a key holds a lone UTF-16 surrogate (U+{ord(k[at]):04X}) at "
+                                   f"character {at}; send valid Unicode", param=path or None, code="invalid_encoding")
+                stack.append((f"{path}.{k}" if path else k, v, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}" if path else str(i), v, depth + 1) for i, v in enumerate(value))
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """JSON bytes -> validated request; every failure is an :class:`APIError` (400)."""
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_reject_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise APIError(400, f"request body is not valid JSON: {err}", code="invalid_json") from None
+    except ValueError as err:  # NaN / Infinity (parse_constant)
+        raise APIError(400, f"request body is not valid JSON: {err}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply to be a request", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    check_text(data)
     try:
         return model.model_validate(data)
     except ValidationError as err:
