@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,11 +67,45 @@ class Progress:
                 f"{self.tokens / el:.0f} tokens/s, {human_bytes(self.bytes)} written, ETA {eta_s}")
 
 
-def _ray_init(cfg: DatagenConfig) -> None:
+def ray_address(cfg: DatagenConfig) -> tuple[str, str]:
+    """(address, where it came from): ``ray_address``, else RAY_ADDRESS, else ``local`` (a private instance).
+
+    Never Ray's own default (``None``/``auto``), which joins whatever cluster /tmp/ray's address file
+    names, even one whose processes are long gone.
+    """
+    if cfg.ray_address:
+        return cfg.ray_address, "ray_address"
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
+    return "local", "default"
+
+
+def check_reachable(address: str, source: str, timeout_s: float = 5.0) -> None:
+    """A ``host:port`` (or ``ray://host:port``) cluster address must accept connections (ray.init would hang for minutes)."""
+    hostport = address.removeprefix("ray://")
+    host, _, port = hostport.rpartition(":")
+    if address in ("local", "auto") or not host or not port.isdigit() or "/" in hostport:
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise EaglerayError(f"{source}: the Ray cluster at {address} does not answer ({err.strerror or err})\n"
+                            f"    fix: start it (ray start --head) or point {source} at a live cluster; unset ray_address "
+                            f"and RAY_ADDRESS to run on a private local instance") from None
+
+
+def _ray_init(cfg: DatagenConfig, emit: Callable[[str], None] = print) -> None:
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address=cfg.ray_address, log_to_driver=True)
+    if ray.is_initialized():
+        return
+    address, source = ray_address(cfg)
+    check_reachable(address, source)
+    ray.init(address=address, log_to_driver=True)
+    if address != "local":
+        res = ray.cluster_resources()
+        emit(f"ray: joined the cluster at {address} (from {source}): {len(ray.nodes())} node(s), "
+             f"{res.get('CPU', 0):.0f} CPUs, {res.get('GPU', 0):.0f} GPUs")
 
 
 def _model_stage_args(cfg: DatagenConfig) -> dict[str, Any]:
@@ -176,7 +212,7 @@ def run_datagen(cfg: DatagenConfig, emit: Callable[[str], None] = print) -> dict
         meta = {"compat_hash": p.compat, "aux_layer_ids": json.dumps(p.aux_ids),
                 "target_fingerprint": p.spec.fingerprint, "tokenizer_fingerprint": p.spec.tokenizer_fingerprint,
                 "hidden_size": str(p.spec.hidden_size), "encoding": "bf16-le-rowmajor"}
-        _ray_init(cfg)
+        _ray_init(cfg, emit)
         ds = build_dataset(cfg, make_chunks(p.todo, cfg.rows_per_shard, p.compat), p.model_dir, meta)
         for summary in ds.iter_rows():
             progress.add(summary)

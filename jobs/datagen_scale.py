@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
                         target={"model": str(target), "dtype": "fp32", "device": "cpu"}, hold_out_eval=True,
                         generation={"max_tokens": 8}, max_seq_len=512, rows_per_shard=1024, batch_size=64,
                         num_workers=1, cpus_per_worker=1, progress_seconds=30)
-    ray.init(num_cpus=args.num_cpus, object_store_memory=500 * 1024**2, include_dashboard=False)
+    ray.init(address="local", num_cpus=args.num_cpus, object_store_memory=500 * 1024**2, include_dashboard=False)
     mon = PeakRSS()
     mon.start()
     t0 = time.perf_counter()

@@ -23,7 +23,7 @@ from .conftest import LONG_PROMPT, datagen_config, expected_ids  # noqa: TID252
 def ray_local():
     import ray
 
-    ray.init(num_cpus=2, object_store_memory=200 * 1024**2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, object_store_memory=200 * 1024**2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

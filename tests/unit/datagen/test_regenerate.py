@@ -100,7 +100,7 @@ def given_run(answers, tiny_target, tmp_path_factory):
     manifest_path(src).write_text(manifest_path(out).read_text())
     dg_out = tmp_path_factory.mktemp("given") / "out"
     cfg = datagen_config(tiny_target, src, dg_out, backend="given", split_turns=False)
-    ray.init(num_cpus=2, object_store_memory=200 * 1024**2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, object_store_memory=200 * 1024**2, include_dashboard=False, log_to_driver=False)
     try:
         lines: list[str] = []
         manifest = run_datagen(DatagenConfig(**cfg), emit=lines.append)
