@@ -141,6 +141,13 @@ def health(url: str) -> dict:
     return r.json()
 
 
+def swap_history(url: str) -> list[dict]:
+    """The swap records (admin route: they name sources and server paths, which stay off /health)."""
+    r = httpx.get(url + "/admin/draft", headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["history"]
+
+
 def scrape(metrics_url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     """{exported sample name: [(labels, value), ...]} of the app's series."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -236,8 +243,8 @@ def test_alias_poller_hot_swaps_when_the_alias_moves(server):
     try:
         until(lambda: len(results) >= 2, 60, "requests before the move")
         move_alias(cfg, "2")
-        h = until(lambda: (lambda h: h if h["draft_version"] == f"{NAME}/2" else None)(health(url)), 30,
-                  "the poller moving to version 2")
+        until(lambda: (lambda h: h if h["draft_version"] == f"{NAME}/2" else None)(health(url)), 30,
+              "the poller moving to version 2")
         n = len(results)
         until(lambda: len(results) >= n + 2, 60, "requests after the move")
     finally:
@@ -252,7 +259,7 @@ def test_alias_poller_hot_swaps_when_the_alias_moves(server):
     # the new weights are really used: version 1 accepts every draft token, version 2 (random) almost none
     assert all(t == K + 1 for _, v, t in results[:first_v2 - 1])  # (the last v1 request may span the swap)
     assert all(t is None or t < K + 1 for _, _, t in results[first_v2 + 1:])
-    swap = [r for r in h["history"] if r["outcome"] == "swapped"][-1]
+    swap = [r for r in swap_history(url) if r["outcome"] == "swapped"][-1]
     assert swap["source"] == URI and swap["version"] == f"{NAME}/2"
     assert chat(url, "after the swap").json()["eagleray"]["draft_version"] == f"{NAME}/2"
     models = httpx.get(url + "/v1/models", headers=AUTH, timeout=30).json()
@@ -275,7 +282,7 @@ def test_alias_moved_to_incompatible_draft_is_refused_and_counted(server):
     move_alias(cfg, "3")
     h = until(lambda: (lambda h: h if h["metrics"].get("swaps_refused_guard", 0) > refused_before else None)(health(url)),
               30, "the guard refusing version 3")
-    rec = [r for r in h["history"] if r["outcome"] == "refused_guard"][-1]
+    rec = [r for r in swap_history(url) if r["outcome"] == "refused_guard"][-1]
     assert rec["source"] == URI and "aux_hidden_state_layer_ids" in rec["message"]
     assert h["draft_version"] == serving
     r = chat(url, "still there?")
