@@ -77,7 +77,7 @@ def measure_args(args) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     rows = []
     try:
-        token_prompts, plain, t_plain = plain_run(target, tok, tcfg, messages, params, args.batch)
+        token_prompts, plain, t_plain, _ = plain_run(target, tok, tcfg, messages, params, args.batch)
         for f in facts:
             dcfg = DraftConfig(source=f["draft"], num_speculative_tokens=args.k, policy=PolicyConfig(adaptive=False))
             report = ensure_compatible(spec, Path(f["draft"]), algorithm=dcfg.algorithm)

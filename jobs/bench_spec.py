@@ -44,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=1, help="max concurrent sequences (1 = latency, as the EAGLE papers)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a shared box)")
     p.add_argument("--adaptive", action="store_true", help="let the adaptive policy change k / turn speculation off")
+    p.add_argument("--ignore-eos", action="store_true", help="generate max_tokens for every prompt (equal work in every engine)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
     p.add_argument("--json", default=None, help="write the results here (default: print only)")
 
@@ -51,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _timed_generate(engine: LLMEngine, prompts, params: SamplingParams) -> tuple[list, float]:
     engine.generate(prompts[:1], params.model_copy(update={"max_tokens": 4}))  # warm-up
     engine.metrics = type(engine.metrics)()  # counters (τ, acceptance) cover the timed run only
+    engine.prof.reset()
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
     return outs, time.perf_counter() - t0
@@ -80,19 +82,21 @@ def plain_run(target, tok, tcfg: TargetConfig, prompts: list, params: SamplingPa
     aux_ids = target.aux_layer_ids
     target.set_aux_layers([])
     try:
-        engine = LLMEngine(target, tok, EngineConfig(target=tcfg, max_num_seqs=batch))
+        engine = LLMEngine(target, tok, EngineConfig(target=tcfg, max_num_seqs=batch, profile_steps=True))
         token_prompts = [engine._tokenize(m) for m in prompts]
         outs, seconds = _timed_generate(engine, token_prompts, params)
+        engine.threads.restore()
     finally:
         target.set_aux_layers(aux_ids)
-    return token_prompts, outs, seconds
+    return token_prompts, outs, seconds, engine
 
 
 def spec_run(target, draft, tok, tcfg: TargetConfig, dcfg: DraftConfig, token_prompts: list, params: SamplingParams,
              plain: list, t_plain: float, batch: int = 1) -> dict:
     """Speculative decoding of the same token prompts, compared with the plain run (outputs and speed)."""
-    engine = LLMEngine(target, tok, EngineConfig(target=tcfg, draft=dcfg, max_num_seqs=batch), draft)
+    engine = LLMEngine(target, tok, EngineConfig(target=tcfg, draft=dcfg, max_num_seqs=batch, profile_steps=True), draft)
     spec, t_spec = _timed_generate(engine, token_prompts, params)
+    engine.threads.restore()
     stats = engine.metrics.spec
     n_plain, n_spec = sum(len(o.token_ids) for o in plain), sum(len(o.token_ids) for o in spec)
     return {
@@ -103,15 +107,39 @@ def spec_run(target, draft, tok, tcfg: TargetConfig, dcfg: DraftConfig, token_pr
         "acceptance_per_pos": [round(a / max(stats.num_drafts, 1), 4) for a in stats.accepted_per_pos],
         "lossless": all(a.token_ids == b.token_ids for a, b in zip(plain, spec)) if params.temperature == 0 else None,
         "watchdog_fired": engine.metrics.watchdog_fired,
+        "spec_profile": engine.prof.table(),
+        "policy": engine.policy.snapshot(),
+        "spec_steps": engine.metrics.speculative.steps, "plain_steps_in_spec_run": engine.metrics.plain.steps,
     }
 
 
 def compare_engines(target, draft, tok, tcfg: TargetConfig, dcfg: DraftConfig, prompts: list, params: SamplingParams,
                     batch: int = 1) -> tuple[dict, list]:
     """Plain then speculative decoding of the same prompts on one target -> (metrics, (token prompts, plain outputs))."""
-    token_prompts, plain, t_plain = plain_run(target, tok, tcfg, prompts, params, batch)
+    token_prompts, plain, t_plain, plain_engine = plain_run(target, tok, tcfg, prompts, params, batch)
     result = spec_run(target, draft, tok, tcfg, dcfg, token_prompts, params, plain, t_plain, batch)
+    result["plain_profile"] = plain_engine.prof.table()
+    result.update(decode_speedups(result, plain_engine.metrics.plain, batch, dcfg))
     return result, (token_prompts, plain)
+
+
+def decode_speedups(result: dict, plain_steps, batch: int, dcfg: DraftConfig) -> dict:
+    """Measured decode-only speedup and the cost model's prediction, τ * t_plain / (t_verify + k * t_draft),
+    from the spec run's measured verify and draft costs and the plain run's decode step time."""
+    spec_prof = result["spec_profile"].get("spec", {})
+    if not spec_prof or not plain_steps.steps:
+        return {"decode_speedup": None, "predicted_speedup": None}
+    t_plain = plain_steps.seconds / plain_steps.steps
+    steps = sum(r["steps"] for r in spec_prof.values())
+    t_spec = sum(r["step_ms"] * r["steps"] for r in spec_prof.values()) / steps / 1e3
+    tokens_per_step = result["spec"]["tokens"] / max(result["spec_steps"] + result["plain_steps_in_spec_run"], 1)
+    buckets = result["policy"]["buckets"]
+    costs = [b for b in buckets.values() if b["verify_ms"] is not None and b["draft_ms"] is not None]
+    k = 1 if dcfg.tree is not None else dcfg.num_speculative_tokens
+    t_model = None if not costs else (costs[-1]["verify_ms"] + k * costs[-1]["draft_ms"]) / 1e3
+    return {"plain_step_ms": round(t_plain * 1e3, 3), "spec_step_ms": round(t_spec * 1e3, 3),
+            "decode_speedup": round(tokens_per_step * t_plain / t_spec, 3) if not result["plain_steps_in_spec_run"] else None,
+            "predicted_speedup": None if t_model is None else round(result["tau"] * t_plain / t_model, 3)}
 
 
 def measure_args(args) -> dict:
@@ -125,7 +153,8 @@ def measure_args(args) -> dict:
     tcfg = TargetConfig(model=args.target, dtype=args.dtype, tensor_parallel_size=args.tp, device=args.device)
     dcfg = _draft_config(args)
     target, draft, tok, device = load_models(tcfg, dcfg, tempfile.mkdtemp(prefix="eagleray-bench-"))
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0 if args.temperature > 0 else None)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0 if args.temperature > 0 else None,
+                            ignore_eos=args.ignore_eos)
     try:
         core, (token_prompts, plain) = compare_engines(target, draft, tok, tcfg, dcfg, messages, params, args.batch)
     finally:
@@ -135,6 +164,7 @@ def measure_args(args) -> dict:
         "max_tokens": args.max_tokens, "temperature": args.temperature, "mode": "tree" if args.tree else "chain",
         "k": None if args.tree else args.k, "tree": dcfg.tree.model_dump() if dcfg.tree else None, "batch": args.batch,
         "tp": args.tp, "device": str(device), "dtype": args.dtype, "machine": std_platform.processor() or std_platform.machine(),
+        "ignore_eos": args.ignore_eos, "adaptive": args.adaptive,
         "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"), **core,
     }
     if not args.no_hf:
@@ -199,6 +229,24 @@ def print_table(r: dict) -> None:
         print(f"{name:<26}{tps:>10.2f}{rel:>10}{tau:>7}{lossless:>10}")
     print(f"acceptance per position: {r['acceptance_per_pos']}  ({r['num_prompts']} prompts from {r['prompts']}, "
           f"max_tokens={r['max_tokens']}, T={r['temperature']}, {r['device']}, {r['dtype']})")
+    print(f"decode step: plain {r.get('plain_step_ms')} ms, spec {r.get('spec_step_ms')} ms; decode speedup measured "
+          f"{r.get('decode_speedup')}, predicted {r.get('predicted_speedup')}; adaptive: {r.get('policy', {}).get('buckets')}")
+    print_profile(r)
+
+
+def print_profile(r: dict) -> None:
+    """Per-phase milliseconds per decode step, plain and speculative, with the host-overhead share."""
+    from eagleray.serve.engine.profile import PHASES
+
+    rows = [(f"plain b{b}", row) for b, row in r.get("plain_profile", {}).get("plain", {}).items()]
+    rows += [(f"spec b{b}", row) for b, row in r.get("spec_profile", {}).get("spec", {}).items()]
+    if not rows:
+        return
+    phases = [p for p in PHASES if any(f"{p}_ms" in row for _, row in rows)]
+    print(f"\n{'step (ms)':<12}" + "".join(f"{p:>13}" for p in phases) + f"{'total':>10}{'host':>8}{'steps':>7}")
+    for name, row in rows:
+        print(f"{name:<12}" + "".join(f"{row.get(p + '_ms', 0.0):>13.3f}" for p in phases)
+              + f"{row['step_ms']:>10.3f}{row['host_fraction']:>8.1%}{row['steps']:>7}")
 
 
 def run(args: argparse.Namespace | list[str] | None = None) -> dict:

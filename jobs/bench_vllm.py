@@ -53,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=4, help="chain draft length (vLLM num_speculative_tokens)")
     p.add_argument("--batch", type=int, default=1, help="max concurrent sequences in both engines (1 = latency)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads for both engines (1 on a shared box)")
+    p.add_argument("--plain", action="store_true", help="also run both engines without a draft (plain decoding), same prompts")
     p.add_argument("--json", default=None, help="write the results here (default: print only)")
 
 
@@ -115,10 +116,11 @@ def summarize(tokens: int, seconds: float, num_drafts: int, num_draft_tokens: in
             "tau": round(1.0 + num_accepted / num_drafts, 4) if num_drafts else 0.0}
 
 
-def run_eagleray(args, token_prompts: list[list[int]], draft_dir: Path) -> tuple[dict, list[list[int]], list[int]]:
-    """eagleray's engine, chain k, T=0 -> (summary, output ids per prompt, aux layer ids it captures)."""
+def run_eagleray(args, token_prompts: list[list[int]], draft_dir: Path | None) -> tuple[dict, list[list[int]], list[int]]:
+    """eagleray's engine, chain k (or plain when ``draft_dir`` is None), T=0 -> (summary, output ids per prompt, aux ids)."""
     tcfg = TargetConfig(model=args.target, dtype="fp32", device="cpu")
-    dcfg = DraftConfig(source=str(draft_dir), num_speculative_tokens=args.k, policy=PolicyConfig(adaptive=False))
+    dcfg = None if draft_dir is None else DraftConfig(source=str(draft_dir), num_speculative_tokens=args.k,
+                                                      policy=PolicyConfig(adaptive=False))
     target, draft, tok, _ = load_models(tcfg, dcfg)
     try:
         aux = list(target.aux_layer_ids)
@@ -129,8 +131,8 @@ def run_eagleray(args, token_prompts: list[list[int]], draft_dir: Path) -> tuple
         close_target(target)
     ids = [list(o.token_ids) for o in outs]
     per_request = [o.spec for o in outs]  # SpecStats.to_dict of each timed request (the warm-up excluded)
-    per_pos = [sum(col) for col in zip(*(_pad(r["accepted_per_pos"], args.k) for r in per_request))]
-    total = {key: sum(r[key] for r in per_request) for key in VLLM_COUNTERS}
+    per_pos = [sum(col) for col in zip(*(_pad(r.get("accepted_per_pos", []), args.k) for r in per_request))]
+    total = {key: sum(r.get(key, 0) for r in per_request) for key in VLLM_COUNTERS}
     row = summarize(sum(map(len, ids)), seconds, total["num_drafts"], total["num_draft_tokens"],
                     total["num_accepted_tokens"], per_pos)
     return row, ids, aux
@@ -152,28 +154,31 @@ def vllm_spec_counters(metrics: list) -> dict:
     return out
 
 
-def run_vllm(args, token_prompts: list[list[int]], target_dir: Path, draft_dir: Path) -> tuple[dict, list[list[int]], list[int]]:
-    """vLLM with the same draft, chain k, T=0 -> (summary, output ids per prompt, aux layer ids it captures)."""
+def run_vllm(args, token_prompts: list[list[int]], target_dir: Path, draft_dir: Path | None) -> tuple[dict, list[list[int]], list[int]]:
+    """vLLM with the same draft, chain k (or plain when ``draft_dir`` is None), T=0 -> (summary, output ids, aux ids)."""
     from vllm import LLM
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
 
     max_model_len = max(map(len, token_prompts)) + args.max_tokens + args.k + 1
     set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op (cpu_worker.py init_device)
+    if args.threads:
+        torch.set_num_threads(args.threads)  # eagleray's CPU engine keeps torch at one thread while it decodes
     llm = None
     try:
+        spec = None if draft_dir is None else {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": args.k}
         llm = LLM(model=str(target_dir), dtype="float32", enforce_eager=True, disable_log_stats=False, seed=0,
-                  max_model_len=max_model_len, max_num_seqs=args.batch,
-                  speculative_config={"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": args.k})
-        aux = [int(i) for i in llm.apply_model(lambda m: tuple(m.model.aux_hidden_state_layers))[0]]
+                  max_model_len=max_model_len, max_num_seqs=args.batch, speculative_config=spec)
+        aux = [] if spec is None else [int(i) for i in llm.apply_model(lambda m: tuple(m.model.aux_hidden_state_layers))[0]]
         params = VllmSamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         prompts = [{"prompt_token_ids": ids} for ids in token_prompts]
         llm.generate(prompts[:1], VllmSamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
-        before = vllm_spec_counters(llm.get_metrics())
+        counters = (lambda: vllm_spec_counters(llm.get_metrics())) if spec is not None else (lambda: _NO_COUNTERS)
+        before = counters()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
-        after = vllm_spec_counters(llm.get_metrics())
+        after = counters()
     finally:
         llm = None
         gc.collect()
@@ -185,6 +190,9 @@ def run_vllm(args, token_prompts: list[list[int]], target_dir: Path, draft_dir: 
     row = summarize(sum(map(len, ids)), seconds, delta["num_drafts"], delta["num_draft_tokens"],
                     delta["num_accepted_tokens"], per_pos)
     return row, ids, aux
+
+
+_NO_COUNTERS = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "per_pos": []}
 
 
 def _pad(values: list[int], n: int) -> list[int]:
@@ -213,7 +221,14 @@ def measure(args) -> dict:
         ckpt = DraftCheckpoint.open(draft_dir)
         check_vllm_loadable(ckpt, TargetSpec.from_dir(target_dir).num_layers)
         token_prompts = tokenize(target_dir, messages)
+        plain = None  # eagleray's runs first: vLLM's CPU worker pins the process's threads to cores
+        if args.plain:
+            p_ours, p_ids, _ = run_eagleray(args, token_prompts, None)
         ours, ours_ids, ours_aux = run_eagleray(args, token_prompts, draft_dir)
+        if args.plain:
+            p_theirs, p_theirs_ids, _ = run_vllm(args, token_prompts, target_dir, None)
+            plain = {"eagleray": p_ours, "vllm": p_theirs,
+                     "outputs_equal": sum(a == b for a, b in zip(p_ids, p_theirs_ids))}
         theirs, theirs_ids, theirs_aux = run_vllm(args, token_prompts, target_dir, draft_dir)
     if theirs_aux != ours_aux:  # what each engine actually captured
         raise EaglerayError(f"{AUX_FIELD}: vLLM captured target layers {theirs_aux}, eagleray {ours_aux}\n"
@@ -226,10 +241,23 @@ def measure(args) -> dict:
             "aux_layer_ids": {"eagleray": ours_aux, "vllm": theirs_aux}, "vllm_version": vllm.__version__,
             "machine": std_platform.processor() or std_platform.machine(), "threads": torch.get_num_threads(),
             "date": time.strftime("%Y-%m-%d"), "eagleray": ours, "vllm": theirs,
-            **compare(ours, theirs, ours_ids, theirs_ids)}
+            **compare(ours, theirs, ours_ids, theirs_ids), **({"plain": plain} if plain else {}),
+            "records": _records(args, ours, theirs, plain)}
+
+
+def _records(args, ours: dict, theirs: dict, plain: dict | None) -> list[dict]:
+    """Flat rows for docs/bench/engine-cpu-vs-vllm.json: batch, mode, both engines' tokens/s, the draft."""
+    rows = [] if plain is None else [{"batch": args.batch, "mode": "plain", "eagleray_tok_s": plain["eagleray"]["tokens_per_s"],
+                                      "vllm_tok_s": plain["vllm"]["tokens_per_s"], "draft": None}]
+    rows.append({"batch": args.batch, "mode": "spec", "k": args.k, "eagleray_tok_s": ours["tokens_per_s"],
+                 "vllm_tok_s": theirs["tokens_per_s"], "draft": args.draft, "tau_eagleray": ours["tau"], "tau_vllm": theirs["tau"]})
+    return rows
 
 
 def print_table(r: dict) -> None:
+    if "plain" in r:
+        print(f"\nplain decoding: eagleray {r['plain']['eagleray']['tokens_per_s']:.2f} tok/s, "
+              f"vllm {r['plain']['vllm']['tokens_per_s']:.2f} tok/s, outputs equal {r['plain']['outputs_equal']}/{r['num_prompts']}")
     print(f"\n{'engine':<12}{'tok/s':>9}{'tau':>8}{'drafts':>8}{'drafted':>9}{'accepted':>10}  acceptance per position")
     for name in ("eagleray", "vllm"):
         e = r[name]

@@ -8,8 +8,8 @@ what was expected, what was got, and the fix.
 from __future__ import annotations
 
 
-class VerifyInputError(ValueError):
-    """An argument of a verification kernel has the wrong shape, dtype, stride or device."""
+class KernelInputError(ValueError):
+    """An argument of a kernel has the wrong shape, dtype, stride or device."""
 
     def __init__(self, arg: str, expected: str, got: str, fix: str) -> None:
         self.arg = arg
@@ -17,3 +17,11 @@ class VerifyInputError(ValueError):
         self.got = got
         self.fix = fix
         super().__init__(f"{arg}: expected {expected}, got {got}. Fix: {fix}")
+
+
+class VerifyInputError(KernelInputError):
+    """An argument of a verification kernel has the wrong shape, dtype, stride or device."""
+
+
+class KernelBuildError(RuntimeError):
+    """A native kernel cannot be built or loaded on this machine (the message says why and what to do)."""

@@ -26,11 +26,12 @@ cache holds only its kv_heads / tp heads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from eagleray.kernels import cpu_decode
 from eagleray.platform.errors import EaglerayError
 
 
@@ -66,6 +67,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None  # [T] int64 cache slot of every new token; None = no KV cache
     tree_masks: list[torch.Tensor | None] | None = None  # per sequence [q_b, q_b] bool, None = causal
     block_size: int = 0
+    layouts: dict = field(default_factory=dict, repr=False, compare=False)  # sliding window -> BatchLayout, built once per forward
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int] | None = None,
@@ -99,18 +101,22 @@ def _check_tree_masks(masks: list[torch.Tensor | None], query_lens: list[int]) -
 
 
 def _slot_mapping(query_lens: list[int], ctx: list[int], bt: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slot [T] of each new token: block_tables[b][idx // bs] * bs + idx % bs, idx = ctx+i."""
+    """Cache slot [T] of each new token: block_tables[b][idx // bs] * bs + idx % bs, idx = ctx+i (vectorised)."""
     if block_size <= 0:
         raise EaglerayError("attention: block_size must be > 0 when block_tables are given")
-    out = []
-    for b, (q, c) in enumerate(zip(query_lens, ctx)):
-        idx = torch.arange(c, c + q, device=bt.device)  # [q]
-        need = (c + q + block_size - 1) // block_size
-        if need > bt.shape[1] or bool((bt[b, :need] < 0).any()):
-            raise EaglerayError(f"attention: sequence {b} needs {need} blocks for {c + q} tokens but its block table "
-                                f"has too few valid entries\n    fix: allocate blocks before the forward")
-        out.append(bt[b, idx // block_size].to(torch.int64) * block_size + idx % block_size)
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=bt.device)
+    dev = bt.device
+    need = [(c + q + block_size - 1) // block_size for c, q in zip(ctx, query_lens)]
+    short = [b for b, n in enumerate(need) if n > bt.shape[1]]
+    ql = torch.tensor(query_lens, device=dev)  # [B]
+    seq = torch.repeat_interleave(torch.arange(len(query_lens), device=dev), ql)  # [T] sequence of each token
+    first = torch.tensor(ctx, device=dev) - (ql.cumsum(0) - ql)  # [B] idx - row offset
+    idx = torch.arange(seq.shape[0], device=dev) + first[seq]  # [T] cache index within the sequence
+    blocks = bt[seq, (idx // block_size).clamp(max=max(bt.shape[1] - 1, 0))].to(torch.int64) if bt.shape[1] else idx * 0 - 1
+    if short or bool((blocks < 0).any()):
+        b = short[0] if short else int(seq[blocks < 0][0])
+        raise EaglerayError(f"attention: sequence {b} needs {need[b]} blocks for {ctx[b] + query_lens[b]} tokens but its block table "
+                            f"has too few valid entries\n    fix: allocate blocks before the forward")
+    return blocks * block_size + idx % block_size
 
 
 def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -122,23 +128,83 @@ def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: t
     flat_v[slot_mapping] = v.to(flat_v.dtype)
 
 
-def _visible(b: int, q: int, c: int, meta: AttentionMetadata, qpos: torch.Tensor,
-             window: int | None) -> torch.Tensor:
-    """Bool mask [q, c+q]: which keys each new query of sequence b may attend to."""
-    new = meta.tree_masks[b] if meta.tree_masks is not None else None
-    if new is None:
-        new = torch.ones(q, q, dtype=torch.bool, device=qpos.device).tril()  # [q, q]
-    ctx = torch.ones(q, c, dtype=torch.bool, device=qpos.device)  # [q, c]
-    mask = torch.cat([ctx, new.to(device=qpos.device, dtype=torch.bool)], dim=1)  # [q, c+q]
+@dataclass
+class BatchLayout:
+    """How one forward's varlen batch maps onto a padded [B, Qmax] x [B, Lmax] attention; built once,
+    shared by every layer (this is what keeps the per-layer cost to a gather and one SDPA call).
+
+    Keys are the cache slots 0..ctx+q-1 of each sequence, padded at the end (masked), so a query's
+    softmax and weighted sum see the same values in the same order whatever else is in the batch.
+    """
+
+    q_index: torch.Tensor | None  # [B*Qmax] rows of T laid out as [B, Qmax] (None: every sequence has Qmax queries)
+    out_index: torch.Tensor | None  # [T] rows of [B*Qmax] that are real queries (None: all are)
+    kv_slots: torch.Tensor  # [B, Lmax] int64 flat cache slot of each key (padding -> slot of key 0)
+    mask: torch.Tensor  # [B, 1, Qmax, Lmax] bool, True = may attend
+    qmax: int
+
+
+def batch_layout(meta: AttentionMetadata, positions: torch.Tensor, window: int | None) -> BatchLayout:
+    """The padded layout of ``meta`` (cached on it per sliding window)."""
+    layout = meta.layouts.get(window)
+    if layout is None:
+        layout = meta.layouts[window] = _build_layout(meta, positions, window)
+    return layout
+
+
+def _build_layout(meta: AttentionMetadata, positions: torch.Tensor, window: int | None) -> BatchLayout:
+    dev, bs = positions.device, meta.block_size
+    qlens, ctxs = meta.query_lens, meta.context_lens
+    bsz, qmax, lmax = len(qlens), max(qlens), max(c + q for c, q in zip(ctxs, qlens))
+    ql = torch.tensor(qlens, device=dev)  # [B]
+    ctx = torch.tensor(ctxs, device=dev)  # [B]
+    qi = torch.arange(qmax, device=dev)  # [Qmax]
+    j = torch.arange(lmax, device=dev)  # [Lmax]
+    valid_q = qi[None, :] < ql[:, None]  # [B, Qmax]
+    valid_k = j[None, :] < (ctx + ql)[:, None]  # [B, Lmax]
+    bt = meta.block_tables.to(device=dev, dtype=torch.int64)  # [B, max_blocks]
+    blk = bt[:, (j // bs).clamp(max=bt.shape[1] - 1)]  # [B, Lmax]
+    slots = torch.where(valid_k & (blk >= 0), blk * bs + j % bs, bt[:, :1] * bs)  # [B, Lmax]
+    new_j = j[None, None, :] - ctx[:, None, None]  # [B, 1, Lmax] index among the new tokens (< 0: cached)
+    if meta.tree_masks is None:
+        vis = new_j <= qi[None, :, None]  # [B, Qmax, Lmax] causal; cached keys always visible
+    else:
+        tm = torch.zeros(bsz, qmax, qmax, dtype=torch.bool, device=dev)  # [B, Qmax, Qmax]
+        for b, (m, q) in enumerate(zip(meta.tree_masks, qlens)):
+            tm[b, :q, :q] = m.to(device=dev, dtype=torch.bool) if m is not None else torch.ones(q, q, dtype=torch.bool, device=dev).tril()
+        idx = new_j.clamp(0, qmax - 1).expand(bsz, qmax, lmax)  # [B, Qmax, Lmax]
+        vis = (new_j < 0) | tm.gather(2, idx)
+    vis = vis & valid_k[:, None, :]
+    starts = ql.cumsum(0) - ql  # [B] first row in T of each sequence
+    rows = (starts[:, None] + qi[None, :].clamp(max=ql[:, None] - 1))  # [B, Qmax] (padding repeats the last query)
     if window is not None:
-        kpos = torch.cat([torch.arange(c, device=qpos.device), qpos])  # [c+q]
-        mask = mask & (kpos.unsqueeze(0) > qpos.unsqueeze(1) - window)  # [q, c+q]
-    return mask
+        qpos = positions[rows]  # [B, Qmax]
+        kpos = torch.where(new_j[:, 0] < 0, j[None, :], positions[(starts[:, None] + new_j[:, 0]).clamp(0, positions.shape[0] - 1)])
+        vis = vis & (kpos[:, None, :] > qpos[:, :, None] - window)  # [B, Qmax, Lmax]
+    vis = vis | (~valid_q[:, :, None] & (j == 0)[None, None, :])  # padded query rows see key 0 (no empty softmax)
+    uniform = all(q == qmax for q in qlens)
+    q_index = None if uniform else rows.reshape(-1)
+    out_index = None if uniform else (torch.arange(bsz * qmax, device=dev).view(bsz, qmax)[valid_q])
+    return BatchLayout(q_index, out_index, slots, vis[:, None], qmax)
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
-    """The first n cached tokens of one sequence from one layer's cache -> [n, Hkv, D]."""
-    return cache[blocks].reshape(-1, *cache.shape[2:])[:n]
+def row_keys(meta: AttentionMetadata) -> cpu_decode.RowKeys:
+    """The keys each query row sees, for the native CPU kernel (cached on the metadata, built once per forward)."""
+    rows = meta.layouts.get("rows")
+    if rows is None:
+        seq, ctx, nnew, mask = [], [], [], []
+        for b, (q, c) in enumerate(zip(meta.query_lens, meta.context_lens)):
+            tree = meta.tree_masks[b] if meta.tree_masks is not None else None
+            allowed = tree.to(torch.bool).tolist() if tree is not None else None
+            for i in range(q):
+                bits = sum(1 << j for j in range(q) if allowed[i][j]) if allowed is not None else (1 << (i + 1)) - 1
+                seq.append(b)
+                ctx.append(c)
+                nnew.append(q)
+                mask.append(bits - (1 << 64) if bits >= 1 << 63 else bits)
+        as_t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        rows = meta.layouts["rows"] = cpu_decode.RowKeys(as_t(seq), as_t(ctx), as_t(nnew), as_t(mask))
+    return rows
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -147,35 +213,50 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     """Attention for a varlen batch: q [T, Hq, D], k/v [T, Hkv, D] new tokens -> [T, Hq, D].
 
     With ``cache`` (this layer's K, V [num_blocks, block_size, Hkv, D]) the new k/v are written first
-    and each sequence attends over its gathered context + new tokens; without, only over new tokens.
-    Metadata that carries its own attention (``meta.attend``: the no-sync decode path of
-    :mod:`eagleray.platform.models.attention_gpu`) computes it instead.
+    and each sequence attends over its context + new tokens, gathered by the forward's
+    :class:`BatchLayout` in one indexing op and one SDPA call for the whole batch; without a cache,
+    only over the new tokens. Metadata that carries its own attention (``meta.attend``: the no-sync
+    decode path of :mod:`eagleray.platform.models.attention_gpu`) computes it instead.
     """
     attend = getattr(meta, "attend", None)
     if attend is not None:
         return attend(q, k, v, cache, scale, sliding_window)
     if cache is None and meta.tree_masks is None and sliding_window is None:
         return _causal_prefill(q, k, v, meta.query_lens, scale)
-    if cache is not None:
-        if meta.slot_mapping is None:
-            raise EaglerayError("attention: a KV cache was passed but the metadata has no block_tables")
-        write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
+    if cache is None:
+        return _no_cache_masked(q, k, v, positions, meta, scale, sliding_window)
+    if meta.slot_mapping is None:
+        raise EaglerayError("attention: a KV cache was passed but the metadata has no block_tables")
+    write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
+    if max(meta.query_lens) <= cpu_decode.MAX_NEW and cpu_decode.attention_supported(q, cache[0], sliding_window):
+        return cpu_decode.paged_attention(q.contiguous(), cache[0], cache[1], meta.block_tables, row_keys(meta), scale)
+    lay = batch_layout(meta, positions, sliding_window)
+    bsz, hq, d = len(meta.query_lens), q.shape[1], q.shape[2]
+    kb = cache[0].view(-1, *cache[0].shape[2:])[lay.kv_slots].to(q.dtype)  # [B, Lmax, Hkv, D]
+    vb = cache[1].view(-1, *cache[1].shape[2:])[lay.kv_slots].to(q.dtype)  # [B, Lmax, Hkv, D]
+    qb = (q if lay.q_index is None else q[lay.q_index]).view(bsz, lay.qmax, hq, d)  # [B, Qmax, Hq, D]
+    o = F.scaled_dot_product_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),  # [B, H, Q|L, D]
+                                       attn_mask=lay.mask, scale=scale, enable_gqa=True)  # [B, Hq, Qmax, D]
+    o = o.transpose(1, 2).reshape(bsz * lay.qmax, hq, d)  # [B*Qmax, Hq, D]
+    return o if lay.out_index is None else o[lay.out_index]  # [T, Hq, D]
+
+
+def _no_cache_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+    """No cache, with tree masks or a sliding window: one SDPA per sequence over its new tokens -> [T, Hq, D]."""
     out = torch.empty_like(q)  # [T, Hq, D]
     start = 0
-    for b, (ql, c) in enumerate(zip(meta.query_lens, meta.context_lens)):
+    for b, ql in enumerate(meta.query_lens):
         end = start + ql
-        if cache is not None:
-            nblk = (c + ql + meta.block_size - 1) // meta.block_size
-            blocks = meta.block_tables[b, :nblk].long()  # [nblk]
-            kb = _gather(cache[0], blocks, c + ql).to(q.dtype)  # [c+q, Hkv, D]
-            vb = _gather(cache[1], blocks, c + ql).to(q.dtype)  # [c+q, Hkv, D]
-        else:
-            kb, vb = k[start:end], v[start:end]  # [q, Hkv, D]
-        mask = _visible(b, ql, c, meta, positions[start:end], sliding_window)  # [q, c+q]
-        o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1), kb.transpose(0, 1), vb.transpose(0, 1),  # [H, q|c+q, D]
-            attn_mask=mask, scale=scale, enable_gqa=True)  # [Hq, q, D]
-        out[start:end] = o.transpose(0, 1)
+        m = meta.tree_masks[b] if meta.tree_masks is not None else None
+        mask = (m.to(device=q.device, dtype=torch.bool) if m is not None
+                else torch.ones(ql, ql, dtype=torch.bool, device=q.device).tril())  # [q, q]
+        if window is not None:
+            qpos = positions[start:end]  # [q]
+            mask = mask & (qpos[None, :] > qpos[:, None] - window)
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k[start:end].transpose(0, 1),
+                                           v[start:end].transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:end] = o.transpose(0, 1)  # [q, Hq, D]
         start = end
     return out
 

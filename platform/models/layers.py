@@ -9,7 +9,9 @@ from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.arch import LlamaArch
 from eagleray.platform.models.attention import AttentionMetadata, paged_attention
 from eagleray.platform.models.rope import RotaryEmbedding
-from eagleray.platform.models.tp import ColumnParallelLinear, RowParallelLinear, TPInfo, default_weight_loader, new_param, split_sizes
+from eagleray.platform.models.tp import (
+    ColumnParallelLinear, FusedLinear, RowParallelLinear, TPInfo, default_weight_loader, new_param, split_sizes,
+)
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]  # one layer's K, V [num_blocks, block_size, Hkv_local, D]
 
@@ -23,6 +25,8 @@ class RMSNorm(nn.Module):
         self.weight = new_param((dim,), dtype, device, default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., dim] -> [..., dim]
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one kernel, same values
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -37,9 +41,18 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(h, i, arch.mlp_bias, tp, dt, device, "intermediate_size")
         self.up_proj = ColumnParallelLinear(h, i, arch.mlp_bias, tp, dt, device, "intermediate_size")
         self.down_proj = RowParallelLinear(i, h, arch.mlp_bias, tp, dt, device, "intermediate_size")
+        self.gate_up: FusedLinear | None = None  # set by fuse() for inference
+
+    def fuse(self) -> None:
+        """Inference: gate and up in one GEMM."""
+        self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H] -> [T, H]
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))  # inner [T, I/tp]
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x)  # [T, I/tp] each
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)  # [T, I/tp] each
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class SelfAttention(nn.Module):
@@ -70,16 +83,22 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(d, arch.rms_norm_eps, dt, device) if arch.qk_norm else None
         self.k_norm = RMSNorm(d, arch.rms_norm_eps, dt, device) if arch.qk_norm else None
         self.rotary = RotaryEmbedding(arch.rope, d, device)
+        self.qkv: FusedLinear | None = None  # set by fuse() for inference
+
+    def fuse(self) -> None:
+        """Inference: q, k and v in one GEMM."""
+        self.qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 cache: KVLayer | None) -> torch.Tensor:  # x [T, in] -> [T, H]
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.heads, self.head_dim)  # [T, Hq/tp, D]
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)  # [T, Hkv/tp, D]
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)  # [T, Hkv/tp, D]
+        q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.reshape(t, self.heads, self.head_dim)  # [T, Hq/tp, D]
+        k = k.reshape(t, self.kv_heads, self.head_dim)  # [T, Hkv/tp, D]
+        v = v.reshape(t, self.kv_heads, self.head_dim)  # [T, Hkv/tp, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, getattr(attn, "layouts", None))  # one cos/sin per forward
         o = paged_attention(q, k, v, positions, attn, cache, self.scale, self.sliding_window)  # [T, Hq/tp, D]
         return self.o_proj(o.reshape(t, self.heads * self.head_dim))  # [T, H]
 
@@ -98,3 +117,13 @@ class DecoderLayer(nn.Module):
                 cache: KVLayer | None) -> torch.Tensor:  # h [T, H] -> [T, H]
         h = h + self.self_attn(self.input_layernorm(h), positions, attn, cache)  # [T, H]
         return h + self.mlp(self.post_attention_layernorm(h))  # [T, H]
+
+
+def fuse_for_inference(model: nn.Module) -> nn.Module:
+    """One GEMM for q/k/v and one for gate/up in every layer of ``model`` (idempotent; not for training)."""
+    for m in model.modules():
+        if isinstance(m, SelfAttention) and m.qkv is None:
+            m.fuse()
+        elif isinstance(m, MLP) and m.gate_up is None:
+            m.fuse()
+    return model

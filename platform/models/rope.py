@@ -66,7 +66,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rope: dict[str, Any], head_dim: int, device=None):
         super().__init__()
         self.head_dim = head_dim
-        self.register_buffer("inv_freq", inv_frequencies(rope, head_dim).to(device), persistent=False)  # [D/2]
+        freqs = inv_frequencies(rope, head_dim)  # [D/2]
+        self._freq_key = hash(tuple(freqs.tolist()))  # equal for every layer of a model: they share one cos/sin
+        self.register_buffer("inv_freq", freqs.to(device), persistent=False)  # [D/2]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, D] computed in fp32 (as transformers does), cast to ``dtype``."""
@@ -74,8 +76,16 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [T, 1, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions, q.dtype)  # [T, 1, D] each
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cache``: a per-forward dict (``AttentionMetadata.layouts``) so every layer reuses one cos/sin."""
+        key = ("rope", self._freq_key, q.dtype)
+        cos_sin = None if cache is None else cache.get(key)
+        if cos_sin is None:
+            cos_sin = self.cos_sin(positions, q.dtype)  # [T, 1, D] each
+            if cache is not None:
+                cache[key] = cos_sin
+        cos, sin = cos_sin
         q = q * cos + rotate_half(q) * sin  # [T, Hq, D]
         k = k * cos + rotate_half(k) * sin  # [T, Hkv, D]
         return q, k

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from eagleray.kernels import cpu_decode
 from eagleray.platform.errors import EaglerayError
 
 
@@ -129,7 +130,39 @@ class ColumnParallelLinear(nn.Module):
         self.bias = new_param((local,), dtype, device, _shard_loader(0, tp.rank, parts)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out/tp]
-        return nn.functional.linear(x, self.weight, self.bias)
+        return cpu_decode.dispatch(x, self.weight, self.bias)
+
+
+class FusedLinear:
+    """Several column-parallel linears over the same input as one GEMM (inference only).
+
+    The parts' weights become views of one [sum(out), in] tensor, so loading into a part still
+    lands in the fused weight; a module that trains must not be fused (its parts would get no grads).
+    """
+
+    def __init__(self, parts: list[ColumnParallelLinear]):
+        biased = [p.bias is not None for p in parts]
+        if any(biased) and not all(biased):
+            raise EaglerayError("FusedLinear: either every part has a bias or none does (engine bug)")
+        self.sizes = [p.weight.shape[0] for p in parts]
+        with torch.no_grad():
+            self.weight = torch.cat([p.weight for p in parts])  # [sum(out), in]
+            self.bias = torch.cat([p.bias for p in parts]) if all(biased) else None  # [sum(out)]
+        offset = 0
+        for part, n in zip(parts, self.sizes):
+            part.weight = _view_param(part.weight, self.weight[offset:offset + n])
+            if self.bias is not None:
+                part.bias = _view_param(part.bias, self.bias[offset:offset + n])
+            offset += n
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # x [T, in] -> one [T, out_i] per part
+        return cpu_decode.dispatch(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+def _view_param(old: nn.Parameter, view: torch.Tensor) -> nn.Parameter:
+    p = nn.Parameter(view, requires_grad=False)
+    p.weight_loader = old.weight_loader  # type: ignore[attr-defined]
+    return p
 
 
 class RowParallelLinear(nn.Module):
@@ -145,7 +178,7 @@ class RowParallelLinear(nn.Module):
         self.bias = new_param((out_features,), dtype, device, default_weight_loader) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in/tp] -> [T, out]
-        y = all_reduce(nn.functional.linear(x, self.weight), self.tp)  # [T, out]
+        y = all_reduce(cpu_decode.dispatch(x, self.weight), self.tp)  # [T, out]
         return y if self.bias is None else y + self.bias
 
 
@@ -196,5 +229,5 @@ class ParallelLMHead(nn.Module):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [T, H] -> [T, V]
-        local = nn.functional.linear(hidden, self.weight)  # [T, V_pad/tp]
+        local = cpu_decode.dispatch(hidden, self.weight)  # [T, V_pad/tp]
         return all_gather_last(local, self.tp)[..., : self.vocab]  # [T, V]

@@ -21,4 +21,7 @@ class EngineConfig(StrictModel):
     verify_backend: Literal["auto", "kernel", "reference"] = Field(
         "auto", description="Verification implementation: Triton kernel on CUDA and PyTorch reference on CPU ('auto'), or forced.")
     seed: int = Field(0, description="Seed of the engine generator that seeds requests without their own seed.")
-    plain_probe_interval: int = Field(32, ge=2, description="Adaptive policy: run one plain (or speculative) probe step every this many steps.")
+    plain_probe_interval: int = Field(32, ge=2, description="Adaptive policy: while speculation does not pay, probe it after this many plain steps (the interval doubles after each probe that does not pay, up to 1024).")
+    cpu_kernels: Literal["auto", "native", "torch"] = Field(
+        "auto", description="CPU fp32 linear layers and paged attention of decode/verify/draft steps: the native AVX-512 kernels (kernels/cpu_decode.c) where it builds ('auto'), forced ('native'), or PyTorch/MKL ('torch').")
+    profile_steps: bool = Field(False, description="Time every phase of every step (bench spec turns it on; on CUDA it adds a sync per phase).")

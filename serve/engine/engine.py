@@ -9,10 +9,12 @@ from __future__ import annotations
 import logging
 import random
 import time
+from contextlib import contextmanager
 from typing import Callable, Iterable
 
 import torch
 
+from eagleray.kernels import cpu_decode
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.models.llama import LlamaModel
@@ -22,6 +24,7 @@ from eagleray.serve.engine.metrics import EngineMetrics
 from eagleray.serve.engine.model_runner import DraftRunner, ForwardBatch, TargetRunner
 from eagleray.serve.engine.outputs import Detokenizer, RequestOutput, make_output
 from eagleray.serve.engine.policy import AcceptanceWatchdog, AdaptivePolicy
+from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.sampling import SamplingParams, filter_logits, sample_rows
 from eagleray.serve.engine.scheduler import Scheduler
 from eagleray.serve.engine.sequence import Sequence
@@ -37,12 +40,15 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.device = target.norm.weight.device
+        self.linear_backend = cpu_decode.configure(config.cpu_kernels) if self.device.type == "cpu" else "cuda"
+        self.threads = _CpuThreads(self.linear_backend == "native")
         self.max_model_len = min(config.target.max_model_len or target.arch.max_positions or 4096, target.arch.max_positions or 1 << 30)
         nblocks = config.num_kv_blocks or default_num_blocks(config, target, draft, self.max_model_len)
         self.blocks = BlockManager(nblocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.target = TargetRunner(target, nblocks, config.block_size)
         self.metrics = EngineMetrics()
+        self.prof = StepProfiler(self.device, config.profile_steps)
         self.detok = Detokenizer(tokenizer)
         self.eos_id = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self._rng = random.Random(config.seed)
@@ -53,9 +59,10 @@ class LLMEngine:
         self.previous_aux: list[int] = []  # the target layers previous_draft reads
         self._draft_aux: list[int] = []  # the target layers the serving draft reads
         self._pending_rollback = False
+        self._last_accepted: list[int] = []  # accepted drafts per sequence of the last speculative step
         dcfg = config.draft
         self.tree = dcfg.tree if dcfg is not None else None
-        k_max = dcfg.num_speculative_tokens if dcfg is not None else 0
+        k_max = (self.tree.depth if self.tree is not None else dcfg.num_speculative_tokens) if dcfg is not None else 0
         self.policy = AdaptivePolicy(k_max, dcfg.policy.adaptive if dcfg else False, config.plain_probe_interval,
                                      can_lower_k=self.tree is None)
         self.watchdog = AcceptanceWatchdog(dcfg.policy, self._on_low_acceptance) if dcfg else None
@@ -119,7 +126,8 @@ class LLMEngine:
     def _install_draft(self, draft: Eagle3Draft) -> None:
         runner = DraftRunner(draft, self.blocks.num_blocks, self.blocks.block_size)
         self._draft_aux = list(self.target.model.aux_layer_ids)
-        self.spec = SpecContext(self.target, runner, ChainVerifier(self.config.verify_backend, draft.d2t, self.target.vocab_size))
+        self.spec = SpecContext(self.target, runner, ChainVerifier(self.config.verify_backend, draft.d2t, self.target.vocab_size),
+                                self.prof)
         self.metrics.speculation_enabled = True
 
     def swap_draft(self, draft: Eagle3Draft, aux_layer_ids: list[int] | None = None) -> None:
@@ -132,8 +140,7 @@ class LLMEngine:
             self.previous_draft, self.previous_aux = self.spec.draft.draft, list(self._draft_aux)
         if aux_layer_ids is not None:
             self.target.model.set_aux_layers(aux_layer_ids)
-        for seq in list(self.scheduler.running):
-            self.scheduler._preempt(seq)
+        self.scheduler.preempt_all()
         self._install_draft(draft)
         self.policy.enable()
         if self.watchdog is not None:
@@ -160,40 +167,50 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns an output (delta) for every request that advanced."""
-        if self._pending_rollback:
-            self._pending_rollback = False
-            self.swap_draft(self.previous_draft, self.previous_aux)  # drafts may read different target layers
-        k = self.policy.choose() if self.spec is not None else 0
-        batch = self.scheduler.schedule(self._lookahead(k))
+        with self.prof.phase("schedule"):
+            k, batch = self._schedule()
         if batch is None:
             return []
         t0 = time.perf_counter()
-        if batch.is_prefill:
-            results = self._prefill(batch.seqs)
-        elif k == 0:
-            results = self._plain(batch.seqs)
-        else:
-            results = self._speculate(batch.seqs, k)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        results = self._run(batch, k)
         seconds = time.perf_counter() - t0
-        outputs = [self._commit(seq, res) for seq, res in zip(batch.seqs, results)]
-        emitted = sum(len(o.delta_token_ids) for o in outputs)
-        kind = self.metrics.prefill if batch.is_prefill else (self.metrics.speculative if k else self.metrics.plain)
-        kind.add(emitted, seconds)
-        if not batch.is_prefill and self.spec is not None:
-            self.policy.observe(k, emitted, seconds)
+        with self.prof.phase("commit"):
+            kept = [self._commit(seq, res) for seq, res in zip(batch.seqs, results)]
+        with self.prof.phase("output"):
+            outputs = [self._emit(seq, toks) for seq, toks in zip(batch.seqs, kept)]
+        self._account(batch, k, sum(map(len, kept)), seconds)
+        return outputs
+
+    def _schedule(self):
+        if self._pending_rollback:
+            self._pending_rollback = False
+            self.swap_draft(self.previous_draft, self.previous_aux)  # drafts may read different target layers
+        k = self.policy.choose(max(len(self.scheduler.running), 1)) if self.spec is not None else 0
+        return k, self.scheduler.schedule(self._lookahead(k))
+
+    def _run(self, batch, k: int) -> list[SeqResult]:
+        if batch.is_prefill:
+            return self._prefill(batch.seqs)
+        return self._plain(batch.seqs) if k == 0 else self._speculate(batch.seqs, k)
+
+    def _account(self, batch, k: int, emitted: int, seconds: float) -> None:
+        """Metrics, the adaptive policy's cost tables and the profiler, after a step."""
+        n = len(batch.seqs)
+        kind = "prefill" if batch.is_prefill else ("spec" if k else "plain")
+        getattr(self.metrics, {"prefill": "prefill", "spec": "speculative", "plain": "plain"}[kind]).add(emitted, seconds)
+        if kind == "plain" and self.spec is not None:
+            self.policy.observe_plain(n, seconds)
+        elif kind == "spec":
+            self.policy.observe_spec(n, k, self.spec.verify_seconds, self.spec.draft_seconds, self._last_accepted)
+        self.prof.end_step(kind, n)
         self.metrics.current_k = self.policy.k if self.policy.speculating else 0
         self.metrics.speculation_enabled = self.spec is not None and self.policy.speculating
         self.metrics.num_preemptions = self.scheduler.num_preemptions
-        for out in outputs:
-            cb = self._callbacks.pop(out.request_id, None) if out.finished else self._callbacks.get(out.request_id)
-            if cb is not None:
-                cb(out)
-        return outputs
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         """logits [B, V] -> one token per sequence with its own sampling parameters."""
+        if all(s.params.greedy for s in seqs):
+            return logits.argmax(-1).tolist()
         dev = logits.device
         top_k = torch.tensor([s.params.top_k for s in seqs], device=dev)
         top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)
@@ -201,21 +218,28 @@ class LLMEngine:
         return sample_rows(filter_logits(logits, top_k, top_p), temp, [s.generator for s in seqs]).tolist()
 
     def _prefill(self, seqs: list[Sequence]) -> list[SeqResult]:
-        tokens = [s.tokens[s.num_cached:] for s in seqs]
-        positions = [list(range(s.num_cached, s.num_tokens)) for s in seqs]
-        batch = ForwardBatch.build(tokens, positions, [s.num_cached for s in seqs], [s.block_table for s in seqs],
-                                   self.blocks.block_size, self.device)
-        logits, aux = self.target.forward(batch, batch.last_index)  # [B, V], [T, A]
-        aux_parts = aux.split([len(t) for t in tokens]) if aux is not None else [None] * len(seqs)
-        return [SeqResult([t], a, 0, 0) for t, a in zip(self._sample(seqs, logits), aux_parts)]
+        with self.prof.phase("prepare"), self.threads.for_gemm():
+            tokens = [s.tokens[s.num_cached:] for s in seqs]
+            positions = [list(range(s.num_cached, s.num_tokens)) for s in seqs]
+            batch = ForwardBatch.build(tokens, positions, [s.num_cached for s in seqs], [s.block_table for s in seqs],
+                                       self.blocks.block_size, self.device)
+        with self.prof.phase("target"), self.threads.for_gemm():
+            logits, aux = self.target.forward(batch, batch.last_index)  # [B, V], [T, A]
+        with self.prof.phase("sample"):
+            aux_parts = aux.split([len(t) for t in tokens]) if aux is not None else [None] * len(seqs)
+            return [SeqResult([t], a, 0, 0) for t, a in zip(self._sample(seqs, logits), aux_parts)]
 
     def _plain(self, seqs: list[Sequence]) -> list[SeqResult]:
-        starts = [s.num_tokens - 1 for s in seqs]
-        batch = ForwardBatch.build([[s.last_token] for s in seqs], [[p] for p in starts], starts,
-                                   [s.block_table for s in seqs], self.blocks.block_size, self.device)
-        logits, aux = self.target.forward(batch)  # [B, V], [B, A]
-        aux_rows = aux.split(1) if aux is not None else [None] * len(seqs)
-        return [SeqResult([t], a, 0, 0) for t, a in zip(self._sample(seqs, logits), aux_rows)]
+        with self.prof.phase("prepare"):
+            starts = [s.num_tokens - 1 for s in seqs]
+            ids = torch.tensor([s.last_token for s in seqs], dtype=torch.int64, device=self.device)  # [B]
+            batch = ForwardBatch.of(ids, torch.tensor(starts, dtype=torch.int64, device=self.device), [1] * len(seqs), starts,
+                                    [s.block_table for s in seqs], self.blocks.block_size)
+        with self.prof.phase("target"):
+            logits, aux = self.target.forward(batch)  # [B, V], [B, A]
+        with self.prof.phase("sample"):
+            aux_rows = aux.split(1) if aux is not None else [None] * len(seqs)
+            return [SeqResult([t], a, 0, 0) for t, a in zip(self._sample(seqs, logits), aux_rows)]
 
     def _speculate(self, seqs: list[Sequence], k: int) -> list[SeqResult]:
         if self.tree is not None:
@@ -223,6 +247,7 @@ class LLMEngine:
         else:
             results = chain_step(self.spec, seqs, k)
         max_pos = self.tree.depth if self.tree is not None else k
+        self._last_accepted = [res.num_accepted for res in results]
         for seq, res in zip(seqs, results):
             seq.spec.record(res.num_draft_tokens, res.num_accepted, max_pos)
             self.metrics.record_verification(res.num_draft_tokens, res.num_accepted, max_pos)
@@ -230,8 +255,8 @@ class LLMEngine:
                 self.watchdog.observe(res.num_accepted)
         return results
 
-    def _commit(self, seq: Sequence, res: SeqResult) -> RequestOutput:
-        """Append accepted tokens, keep committed KV (compacting tree paths), roll back the rest."""
+    def _commit(self, seq: Sequence, res: SeqResult) -> list[int]:
+        """Append accepted tokens, keep committed KV (compacting tree paths), roll back the rest -> tokens kept."""
         old_cached = seq.num_cached
         room = self.max_model_len - seq.num_tokens
         kept = seq.append_tokens(res.tokens[:max(room, 1)], self.eos_id)
@@ -244,6 +269,10 @@ class LLMEngine:
             seq.append_aux(res.aux[:seq.num_cached - old_cached])  # [n, A] rows of the newly committed positions
         seq.step += 1
         self.blocks.truncate(seq, seq.num_tokens)
+        return kept
+
+    def _emit(self, seq: Sequence, kept: list[int]) -> RequestOutput:
+        """Detokenize, finish the request if it stopped, build its output and call its callback."""
         text, delta_text = self.detok.update(seq)
         if seq.finish_reason is None and seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
@@ -252,7 +281,11 @@ class LLMEngine:
             self.detok.forget(seq)
             self.metrics.num_requests_finished += 1
             self._seqs.pop(seq.request_id, None)
-        return make_output(seq, kept, text, delta_text)
+        out = make_output(seq, kept, text, delta_text)
+        cb = self._callbacks.pop(out.request_id, None) if out.finished else self._callbacks.get(out.request_id)
+        if cb is not None:
+            cb(out)
+        return out
 
     def _compact(self, seq: Sequence, src_positions: list[int], start: int) -> None:
         bs = self.blocks.block_size
@@ -263,8 +296,9 @@ class LLMEngine:
             self.target.move_kv(src, dst)
 
     def close(self) -> None:
-        """Release the target's tensor-parallel workers (idempotent; no-op for one rank)."""
+        """Release the target's tensor-parallel workers and give torch its threads back (idempotent)."""
         self.target.close()
+        self.threads.restore()
 
     # ----------------------------------------------------------------- offline API
     def generate(self, prompts: Iterable[Prompt], params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -291,3 +325,32 @@ def default_num_blocks(config: EngineConfig, target: LlamaModel, draft: Eagle3Dr
     fits = int(config.kv_cache_gib * (1 << 30)) // per_block
     full = config.max_num_seqs * ((max_model_len + config.block_size - 1) // config.block_size + 2)
     return max(1, min(fits, full))
+
+
+class _CpuThreads:
+    """The CPU engine's threads, set once: with the native linear kernel, decode-sized steps run torch
+    ops on one thread and the kernel on all of them (two thread pools spinning on two cores stall
+    each other's barriers); prefill, whose large GEMMs MKL does best, gets torch's threads back."""
+
+    def __init__(self, native: bool):
+        self.native = native
+        self.count = torch.get_num_threads()
+        if native:
+            cpu_decode.set_threads(self.count)
+            torch.set_num_threads(1)
+
+    def restore(self) -> None:
+        if self.native:
+            torch.set_num_threads(self.count)
+            self.native = False
+
+    @contextmanager
+    def for_gemm(self):
+        if not self.native or self.count == 1:
+            yield
+            return
+        torch.set_num_threads(self.count)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(1)

@@ -12,6 +12,7 @@ import torch
 
 from eagleray.platform.models.attention import AttentionMetadata, KVCache
 from eagleray.platform.models.eagle3 import Eagle3Draft
+from eagleray.platform.models.layers import fuse_for_inference
 from eagleray.platform.models.llama import LlamaModel
 
 
@@ -28,23 +29,27 @@ class ForwardBatch:
     def build(cls, tokens: list[list[int]], positions: list[list[int]], context_lens: list[int],
               block_tables: list[list[int]], block_size: int, device: torch.device,
               tree_masks: list[torch.Tensor | None] | None = None) -> "ForwardBatch":
-        query_lens = [len(t) for t in tokens]
-        width = max((len(b) for b in block_tables), default=0)
-        table = torch.full((len(block_tables), max(width, 1)), -1, dtype=torch.int32)  # [B, max_blocks]
-        for i, blocks in enumerate(block_tables):
-            table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        attn = AttentionMetadata.build(query_lens, context_lens, table.to(device), block_size, tree_masks, device)
         ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.int64, device=device)  # [T]
         pos = torch.tensor([p for seq in positions for p in seq], dtype=torch.int64, device=device)  # [T]
+        return cls.of(ids, pos, [len(t) for t in tokens], context_lens, block_tables, block_size, tree_masks)
+
+    @classmethod
+    def of(cls, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: list[int], context_lens: list[int],
+           block_tables: list[list[int]], block_size: int, tree_masks: list[torch.Tensor | None] | None = None) -> "ForwardBatch":
+        """From token tensors already on the device: input_ids, positions [T] int64, sequence by sequence."""
+        device = input_ids.device
+        width = max(max((len(b) for b in block_tables), default=0), 1)
+        table = torch.tensor([b + [-1] * (width - len(b)) for b in block_tables], dtype=torch.int32)  # [B, max_blocks]
+        attn = AttentionMetadata.build(query_lens, context_lens, table.to(device), block_size, tree_masks, device)
         last = torch.tensor(query_lens, device=device).cumsum(0) - 1  # [B]
-        return cls(ids, pos, attn, last)
+        return cls(input_ids, positions, attn, last)
 
 
 class TargetRunner:
     """Runs the target decoder over a :class:`ForwardBatch`; captures aux states when asked."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
-        self.model = model
+        self.model = fuse_for_inference(model)
         self.block_size = block_size
         self.device = model.norm.weight.device
         self.kv: KVCache = model.make_kv_cache(num_blocks, block_size)
@@ -84,7 +89,7 @@ class DraftRunner:
     """Runs the EAGLE-3 draft layer; its one-layer cache uses the target's block ids."""
 
     def __init__(self, draft: Eagle3Draft, num_blocks: int, block_size: int):
-        self.draft = draft
+        self.draft = fuse_for_inference(draft)
         self.block_size = block_size
         self.device = draft.norm.weight.device
         self.kv: KVCache = draft.make_kv_cache(num_blocks, block_size)

@@ -1,19 +1,28 @@
-"""Run-time policy: the acceptance watchdog and adaptive speculation.
+"""Run-time policy: the acceptance watchdog and cost-based adaptive speculation.
 
 - :class:`AcceptanceWatchdog` averages τ = accepted + 1 over the last ``window`` verifications; when
   the mean stays below ``min_tau`` (an untrained or mis-wired draft gives exactly 1.0) it logs a
   warning once, sets a flag exported as ``spec_decode_watchdog_fired`` and calls the action
   callback with "warn", "disable" or "rollback".
-- :class:`AdaptivePolicy` picks each decode step's draft length k (0 = a plain step). It times
-  occasional plain steps, lowers k (chain) or turns speculation off when speculative decoding
-  delivers fewer tokens/s than plain decoding, probes speculation now and then while it is off,
-  and turns it back on (or raises k) when it pays.
+- :class:`AdaptivePolicy` picks each decode step's draft length k (0 = a plain step) from measured
+  costs: for a batch of B sequences, the predicted speedup of a chain of k drafts is
+
+      speedup(B, k) = E(k) * t_plain(B) / (t_verify(B) + k * t_draft(B))
+      E(k) = 1 + sum_{i<k} a_i          a_i = P(the first i+1 drafts are accepted), measured per position
+
+  with t_plain, t_verify (target forward + verification of k+1 tokens, about flat in k while the
+  step is memory-bound) and t_draft (one draft forward) measured per batch-size bucket as moving
+  averages. It speculates with the best k when that beats plain by ``margin``, else decodes plain
+  and probes k_max now and then (the interval doubles after every probe that does not pay, up to
+  ``max_probe_interval``), so a draft that starts to pay is noticed and one that does not costs
+  about one step in ``max_probe_interval``. A tree drafts a fixed topology: k is 0 or the tree.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 from eagleray.platform.schemas import PolicyConfig
@@ -52,71 +61,144 @@ class AcceptanceWatchdog:
         self.fired = False
 
 
-class AdaptivePolicy:
-    """Chooses k per decode step from measured tokens/s of plain and speculative steps."""
+def bucket(batch: int) -> int:
+    """Batch-size bucket of the cost tables: the next power of two."""
+    return 1 << max(batch - 1, 0).bit_length()
 
-    def __init__(self, k_max: int, adaptive: bool = True, probe_interval: int = 32, margin: float = 0.05,
-                 can_lower_k: bool = True, ema: float = 0.3):
+
+@dataclass
+class _Costs:
+    """Moving averages (seconds per step) of one batch-size bucket."""
+
+    plain: float | None = None
+    verify: float | None = None  # target forward + verification of the drafts
+    draft: float | None = None  # one draft forward (chain) or the whole tree draft
+    plain_steps: int = 0
+    spec_steps: int = 0
+
+
+class AdaptivePolicy:
+    """Chooses k per decode step from measured step costs and per-position acceptance (see module doc)."""
+
+    def __init__(self, k_max: int, adaptive: bool = True, probe_interval: int = 32, margin: float = 0.03,
+                 can_lower_k: bool = True, ema: float = 0.2, max_probe_interval: int = 1024):
         self.k_max = k_max
-        self.k = k_max
         self.adaptive = adaptive
-        self.probe_interval = probe_interval
         self.margin = margin
         self.can_lower_k = can_lower_k
         self.alpha = ema
-        self.speculating = True
+        self.min_probe_interval = probe_interval
+        self.max_probe_interval = max(max_probe_interval, probe_interval)
         self.disabled = False  # forced off (watchdog action): no probes
-        self.rate: dict[int, float] = {}  # k -> EMA tokens/s (k = 0: plain)
-        self._steps = 0
+        self.accept = [1.0] * k_max  # a_i, optimistic until measured
+        self._measured = [False] * k_max
+        self.costs: dict[int, _Costs] = {}
+        self.k = k_max  # the choice for the last bucket decided
+        self.speculating = True
+        self._probe_interval = probe_interval
+        self._since_probe = 0
+        self.last_prediction: dict = {}
 
-    def choose(self) -> int:
-        """k for the next decode step; 0 means a plain step."""
+    # ------------------------------------------------------------------ decide
+    def choose(self, batch: int = 1) -> int:
+        """k for the next decode step of ``batch`` sequences; 0 means a plain step."""
         if self.disabled:
             return 0
-        self._steps += 1
-        probe = self.adaptive and self._steps % self.probe_interval == 0
-        if self.speculating:
-            if probe and (self._steps // self.probe_interval) % 2 == 1 and self.can_lower_k and self.k < self.k_max:
-                return self.k + 1  # probe a longer draft
-            return 0 if probe else self.k
-        return self.k if probe else 0
+        if not self.adaptive:
+            return self.k_max
+        c = self.costs.setdefault(bucket(batch), _Costs())
+        if c.spec_steps < 2:
+            return self.k_max  # measure speculation (and acceptance) first
+        if c.plain_steps < 2:
+            return 0
+        k, speedup = self.best(batch)
+        self.last_prediction = {"batch": batch, "k": k, "predicted_speedup": round(speedup, 4)}
+        if k > 0:
+            self._since_probe = 0
+            self._set(k)
+            return k
+        self._set(0)
+        self._since_probe += 1
+        if self._since_probe >= self._probe_interval:
+            self._since_probe = 0
+            self._probe_interval = min(self._probe_interval * 2, self.max_probe_interval)
+            return self.k_max
+        return 0
 
-    def observe(self, k: int, tokens: int, seconds: float) -> None:
-        """Record a decode step's throughput and re-decide."""
-        if seconds <= 0 or tokens <= 0:
-            return
-        rate = tokens / seconds
-        old = self.rate.get(k)
-        self.rate[k] = rate if old is None else (1 - self.alpha) * old + self.alpha * rate
-        if self.adaptive and not self.disabled:
-            self._decide()
+    def best(self, batch: int) -> tuple[int, float]:
+        """(k, predicted speedup) with the largest predicted speedup; (0, 1.0) unless one beats 1 + margin."""
+        c = self.costs.get(bucket(batch))
+        if c is None or c.plain is None or c.verify is None or c.draft is None:
+            return 0, 1.0
+        ks = range(1, self.k_max + 1) if self.can_lower_k else [self.k_max]
+        scored = [(self.predicted_speedup(batch, k), k) for k in ks]
+        speedup, k = max(scored)
+        return (k, speedup) if speedup > 1 + self.margin else (0, 1.0)
 
-    def _decide(self) -> None:
-        plain, spec = self.rate.get(0), self.rate.get(self.k)
-        if plain is None or spec is None:
-            return
-        longer = self.rate.get(self.k + 1)
-        if self.speculating and longer is not None and longer > spec * (1 + self.margin):
-            self.k += 1
-            logger.info("adaptive speculation: raising k to %d (%.1f tok/s)", self.k, longer)
-        elif self.speculating and spec < plain * (1 - self.margin):
-            if self.can_lower_k and self.k > 1:
-                self.k -= 1
-                logger.info("adaptive speculation: lowering k to %d (spec %.1f < plain %.1f tok/s)", self.k, spec, plain)
-            else:
-                self.speculating = False
-                logger.warning("adaptive speculation: turning speculation off (spec %.1f < plain %.1f tok/s)", spec, plain)
-        elif not self.speculating and spec > plain * (1 + self.margin):
-            self.speculating = True
-            logger.info("adaptive speculation: turning speculation back on (spec %.1f > plain %.1f tok/s)", spec, plain)
+    def predicted_speedup(self, batch: int, k: int) -> float:
+        c = self.costs[bucket(batch)]
+        draft = c.draft * (k if self.can_lower_k else 1)
+        return self.expected_tokens(k) * c.plain / (c.verify + draft)
 
+    def expected_tokens(self, k: int) -> float:
+        """E(k) = 1 + sum of a_i over the first k positions (tokens per verification step)."""
+        return 1.0 + sum(self.accept[:k])
+
+    def _set(self, k: int) -> None:
+        speculating = k > 0
+        if speculating != self.speculating or (speculating and k != self.k):
+            logger.info("adaptive speculation: %s", f"k={k}" if speculating else "plain decoding (speculation would not pay)")
+        self.speculating = speculating
+        if speculating:
+            self.k = k
+
+    # ------------------------------------------------------------------ observe
+    def observe_plain(self, batch: int, seconds: float) -> None:
+        c = self.costs.setdefault(bucket(batch), _Costs())
+        c.plain = self._ema(c.plain, seconds)
+        c.plain_steps += 1
+
+    def observe_spec(self, batch: int, k: int, verify_seconds: float, draft_seconds: float,
+                     accepted: list[int]) -> None:
+        """A speculative step: its verify and draft time, and each sequence's accepted count (of k drafts)."""
+        c = self.costs.setdefault(bucket(batch), _Costs())
+        c.verify = self._ema(c.verify, verify_seconds)
+        c.draft = self._ema(c.draft, draft_seconds / (k if self.can_lower_k else 1))
+        c.spec_steps += 1
+        for i in range(min(k, self.k_max) if accepted else 0):
+            rate = sum(n > i for n in accepted) / len(accepted)
+            self.accept[i] = self._ema(self.accept[i] if self._measured[i] else None, rate)
+            self._measured[i] = True
+        if self.best(batch)[0] > 0:
+            self._probe_interval = self.min_probe_interval  # it pays again: probe eagerly next time it is off
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+
+    # ------------------------------------------------------------------ overrides
     def disable(self, reason: str) -> None:
         self.disabled = True
         self.speculating = False
         logger.warning("speculation disabled: %s", reason)
 
     def enable(self) -> None:
+        """A new draft: forget its predecessor's acceptance and costs."""
         self.disabled = False
         self.speculating = True
         self.k = self.k_max
-        self.rate.clear()
+        self.accept = [1.0] * self.k_max
+        self._measured = [False] * self.k_max
+        self.costs.clear()
+        self._probe_interval = self.min_probe_interval
+        self._since_probe = 0
+
+    def snapshot(self) -> dict:
+        """Per bucket: measured costs (ms), the chosen k and its predicted speedup."""
+        out = {}
+        for b, c in sorted(self.costs.items()):
+            k, speedup = self.best(b)
+            out[b] = {"plain_ms": None if c.plain is None else round(c.plain * 1e3, 3),
+                      "verify_ms": None if c.verify is None else round(c.verify * 1e3, 3),
+                      "draft_ms": None if c.draft is None else round(c.draft * 1e3, 3),
+                      "k": k, "predicted_speedup": round(speedup, 4)}
+        return {"acceptance_per_pos": [round(a, 4) for a in self.accept], "buckets": out}

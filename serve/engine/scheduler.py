@@ -90,6 +90,11 @@ class Scheduler:
             scheduled.append(seq)
         return ScheduledBatch(scheduled, is_prefill=False) if scheduled else None
 
+    def preempt_all(self) -> None:
+        """Send every running sequence back to be recomputed (a draft swap: no draft state crosses it)."""
+        for seq in list(self.running):
+            self._preempt(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)

@@ -55,7 +55,8 @@ class Sequence:
 
     KV invariant between steps: the target (and, once caught up, the draft) cache holds positions
     0..num_tokens-2; the last token is the next forward's input. ``pending_aux`` holds the target's
-    aux hidden states [n, A] of the positions the draft has not consumed yet.
+    aux hidden states of the positions the draft has not consumed yet, as a list of [n_i, A] chunks
+    (joined once, at the draft's catch-up, so steps without speculation never copy them).
     """
 
     prompt_token_ids: list[int]
@@ -67,7 +68,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # target KV positions written and valid
     draft_cached: int = 0  # draft KV positions written with target hidden states
-    pending_aux: torch.Tensor | None = None  # [n, A] aux of positions draft_cached..num_cached-1
+    pending_aux: list[torch.Tensor] = field(default_factory=list)  # [n_i, A] chunks: positions draft_cached..num_cached-1
     finish_reason: str | None = None
     stop_text_index: int | None = None  # where a stop string cuts the text
     generator: torch.Generator | None = None  # plain sampling draws (T > 0)
@@ -86,10 +87,6 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def last_token(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
@@ -102,14 +99,18 @@ class Sequence:
         self.block_table = []
         self.num_cached = 0
         self.draft_cached = 0
-        self.pending_aux = None
+        self.pending_aux = []
         self.status = SequenceStatus.WAITING
 
     def append_aux(self, aux: torch.Tensor | None) -> None:
         """Queue aux states [n, A] of newly committed positions for the draft."""
-        if aux is None:
-            return
-        self.pending_aux = aux if self.pending_aux is None else torch.cat([self.pending_aux, aux], dim=0)
+        if aux is not None:
+            self.pending_aux.append(aux)
+
+    def take_aux(self) -> torch.Tensor:
+        """All queued aux states [n, A], in position order; the queue is emptied."""
+        chunks, self.pending_aux = self.pending_aux, []
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=0)
 
     def append_tokens(self, tokens: list[int], eos_id: int | None) -> list[int]:
         """Add accepted tokens up to the first stop condition; returns the tokens actually kept."""

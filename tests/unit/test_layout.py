@@ -80,6 +80,7 @@ def test_wheel_contains_every_module(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     want = {"eagleray/__init__.py"} | {"eagleray/" + str(p.relative_to(REPO)) for p in _modules()}
     want |= {"eagleray/" + str(p.relative_to(REPO)) for p in (REPO / "jobs" / "configs").glob("*.yaml")}
+    want |= {"eagleray/" + str(p.relative_to(REPO)) for p in (REPO / "kernels").glob("*.c")}  # built at first use
     missing = sorted(want - names)
     assert not missing, f"wheel lacks {missing}"
     assert not any(n.startswith("eagleray/tests/") for n in names)

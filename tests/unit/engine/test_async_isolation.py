@@ -17,7 +17,7 @@ from eagleray.serve.engine.async_engine import RequestFailed
 from .conftest import PROMPTS, make_engine
 
 GOOD = SamplingParams(max_tokens=12, ignore_eos=True)
-POISON = SamplingParams(max_tokens=12, ignore_eos=True, top_k=2**63)
+POISON = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, top_k=2**63)  # sampled: greedy rows skip top-k
 
 
 def _poison_breaks_a_step(target, tokenizer) -> None:

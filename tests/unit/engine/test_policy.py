@@ -6,7 +6,9 @@ import logging
 
 from eagleray.platform.schemas import PolicyConfig
 from eagleray.serve.engine import SamplingParams
-from eagleray.serve.engine.policy import AcceptanceWatchdog, AdaptivePolicy
+import pytest
+
+from eagleray.serve.engine.policy import AcceptanceWatchdog, AdaptivePolicy, bucket
 
 from .conftest import PROMPTS, make_engine
 
@@ -34,29 +36,79 @@ def test_watchdog_quiet_when_drafts_are_accepted():
     assert dog.fired and fired == [("warn", 1.0)]
 
 
-def _drive(policy, rates, steps):
-    """Feed the policy synthetic throughput: rates[k] tokens/s for a step with draft length k."""
+def _drive(policy, steps, *, batch=1, plain=0.010, verify=0.012, draft=0.002, accepted=lambda k: [0]):
+    """Feed the policy synthetic costs (seconds) and acceptance: accepted(k) -> accepted count per sequence."""
     chosen = []
     for _ in range(steps):
-        k = policy.choose()
+        k = policy.choose(batch)
         chosen.append(k)
-        policy.observe(k, tokens=rates(k), seconds=1.0)
+        if k == 0:
+            policy.observe_plain(batch, plain)
+        else:
+            policy.observe_spec(batch, k, verify, draft * k, [min(n, k) for n in accepted(k)])
     return chosen
 
 
-def test_adaptive_turns_speculation_off_when_slower_and_back_on():
-    policy = AdaptivePolicy(k_max=4, probe_interval=4)
-    slow = lambda k: 10 if k == 0 else 6  # noqa: E731  speculation slower at every k
-    _drive(policy, slow, 80)
-    assert not policy.speculating and policy.k == 1
-    fast = lambda k: 10 if k == 0 else 10 + 5 * k  # noqa: E731  now it pays
-    chosen = _drive(policy, fast, 80)
-    assert policy.speculating and policy.k > 1
-    assert sum(k > 0 for k in chosen[-20:]) >= 15, "mostly speculative steps once it pays"
+def test_untrained_draft_turns_speculation_off_and_probes_ever_less():
+    policy = AdaptivePolicy(k_max=4, probe_interval=8, max_probe_interval=256)
+    chosen = _drive(policy, 4000)
+    assert chosen[-1] == 0 and not policy.speculating
+    assert policy.best(1) == (0, 1.0)
+    spec_steps = sum(k > 0 for k in chosen)
+    # 2 to measure, then probes after 8, 16, ..., 256 plain steps, then one every 256
+    assert spec_steps <= 2 + 5 + 4000 // 256 + 1, f"probes back off (doubling interval): {spec_steps} speculative steps in 4000"
+    assert spec_steps / 4000 < 0.01
+    assert sum(k > 0 for k in chosen[2000:]) <= 8, "at the longest interval, one probe per 256 steps"
 
 
-def test_adaptive_lowers_k_first():
-    policy = AdaptivePolicy(k_max=4, probe_interval=4)
-    rates = lambda k: {0: 10, 1: 14, 2: 13, 3: 9, 4: 8, 5: 7}[k]  # noqa: E731
-    _drive(policy, rates, 60)
-    assert policy.speculating and policy.k in (1, 2)
+def test_paying_draft_speculates_with_the_best_k():
+    policy = AdaptivePolicy(k_max=4)
+    chosen = _drive(policy, 50, accepted=lambda k: [k])  # every draft accepted
+    assert chosen[-10:] == [4] * 10
+    k, speedup = policy.best(1)
+    assert k == 4 and speedup == pytest.approx(5 * 0.010 / (0.012 + 4 * 0.002))
+
+
+def test_rarely_accepted_tail_lowers_k():
+    policy = AdaptivePolicy(k_max=4)
+    # position 0 accepted for 9 of 10 sequences, later positions never
+    chosen = _drive(policy, 60, accepted=lambda k: [1] * 9 + [0])
+    assert chosen[-1] == 1, "E(1)=1.9 at 14 ms beats E(4)=1.9 at 20 ms"
+    assert policy.predicted_speedup(1, 1) == pytest.approx(1.9 * 0.010 / 0.014)
+
+
+def test_a_chain_that_cannot_lower_k_is_all_or_nothing():
+    policy = AdaptivePolicy(k_max=4, can_lower_k=False)  # a tree: one fixed topology
+    _drive(policy, 60, accepted=lambda k: [1] * 9 + [0], draft=0.002)
+    assert policy.best(1)[0] in (0, 4)
+
+
+def test_speculation_comes_back_when_the_draft_starts_to_pay():
+    policy = AdaptivePolicy(k_max=4, probe_interval=8, max_probe_interval=64)
+    _drive(policy, 500)
+    assert not policy.speculating
+    chosen = _drive(policy, 200, accepted=lambda k: [k])  # traffic the draft knows
+    assert policy.speculating and chosen[-1] == 4
+
+
+def test_costs_are_per_batch_bucket():
+    policy = AdaptivePolicy(k_max=4)
+    _drive(policy, 40, batch=1, accepted=lambda k: [k])
+    _drive(policy, 40, batch=64, verify=0.060, draft=0.010, accepted=lambda k: [k] * 64)  # compute-bound: verify costs 6x plain
+    assert policy.best(1)[0] == 4
+    assert policy.best(64) == (0, 1.0)
+    assert bucket(1) == 1 and bucket(5) == 8 and bucket(64) == 64 and bucket(65) == 128
+    assert set(policy.snapshot()["buckets"]) == {1, 64}
+
+
+def test_disabled_policy_never_speculates():
+    policy = AdaptivePolicy(k_max=4)
+    policy.disable("test")
+    assert _drive(policy, 100, accepted=lambda k: [k]) == [0] * 100
+    policy.enable()
+    assert policy.choose(1) == 4 and policy.accept == [1.0] * 4
+
+
+def test_not_adaptive_always_drafts_k_max():
+    policy = AdaptivePolicy(k_max=3, adaptive=False)
+    assert set(_drive(policy, 50)) == {3}

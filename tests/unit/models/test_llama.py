@@ -142,3 +142,24 @@ def test_wrong_checkpoint_names_missing_tensors(tiny_dirs, tmp_path):
     path = _edit_config(tiny_dirs["llama_tied"], tmp_path, num_hidden_layers=5)
     with pytest.raises(EaglerayError, match="missing tensors"):
         LlamaModel.from_dir(path)
+
+
+@pytest.mark.parametrize("variant", ["llama_tied", "llama_linear_rope_bias", "qwen3"])
+def test_fused_projections_equal_the_separate_ones_and_still_load(variant, tiny_dirs):
+    from eagleray.platform.models.layers import fuse_for_inference
+
+    path = tiny_dirs[variant]
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(4))
+    ref, _ = LlamaModel.from_dir(path).forward_full(ids)
+    model = fuse_for_inference(LlamaModel.from_dir(path))
+    attn = model.layers[0].self_attn
+    assert attn.qkv is not None and model.layers[0].mlp.gate_up is not None
+    assert attn.q_proj.weight.data_ptr() == attn.qkv.weight.data_ptr(), "the parts are views of the fused weight"
+    fused, _ = model.forward_full(ids)
+    torch.testing.assert_close(fused, ref, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        attn.k_proj.weight.zero_()  # what a weight loader does: write into the part
+    assert bool((attn.qkv.weight[attn.qkv.sizes[0]:sum(attn.qkv.sizes[:2])] == 0).all())
+    model.load_checkpoint(path)  # loading again lands in the fused weights
+    again, _ = model.forward_full(ids)
+    torch.testing.assert_close(again, ref, atol=1e-5, rtol=0)

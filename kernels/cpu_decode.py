@@ -1,0 +1,262 @@
+"""Native fp32 kernels for decode-sized steps on x86-64 CPUs (AVX-512): decode, verification, drafting.
+
+    from eagleray.kernels import cpu_decode
+    y = cpu_decode.linear(x, w, b)          # x [M, K], w [N, K], b [N] or None -> [M, N]; M small
+    o = cpu_decode.paged_attention(q, k_cache, v_cache, block_tables, rows, scale)   # rows: RowKeys
+    cpu_decode.configure("auto")            # the engine's choice: "auto" | "native" | "torch"
+    cpu_decode.status()                     # "native" or "torch (<why>)"
+
+MKL's GEMV reaches about 10 GB/s of weight streaming on the 2-core CI machine, a third of its memory
+bandwidth; a decode step at batch 1 is nothing but streaming the weights once, so the engine's CPU
+step was bound by that. ``cpu_decode.c`` streams each weight row once per call with every x row
+reusing it from L1 (about 2x MKL here at M = 1..16, see BENCHMARKS.md), and reduces every output in
+one fixed order, so a token's logits do not depend on how many rows share the call (batch-invariant:
+greedy speculative output stays bitwise equal to plain output).
+
+``paged_attention`` reads K/V in place from the paged cache through the block table (no gather, no
+padding), one query row at a time with an online softmax over tiles of 16 keys, so a row's output does
+not depend on the rest of the batch either; rows see their sequence's cached keys and the new keys
+their bit mask allows (causal or a draft tree, up to 64 new tokens per sequence).
+
+The C source is compiled once per machine with the system C compiler (``cc -O3 -mavx512f -pthread``)
+into ``$EAGLERAY_HOME/kernels/`` and loaded with ctypes; no build step at install time. The reference
+of the linear is :func:`torch.nn.functional.linear` (``linear_reference``), of the attention
+``paged_attention_reference``; tests compare each pair.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform as std_platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eagleray.kernels.errors import KernelBuildError, KernelInputError
+
+logger = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+MODES = ("auto", "native", "torch")
+MAX_ROWS = 128  # larger M (prefill chunks) goes to MKL's blocked GEMM, which wins there
+
+_lib: ctypes.CDLL | None = None
+_mode = "auto"
+_why_not: str | None = None  # reason the native kernel is not in use (None: in use, or not decided yet)
+_threads: int | None = None  # kernel threads (None: torch.get_num_threads())
+
+
+def linear_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K], w [N, K], b [N] -> [M, N] (PyTorch)."""
+    return torch.nn.functional.linear(x, w, b)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32 rows contiguous, w [N, K] fp32 contiguous, b [N] fp32 or None -> y [M, N] (native kernel)."""
+    _check(x, w, b)
+    lib = _load()
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32)  # [M, N]
+    lib.linear_f32(x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
+                   m, n, k, x.stride(0), n, _threads or torch.get_num_threads())
+    return y
+
+
+@dataclass
+class RowKeys:
+    """Which keys each query row sees: its sequence (row of the block table), the sequence's cached
+    length, its number of new tokens and a bit mask over them (bit i: new token i is visible)."""
+
+    seq: torch.Tensor  # [T] int64
+    ctx: torch.Tensor  # [T] int64
+    nnew: torch.Tensor  # [T] int64 (<= MAX_NEW)
+    mask: torch.Tensor  # [T] int64 bits (two's complement of the uint64 mask)
+
+
+MAX_NEW = 64  # new tokens per sequence a row mask can describe
+
+
+def attention_supported(q: torch.Tensor, cache_k: torch.Tensor, sliding_window: int | None) -> bool:
+    """Whether :func:`paged_attention` handles this layer (else the caller uses SDPA)."""
+    hq, d, hkv = q.shape[1], q.shape[2], cache_k.shape[2]
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and cache_k.dtype == torch.float32 and sliding_window is None
+            and hkv > 0 and hq % hkv == 0 and hq // hkv <= 16 and d % 16 == 0 and d <= 256 and _active())
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    rows: RowKeys, scale: float) -> torch.Tensor:
+    """q [T, Hq, D] fp32, K/V cache [num_blocks, block_size, Hkv, D], block_tables [B, W] int32 -> [T, Hq, D]."""
+    t, hq, d = q.shape
+    if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()
+            and block_tables.dtype == torch.int32 and k_cache.shape == v_cache.shape and k_cache.shape[3] == d):
+        raise KernelInputError("q/k_cache/v_cache/block_tables", "contiguous fp32 q [T, Hq, D], caches [N, bs, Hkv, D] and int32 tables",
+                               f"q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, tables {block_tables.dtype}", "call .contiguous() first")
+    for name, v in (("seq", rows.seq), ("ctx", rows.ctx), ("nnew", rows.nnew), ("mask", rows.mask)):
+        if v.dtype != torch.int64 or tuple(v.shape) != (t,) or not v.is_contiguous():
+            raise KernelInputError(f"rows.{name}", f"[{t}] int64 contiguous", f"{tuple(v.shape)} {v.dtype}", "build RowKeys with int64 tensors")
+    out = torch.empty_like(q)  # [T, Hq, D]
+    rc = _load().paged_attention_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                                     block_tables.data_ptr(), block_tables.shape[1], rows.seq.data_ptr(), rows.ctx.data_ptr(),
+                                     rows.nnew.data_ptr(), rows.mask.data_ptr(), t, hq, k_cache.shape[2], d, k_cache.shape[1],
+                                     ctypes.c_float(scale), _threads or torch.get_num_threads())
+    if rc != 0:
+        raise KernelInputError("q", "Hq a multiple of Hkv with Hq/Hkv <= 16, head_dim a multiple of 16 up to 256",
+                               f"Hq={hq}, Hkv={k_cache.shape[2]}, D={d}", "check attention_supported() first")
+    return out
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                              rows: RowKeys, scale: float) -> torch.Tensor:
+    """The same in PyTorch, row by row (tests)."""
+    out = torch.empty_like(q)
+    bs, g = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    for t in range(q.shape[0]):
+        ctx, nnew, bits = int(rows.ctx[t]), int(rows.nnew[t]), int(rows.mask[t]) & ((1 << 64) - 1)
+        keys = [j for j in range(ctx + nnew) if j < ctx or (bits >> (j - ctx)) & 1]
+        table = block_tables[int(rows.seq[t])].long()
+        slots = torch.tensor([int(table[j // bs]) * bs + j % bs for j in keys])
+        k = k_cache.reshape(-1, *k_cache.shape[2:])[slots].repeat_interleave(g, dim=1)  # [L, Hq, D]
+        v = v_cache.reshape(-1, *v_cache.shape[2:])[slots].repeat_interleave(g, dim=1)  # [L, Hq, D]
+        att = torch.einsum("hd,lhd->hl", q[t], k) * scale  # [Hq, L]
+        out[t] = torch.einsum("hl,lhd->hd", att.softmax(-1), v)
+    return out
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    for name, t, dims in (("x", x, 2), ("w", w, 2)):
+        if t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != dims:
+            raise KernelInputError(name, f"a {dims}-D fp32 CPU tensor", f"{tuple(t.shape)} {t.dtype} on {t.device}",
+                                   "call torch.nn.functional.linear for other dtypes and devices")
+    if x.shape[1] != w.shape[1]:
+        raise KernelInputError("x", f"[M, {w.shape[1]}] (w is {tuple(w.shape)})", str(tuple(x.shape)), "pass matching widths")
+    if x.stride(1) != 1 or not w.is_contiguous():
+        raise KernelInputError("x/w", "rows with unit stride and a contiguous w", f"x strides {x.stride()}, w strides {w.stride()}",
+                               "call .contiguous() first")
+    if b is not None and (b.dtype != torch.float32 or tuple(b.shape) != (w.shape[0],) or not b.is_contiguous()):
+        raise KernelInputError("b", f"[{w.shape[0]}] fp32 contiguous", f"{tuple(b.shape)} {b.dtype}", "pass the layer's bias or None")
+
+
+def set_threads(n: int | None) -> None:
+    """Threads of the native kernel (the caller plus n-1 helpers); None follows torch.get_num_threads()."""
+    global _threads
+    if n is not None and not 1 <= n <= 16:
+        raise KernelInputError("threads", "1..16 or None", repr(n), "pass the number of cores to use")
+    _threads = n
+
+
+def configure(mode: str) -> str:
+    """Choose the implementation for :func:`dispatch`: "auto" (native where it builds, else torch, with the
+    reason logged), "native" (raise if it cannot build) or "torch". Returns :func:`status`."""
+    global _mode, _why_not
+    if mode not in MODES:
+        raise KernelInputError("mode", f"one of {MODES}", repr(mode), "use 'auto'")
+    _mode, _why_not = mode, None
+    if mode == "torch":
+        _why_not = "configured"
+    elif mode == "native":
+        _load()
+    return status()
+
+
+def status() -> str:
+    """'native' or 'torch (<why>)'; decides (and builds) on first call under 'auto'."""
+    return "native" if _active() else f"torch ({_why_not})"
+
+
+def dispatch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's linear: the native kernel for small fp32 CPU batches without autograd, else PyTorch."""
+    if (x.device.type == "cpu" and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.float32
+            and w.dtype == torch.float32 and w.is_contiguous() and x.stride(1) == 1
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)) and _active()):
+        return linear(x, w, b)
+    return torch.nn.functional.linear(x, w, b)
+
+
+def _active() -> bool:
+    global _why_not
+    if _mode == "torch" or _why_not is not None:
+        return False
+    if _lib is not None:
+        return True
+    try:
+        _load()
+        logger.info("CPU linear: native AVX-512 kernel (%s)", _lib_path())
+        return True
+    except KernelBuildError as err:
+        _why_not = str(err).splitlines()[0]
+        logger.warning("CPU linear: using torch.nn.functional.linear: %s", err)
+        return False
+
+
+def _load() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        reason = _unsupported()
+        if reason:
+            raise KernelBuildError(f"{reason}\n    fix: set engine.cpu_kernels to 'torch' (or 'auto')")
+        path = _lib_path()
+        if not path.exists():
+            _build(path)
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as err:
+            raise KernelBuildError(f"cannot load {path}: {err}\n    fix: delete it (it is rebuilt) or set engine.cpu_kernels to 'torch'") from err
+        lib.linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int]
+        lib.linear_f32.restype = None
+        lib.paged_attention_f32.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 4
+                                            + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int])
+        lib.paged_attention_f32.restype = ctypes.c_int
+        _lib = lib
+    return _lib
+
+
+def _unsupported() -> str | None:
+    if std_platform.machine() not in ("x86_64", "AMD64"):
+        return f"the native CPU linear needs x86-64 with AVX-512; this machine is {std_platform.machine()}"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError as err:
+        return f"cannot read /proc/cpuinfo to check for AVX-512 ({err})"
+    if " avx512f" not in flags:
+        return "this CPU has no AVX-512F"
+    if _compiler() is None:
+        return "no C compiler (cc or gcc) on PATH to build kernels/cpu_decode.c"
+    return None
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _lib_path() -> Path:
+    home = Path(os.environ.get("EAGLERAY_HOME") or Path.home() / ".cache" / "eagleray")
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    return home / "kernels" / f"cpu_decode-{digest}.so"
+
+
+def _build(path: Path) -> None:
+    """Compile into a temporary file, then rename (concurrent builders never see a partial library)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    cmd = [_compiler(), "-O3", "-mavx512f", "-mfma", "-pthread", "-shared", "-fPIC", str(SOURCE), "-o", tmp, "-lm"]
+    try:
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as err:
+            raise KernelBuildError(f"cannot run the C compiler ({' '.join(cmd)}): {err}\n"
+                                   "    fix: install gcc, or set engine.cpu_kernels to 'torch'") from err
+        if done.returncode != 0:
+            raise KernelBuildError(f"building {SOURCE.name} failed: {' '.join(cmd)}\n{done.stderr.strip()[-2000:]}\n"
+                                   "    fix: install gcc, or set engine.cpu_kernels to 'torch'")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

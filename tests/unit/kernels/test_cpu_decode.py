@@ -1,0 +1,169 @@
+"""The native CPU linear kernel (kernels/cpu_decode.c) against torch.nn.functional.linear: values,
+batch and thread invariance (what keeps greedy speculation lossless), the checked wrapper, dispatch
+and the build/fallback rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagleray.kernels import cpu_decode
+from eagleray.kernels.errors import KernelBuildError, KernelInputError
+
+native = pytest.mark.skipif(cpu_decode._unsupported() is not None, reason=f"native CPU linear: {cpu_decode._unsupported()}")
+
+
+@pytest.fixture
+def fresh_state(monkeypatch):
+    """Module state restored after the test (mode, library, threads)."""
+    for name in ("_lib", "_mode", "_why_not", "_threads"):
+        monkeypatch.setattr(cpu_decode, name, getattr(cpu_decode, name))
+    yield
+
+
+def _data(m: int, n: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+
+
+@native
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 40, 128])
+@pytest.mark.parametrize("n,k", [(96, 64), (101, 576), (7, 37), (960, 576), (576, 1536)])
+def test_matches_torch(m, n, k):
+    x, w, b = _data(m, n, k)
+    torch.testing.assert_close(cpu_decode.linear(x, w, b), cpu_decode.linear_reference(x, w, b), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(cpu_decode.linear(x, w), x @ w.t(), atol=1e-4, rtol=1e-5)
+
+
+@native
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_each_row_is_bitwise_the_same_whatever_else_is_in_the_batch(threads, fresh_state):
+    cpu_decode.set_threads(threads)
+    x, w, b = _data(41, 203, 577)  # row and column tails (203 % 4, 577 % 16)
+    full = cpu_decode.linear(x, w, b)  # [41, 203]
+    for m in (1, 2, 5, 40):
+        part = cpu_decode.linear(x[:m], w, b)
+        assert torch.equal(part, full[:m]), f"rows differ when the batch has {m} rows"
+    assert torch.equal(cpu_decode.linear(x[7:8], w, b)[0], full[7])
+    cpu_decode.set_threads(1)
+    assert torch.equal(cpu_decode.linear(x, w, b), full), "the thread count changes no value"
+
+
+@native
+def test_strided_rows_are_read_in_place():
+    x, w, _ = _data(4, 64, 128)
+    wide = torch.randn(4, 300)
+    wide[:, 10:138] = x
+    view = wide[:, 10:138]  # row stride 300, unit column stride
+    assert torch.equal(cpu_decode.linear(view, w), cpu_decode.linear(x, w))
+
+
+@pytest.mark.parametrize("bad,arg", [
+    (lambda x, w, b: (x.double(), w, b), "x"),
+    (lambda x, w, b: (x, w.t().contiguous().t(), b), "x/w"),
+    (lambda x, w, b: (x[:, :-1], w, b), "x"),
+    (lambda x, w, b: (x, w, b[:-1]), "b"),
+    (lambda x, w, b: (x.t(), w[:, :8], b), "x/w"),
+])
+def test_checked_wrapper_names_the_argument(bad, arg):
+    x, w, b = _data(8, 16, 8)
+    with pytest.raises(KernelInputError, match=rf"^{arg}: expected .*Fix: "):
+        cpu_decode.linear(*bad(x, w, b))
+
+
+@native
+def test_dispatch_keeps_autograd_and_large_batches_on_torch(fresh_state):
+    cpu_decode.configure("native")
+    x, w, b = _data(4, 32, 64)
+    w.requires_grad_(True)
+    y = cpu_decode.dispatch(x, w, b)
+    y.sum().backward()  # the native kernel has no backward: dispatch must not have used it
+    assert w.grad is not None
+    big = torch.randn(cpu_decode.MAX_ROWS + 1, 64)
+    assert torch.equal(cpu_decode.dispatch(big, w.detach(), b), torch.nn.functional.linear(big, w.detach(), b))
+    small = x[:2]
+    assert torch.equal(cpu_decode.dispatch(small, w.detach(), b), cpu_decode.linear(small, w.detach(), b))
+
+
+def test_configure_torch_and_bad_modes(fresh_state):
+    assert cpu_decode.configure("torch") == "torch (configured)"
+    x, w, b = _data(2, 8, 16)
+    assert torch.equal(cpu_decode.dispatch(x, w, b), torch.nn.functional.linear(x, w, b))
+    with pytest.raises(KernelInputError, match="mode"):
+        cpu_decode.configure("fast")
+    with pytest.raises(KernelInputError, match="threads"):
+        cpu_decode.set_threads(0)
+
+
+@native
+def test_a_compiler_that_fails_is_an_error_under_native_and_a_logged_fallback_under_auto(fresh_state, monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("EAGLERAY_HOME", str(tmp_path))  # nothing built here yet
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setattr(cpu_decode, "_lib", None)
+    with pytest.raises(KernelBuildError, match="building cpu_decode.c failed"):
+        cpu_decode.configure("native")
+    with caplog.at_level("WARNING", logger="eagleray.kernels.cpu_decode"):
+        status = cpu_decode.configure("auto")
+    assert status.startswith("torch (building cpu_decode.c failed")
+    assert any("using torch.nn.functional.linear" in r.getMessage() for r in caplog.records)
+    assert not list(tmp_path.rglob("*.so")), "a failed build leaves no library behind"
+
+
+@native
+def test_builds_once_into_eagleray_home(fresh_state, monkeypatch, tmp_path):
+    monkeypatch.setenv("EAGLERAY_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_decode, "_lib", None)
+    assert cpu_decode.configure("native") == "native"
+    built = list((tmp_path / "kernels").glob("cpu_decode-*.so"))
+    assert len(built) == 1 and built[0] == cpu_decode._lib_path()
+
+
+def _cache(num_blocks=12, bs=4, hkv=3, d=64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_blocks, bs, hkv, d, generator=g), torch.randn(num_blocks, bs, hkv, d, generator=g))
+
+
+def _rows(spec):
+    """spec: per row (seq, ctx, nnew, visible new indices) -> RowKeys."""
+    mask = [sum(1 << i for i in vis) for _, _, _, vis in spec]
+    as_t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    return cpu_decode.RowKeys(as_t([r[0] for r in spec]), as_t([r[1] for r in spec]), as_t([r[2] for r in spec]),
+                              as_t([m - (1 << 64) if m >= 1 << 63 else m for m in mask]))
+
+
+TABLES = torch.tensor([[7, 2, 9, 0, 5], [5, 11, 3, -1, -1]], dtype=torch.int32)  # non-contiguous blocks
+
+
+@native
+def test_paged_attention_matches_the_reference_causal_and_tree():
+    k, v = _cache()
+    spec = [(0, 13, 1, [0]),  # a decode row of sequence 0
+            (1, 5, 3, [0]), (1, 5, 3, [0, 1]), (1, 5, 3, [0, 1, 2]),  # a verify chain of sequence 1
+            (0, 10, 4, [0, 2]), (0, 10, 4, [0, 1, 3])]  # tree rows: ancestors only
+    rows = _rows(spec)
+    q = torch.randn(len(spec), 9, 64, generator=torch.Generator().manual_seed(2))  # GQA 9/3
+    out = cpu_decode.paged_attention(q, k, v, TABLES, rows, 0.125)
+    torch.testing.assert_close(out, cpu_decode.paged_attention_reference(q, k, v, TABLES, rows, 0.125), atol=2e-5, rtol=1e-5)
+
+
+@native
+def test_a_rows_attention_is_bitwise_the_same_alone_in_a_batch_or_verified_beside_others():
+    k, v = _cache()
+    q = torch.randn(4, 9, 64, generator=torch.Generator().manual_seed(3))
+    # the token at position 7 of sequence 0: decoded alone (ctx 7, 1 new) or row 2 of a verify chain (ctx 5, 4 new)
+    alone = cpu_decode.paged_attention(q[2:3].contiguous(), k, v, TABLES, _rows([(0, 7, 1, [0])]), 0.125)
+    chain = cpu_decode.paged_attention(q, k, v, TABLES, _rows([(0, 5, 4, list(range(i + 1))) for i in range(4)]), 0.125)
+    assert torch.equal(alone[0], chain[2])
+    mixed = cpu_decode.paged_attention(q, k, v, TABLES, _rows([(1, 9, 1, [0]), (1, 3, 1, [0]), (0, 7, 1, [0]), (1, 6, 1, [0])]), 0.125)
+    assert torch.equal(mixed[2], alone[0])
+
+
+def test_paged_attention_refuses_bad_rows():
+    k, v = _cache()
+    q = torch.randn(2, 9, 64)
+    with pytest.raises(KernelInputError, match=r"^rows.ctx: expected \[2\] int64"):
+        cpu_decode.paged_attention(q, k, v, TABLES, cpu_decode.RowKeys(*(torch.zeros(2, dtype=torch.int64),) * 1,
+                                                                        torch.zeros(2, dtype=torch.int32),
+                                                                        torch.ones(2, dtype=torch.int64), torch.ones(2, dtype=torch.int64)), 0.1)
+    with pytest.raises(KernelInputError, match="block_tables"):
+        cpu_decode.paged_attention(q, k, v, TABLES.long(), _rows([(0, 1, 1, [0])] * 2), 0.1)
