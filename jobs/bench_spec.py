@@ -85,7 +85,6 @@ def plain_run(target, tok, tcfg: TargetConfig, prompts: list, params: SamplingPa
         engine = LLMEngine(target, tok, EngineConfig(target=tcfg, max_num_seqs=batch, profile_steps=True))
         token_prompts = [engine._tokenize(m) for m in prompts]
         outs, seconds = _timed_generate(engine, token_prompts, params)
-        engine.threads.restore()
     finally:
         target.set_aux_layers(aux_ids)
     return token_prompts, outs, seconds, engine
@@ -96,7 +95,6 @@ def spec_run(target, draft, tok, tcfg: TargetConfig, dcfg: DraftConfig, token_pr
     """Speculative decoding of the same token prompts, compared with the plain run (outputs and speed)."""
     engine = LLMEngine(target, tok, EngineConfig(target=tcfg, draft=dcfg, max_num_seqs=batch, profile_steps=True), draft)
     spec, t_spec = _timed_generate(engine, token_prompts, params)
-    engine.threads.restore()
     stats = engine.metrics.spec
     n_plain, n_spec = sum(len(o.token_ids) for o in plain), sum(len(o.token_ids) for o in spec)
     return {
@@ -110,6 +108,7 @@ def spec_run(target, draft, tok, tcfg: TargetConfig, dcfg: DraftConfig, token_pr
         "spec_profile": engine.prof.table(),
         "policy": engine.policy.snapshot(),
         "spec_steps": engine.metrics.speculative.steps, "plain_steps_in_spec_run": engine.metrics.plain.steps,
+        "spec_decode_tokens_per_s": round(engine.metrics.speculative.tokens_per_s, 3),
     }
 
 
@@ -124,22 +123,23 @@ def compare_engines(target, draft, tok, tcfg: TargetConfig, dcfg: DraftConfig, p
 
 
 def decode_speedups(result: dict, plain_steps, batch: int, dcfg: DraftConfig) -> dict:
-    """Measured decode-only speedup and the cost model's prediction, τ * t_plain / (t_verify + k * t_draft),
-    from the spec run's measured verify and draft costs and the plain run's decode step time."""
-    spec_prof = result["spec_profile"].get("spec", {})
-    if not spec_prof or not plain_steps.steps:
-        return {"decode_speedup": None, "predicted_speedup": None}
-    t_plain = plain_steps.seconds / plain_steps.steps
-    steps = sum(r["steps"] for r in spec_prof.values())
-    t_spec = sum(r["step_ms"] * r["steps"] for r in spec_prof.values()) / steps / 1e3
-    tokens_per_step = result["spec"]["tokens"] / max(result["spec_steps"] + result["plain_steps_in_spec_run"], 1)
-    buckets = result["policy"]["buckets"]
-    costs = [b for b in buckets.values() if b["verify_ms"] is not None and b["draft_ms"] is not None]
-    k = 1 if dcfg.tree is not None else dcfg.num_speculative_tokens
-    t_model = None if not costs else (costs[-1]["verify_ms"] + k * costs[-1]["draft_ms"]) / 1e3
-    return {"plain_step_ms": round(t_plain * 1e3, 3), "spec_step_ms": round(t_spec * 1e3, 3),
-            "decode_speedup": round(tokens_per_step * t_plain / t_spec, 3) if not result["plain_steps_in_spec_run"] else None,
-            "predicted_speedup": None if t_model is None else round(result["tau"] * t_plain / t_model, 3)}
+    """Decode-only speedup (speculative vs plain decode steps, tokens/s) and the cost model's prediction at
+    ``batch``: τ * t_plain(B) / (t_verify(B) + k * t_draft(B)), with t_plain from the plain run's steps of
+    ``batch`` sequences and t_verify, t_draft the spec run's measured costs (its policy, bucket of ``batch``)."""
+    from eagleray.serve.engine.policy import bucket
+
+    measured = None
+    if plain_steps.tokens and result["spec_decode_tokens_per_s"]:
+        measured = round(result["spec_decode_tokens_per_s"] / plain_steps.tokens_per_s, 3)
+    plain_row = result["plain_profile"].get("plain", {}).get(batch)
+    costs = result["policy"]["buckets"].get(bucket(batch))
+    predicted = None
+    if plain_row and costs and costs["verify_ms"] is not None and costs["draft_ms"] is not None:
+        k = 1 if dcfg.tree is not None else dcfg.num_speculative_tokens
+        predicted = round(result["tau"] * plain_row["step_ms"] / (costs["verify_ms"] + k * costs["draft_ms"]), 3)
+    spec_row = result["spec_profile"].get("spec", {}).get(batch)
+    return {"plain_step_ms": plain_row["step_ms"] if plain_row else None, "spec_step_ms": spec_row["step_ms"] if spec_row else None,
+            "decode_speedup": measured, "predicted_speedup": predicted}
 
 
 def measure_args(args) -> dict:
@@ -229,8 +229,10 @@ def print_table(r: dict) -> None:
         print(f"{name:<26}{tps:>10.2f}{rel:>10}{tau:>7}{lossless:>10}")
     print(f"acceptance per position: {r['acceptance_per_pos']}  ({r['num_prompts']} prompts from {r['prompts']}, "
           f"max_tokens={r['max_tokens']}, T={r['temperature']}, {r['device']}, {r['dtype']})")
-    print(f"decode step: plain {r.get('plain_step_ms')} ms, spec {r.get('spec_step_ms')} ms; decode speedup measured "
-          f"{r.get('decode_speedup')}, predicted {r.get('predicted_speedup')}; adaptive: {r.get('policy', {}).get('buckets')}")
+    print(f"decode step at batch {r['batch']}: plain {r.get('plain_step_ms')} ms, spec {r.get('spec_step_ms')} ms; "
+          f"decode speedup measured {r.get('decode_speedup')}, predicted {r.get('predicted_speedup')}")
+    chosen = {b: c["k"] for b, c in r.get("policy", {}).get("buckets", {}).items()}
+    print(f"adaptive k by batch bucket: {chosen}  (spec steps {r.get('spec_steps')}, plain steps {r.get('plain_steps_in_spec_run')})")
     print_profile(r)
 
 

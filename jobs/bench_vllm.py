@@ -162,8 +162,6 @@ def run_vllm(args, token_prompts: list[list[int]], target_dir: Path, draft_dir: 
 
     max_model_len = max(map(len, token_prompts)) + args.max_tokens + args.k + 1
     set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op (cpu_worker.py init_device)
-    if args.threads:
-        torch.set_num_threads(args.threads)  # eagleray's CPU engine keeps torch at one thread while it decodes
     llm = None
     try:
         spec = None if draft_dir is None else {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": args.k}

@@ -143,6 +143,11 @@ def _check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
         raise KernelInputError("b", f"[{w.shape[0]}] fp32 contiguous", f"{tuple(b.shape)} {b.dtype}", "pass the layer's bias or None")
 
 
+def threads() -> int | None:
+    """The native kernels' thread count if one was set (:func:`set_threads`), else None."""
+    return _threads
+
+
 def set_threads(n: int | None) -> None:
     """Threads of the native kernel (the caller plus n-1 helpers); None follows torch.get_num_threads()."""
     global _threads

@@ -167,6 +167,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns an output (delta) for every request that advanced."""
+        with self.threads.stepping():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         with self.prof.phase("schedule"):
             k, batch = self._schedule()
         if batch is None:
@@ -296,9 +300,8 @@ class LLMEngine:
             self.target.move_kv(src, dst)
 
     def close(self) -> None:
-        """Release the target's tensor-parallel workers and give torch its threads back (idempotent)."""
+        """Release the target's tensor-parallel workers (idempotent; no-op for one rank)."""
         self.target.close()
-        self.threads.restore()
 
     # ----------------------------------------------------------------- offline API
     def generate(self, prompts: Iterable[Prompt], params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -328,25 +331,33 @@ def default_num_blocks(config: EngineConfig, target: LlamaModel, draft: Eagle3Dr
 
 
 class _CpuThreads:
-    """The CPU engine's threads, set once: with the native linear kernel, decode-sized steps run torch
-    ops on one thread and the kernel on all of them (two thread pools spinning on two cores stall
-    each other's barriers); prefill, whose large GEMMs MKL does best, gets torch's threads back."""
+    """The CPU engine's threads during a step: with the native kernels, decode-sized work runs torch's small
+    ops on one thread and the kernels on all of them (two pools spinning on two cores stall each other's
+    barriers); prefill's large GEMMs, which MKL does best, get torch's threads back. Outside a step the
+    process's settings are untouched."""
 
     def __init__(self, native: bool):
         self.native = native
-        self.count = torch.get_num_threads()
-        if native:
-            cpu_decode.set_threads(self.count)
-            torch.set_num_threads(1)
+        # an engine made inside another engine's step (a hot-swap smoke test) sees torch at one thread
+        self.count = cpu_decode.threads() or torch.get_num_threads()
 
-    def restore(self) -> None:
-        if self.native:
-            torch.set_num_threads(self.count)
-            self.native = False
+    @contextmanager
+    def stepping(self):
+        if not self.native:
+            yield
+            return
+        before, kernels = torch.get_num_threads(), cpu_decode.threads()
+        cpu_decode.set_threads(self.count)
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+            cpu_decode.set_threads(kernels)
 
     @contextmanager
     def for_gemm(self):
-        if not self.native or self.count == 1:
+        if not self.native or torch.get_num_threads() == self.count:
             yield
             return
         torch.set_num_threads(self.count)

@@ -14,8 +14,10 @@
   step is memory-bound) and t_draft (one draft forward) measured per batch-size bucket as moving
   averages. It speculates with the best k when that beats plain by ``margin``, else decodes plain
   and probes k_max now and then (the interval doubles after every probe that does not pay, up to
-  ``max_probe_interval``), so a draft that starts to pay is noticed and one that does not costs
-  about one step in ``max_probe_interval``. A tree drafts a fixed topology: k is 0 or the tree.
+  ``max_probe_interval``, and stretches by the bucket's cost ratio of a speculative to a plain step),
+  so a draft that starts to pay is noticed and one that does not costs about one step in
+  ``max_probe_interval``. Once the measured acceptance bounds every speedup below 1 + ``margin``, a
+  batch size not seen yet starts plain instead of being measured with speculative steps. A tree drafts a fixed topology: k is 0 or the tree.
 """
 
 from __future__ import annotations
@@ -107,19 +109,30 @@ class AdaptivePolicy:
         if not self.adaptive:
             return self.k_max
         c = self.costs.setdefault(bucket(batch), _Costs())
-        if c.spec_steps < 2:
-            return self.k_max  # measure speculation (and acceptance) first
-        if c.plain_steps < 2:
-            return 0
+        if c.spec_steps < 2 and not self._hopeless():
+            return self.k_max  # measure this bucket's speculation costs (and acceptance) first
+        if c.plain_steps < 2 or c.spec_steps < 2:
+            return self._plain_or_probe(c)
         k, speedup = self.best(batch)
         self.last_prediction = {"batch": batch, "k": k, "predicted_speedup": round(speedup, 4)}
         if k > 0:
             self._since_probe = 0
             self._set(k)
             return k
+        return self._plain_or_probe(c)
+
+    def _hopeless(self) -> bool:
+        """Measured acceptance so low that no batch size can gain: verifying costs at least a plain step,
+        so E(k_max) bounds the speedup. A new bucket then starts plain (and probes) instead of measuring."""
+        return any(self._measured) and self.expected_tokens(self.k_max) < 1 + self.margin
+
+    def _plain_or_probe(self, c: _Costs) -> int:
+        """A plain step, or a probe of k_max once the (cost-scaled, doubling) probe interval has passed."""
         self._set(0)
         self._since_probe += 1
-        if self._since_probe >= self._probe_interval:
+        # a probe where speculating costs r plain steps loses about r - 1 of them: probe r times less often
+        ratio = 1.0 if c.plain is None or c.verify is None or c.draft is None else max(1.0, (c.verify + c.draft * self.k_max) / c.plain)
+        if self._since_probe >= self._probe_interval * ratio:
             self._since_probe = 0
             self._probe_interval = min(self._probe_interval * 2, self.max_probe_interval)
             return self.k_max
@@ -165,12 +178,15 @@ class AdaptivePolicy:
         c.verify = self._ema(c.verify, verify_seconds)
         c.draft = self._ema(c.draft, draft_seconds / (k if self.can_lower_k else 1))
         c.spec_steps += 1
-        for i in range(min(k, self.k_max) if accepted else 0):
-            rate = sum(n > i for n in accepted) / len(accepted)
+        rates = [sum(n > i for n in accepted) / len(accepted) for i in range(min(k, self.k_max))] if accepted else []
+        for i, rate in enumerate(rates):
             self.accept[i] = self._ema(self.accept[i] if self._measured[i] else None, rate)
             self._measured[i] = True
-        if self.best(batch)[0] > 0:
-            self._probe_interval = self.min_probe_interval  # it pays again: probe eagerly next time it is off
+        step_pays = c.plain is not None and (1 + sum(rates)) * c.plain / (verify_seconds + draft_seconds) > 1 + self.margin
+        if step_pays or self.best(batch)[0] > 0:
+            self._probe_interval = self.min_probe_interval  # it pays (again): keep measuring it
+            if step_pays:
+                self._since_probe = self.max_probe_interval * 1000  # probe again at the next plain choice
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new

@@ -43,7 +43,7 @@ def server(tiny_target, drafts):
 
     cfg = ServingConfig.model_validate({
         "target": {"model": str(tiny_target), "device": "cpu", "max_model_len": CTX},
-        "draft": {"source": str(drafts["d1"]), "num_speculative_tokens": 3},
+        "draft": {"source": str(drafts["d1"]), "num_speculative_tokens": 3, "policy": {"adaptive": False}},  # the tests count drafts
         "model_name": "tiny", "api_key": KEY, "max_num_seqs": 8})
     url = start_local(cfg, num_cpus=2)
     yield url, cfg

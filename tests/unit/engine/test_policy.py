@@ -112,3 +112,30 @@ def test_disabled_policy_never_speculates():
 def test_not_adaptive_always_drafts_k_max():
     policy = AdaptivePolicy(k_max=3, adaptive=False)
     assert set(_drive(policy, 50)) == {3}
+
+
+def test_engine_with_an_untrained_draft_decodes_plain_and_stays_lossless(target, tokenizer, random_draft):
+    engine = make_engine(target, tokenizer, random_draft, k=3, policy={"adaptive": True}, plain_probe_interval=8)
+    plain = make_engine(target, tokenizer).generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain], "switching k per step keeps greedy output exact"
+    m = engine.metrics
+    assert m.plain.steps > 3 * m.speculative.steps, "τ = 1: the cost model predicts < 1x, so plain steps dominate"
+    snap = engine.policy.snapshot()
+    assert snap["acceptance_per_pos"][0] < 0.2 and all(b["k"] == 0 for b in snap["buckets"].values())
+    assert m.snapshot()["spec_decode_enabled"] == 0
+
+
+def test_a_hopeless_draft_does_not_measure_new_batch_sizes_with_speculative_steps():
+    policy = AdaptivePolicy(k_max=4, probe_interval=8, max_probe_interval=1024)
+    _drive(policy, 50, batch=1)  # learns: nothing is ever accepted
+    chosen = _drive(policy, 40, batch=8, verify=0.06, plain=0.012)  # a new bucket, compute-bound verification
+    assert sum(k > 0 for k in chosen) <= 1, f"{chosen}"
+
+
+def test_probes_are_rarer_where_speculating_costs_more():
+    cheap = AdaptivePolicy(k_max=4, probe_interval=8, max_probe_interval=8)
+    dear = AdaptivePolicy(k_max=4, probe_interval=8, max_probe_interval=8)
+    a = _drive(cheap, 400, plain=0.010, verify=0.011, draft=0.0005)
+    b = _drive(dear, 400, plain=0.010, verify=0.050, draft=0.005)
+    assert sum(k > 0 for k in b) * 3 < sum(k > 0 for k in a)
