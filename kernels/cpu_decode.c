@@ -36,6 +36,10 @@ static inline void store4(float* ym, const float* b, int64_t n0, __m512 a0, __m5
     ym[3] = _mm512_reduce_add_ps(a3) + (b ? b[n0 + 3] : 0.f);
 }
 // Four weight rows against the x rows; x rows in pairs (8 accumulators), each y[m, n] summed in one fixed order.
+#define PREFETCH_NEXT(k) do { const char* nx = (const char*)(w0 + 4 * K + (k)); \
+    _mm_prefetch(nx, _MM_HINT_T0); _mm_prefetch(nx + 4 * K, _MM_HINT_T0); \
+    _mm_prefetch(nx + 8 * K, _MM_HINT_T0); _mm_prefetch(nx + 12 * K, _MM_HINT_T0); } while (0)
+// (the next block's four rows, one line each per 16 floats consumed: DRAM latency hidden behind this block's FMAs)
 static void rows4(const float* w, const float* x, float* y, const float* b, int64_t n0, int64_t M, int64_t K, int64_t ldx, int64_t ldy) {
     const float* w0 = w + n0 * K; const float* w1 = w0 + K; const float* w2 = w1 + K; const float* w3 = w2 + K;
     int64_t kt = K & ~(int64_t)15;
@@ -46,6 +50,7 @@ static void rows4(const float* w, const float* x, float* y, const float* b, int6
         __m512 a[4][4];
         for (int i = 0; i < 4; i++) for (int r = 0; r < 4; r++) a[i][r] = _mm512_setzero_ps();
         for (int64_t k = 0; k < kt; k += 16) {
+            if (m == 0) PREFETCH_NEXT(k);
             __m512 wv[4] = {_mm512_loadu_ps(w0 + k), _mm512_loadu_ps(w1 + k), _mm512_loadu_ps(w2 + k), _mm512_loadu_ps(w3 + k)};
             for (int i = 0; i < 4; i++) {
                 __m512 xv = _mm512_loadu_ps(xa + i * ldx + k);
@@ -66,6 +71,7 @@ static void rows4(const float* w, const float* x, float* y, const float* b, int6
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
         __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps(), c2 = _mm512_setzero_ps(), c3 = _mm512_setzero_ps();
         for (int64_t k = 0; k < kt; k += 16) {
+            if (m == 0) PREFETCH_NEXT(k);
             __m512 wa = _mm512_loadu_ps(w0 + k), wb = _mm512_loadu_ps(w1 + k), wc = _mm512_loadu_ps(w2 + k), wd = _mm512_loadu_ps(w3 + k);
             __m512 xv = _mm512_loadu_ps(xa + k), xu = _mm512_loadu_ps(xb + k);
             a0 = _mm512_fmadd_ps(wa, xv, a0); a1 = _mm512_fmadd_ps(wb, xv, a1); a2 = _mm512_fmadd_ps(wc, xv, a2); a3 = _mm512_fmadd_ps(wd, xv, a3);
@@ -83,6 +89,7 @@ static void rows4(const float* w, const float* x, float* y, const float* b, int6
         const float* xa = x + m * ldx;
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
         for (int64_t k = 0; k < kt; k += 16) {
+            if (m == 0) PREFETCH_NEXT(k);
             __m512 xv = _mm512_loadu_ps(xa + k);
             FMA4(xv, a0, a1, a2, a3, k)
         }

@@ -17,7 +17,8 @@
   ``max_probe_interval``, and stretches by the bucket's cost ratio of a speculative to a plain step),
   so a draft that starts to pay is noticed and one that does not costs about one step in
   ``max_probe_interval``. Once the measured acceptance bounds every speedup below 1 + ``margin``, a
-  batch size not seen yet starts plain instead of being measured with speculative steps. A tree drafts a fixed topology: k is 0 or the tree.
+  batch size not seen yet starts plain instead of being measured with speculative steps, and probes
+  come only every ``max_probe_interval`` steps. A tree drafts a fixed topology: k is 0 or the tree.
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ class AdaptivePolicy:
         self._since_probe += 1
         # a probe where speculating costs r plain steps loses about r - 1 of them: probe r times less often
         ratio = 1.0 if c.plain is None or c.verify is None or c.draft is None else max(1.0, (c.verify + c.draft * self.k_max) / c.plain)
-        if self._since_probe >= self._probe_interval * ratio:
+        interval = self.max_probe_interval if self._hopeless() else self._probe_interval  # a draft never accepted: rarely
+        if self._since_probe >= interval * ratio:
             self._since_probe = 0
             self._probe_interval = min(self._probe_interval * 2, self.max_probe_interval)
             return self.k_max

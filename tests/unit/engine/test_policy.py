@@ -139,3 +139,11 @@ def test_probes_are_rarer_where_speculating_costs_more():
     a = _drive(cheap, 400, plain=0.010, verify=0.011, draft=0.0005)
     b = _drive(dear, 400, plain=0.010, verify=0.050, draft=0.005)
     assert sum(k > 0 for k in b) * 3 < sum(k > 0 for k in a)
+
+
+def test_a_hopeless_draft_is_probed_only_at_the_longest_interval():
+    policy = AdaptivePolicy(k_max=4, probe_interval=8, max_probe_interval=512)
+    _drive(policy, 20, batch=1)  # measured: nothing accepted
+    chosen = _drive(policy, 1000, batch=16, plain=0.08, verify=0.3, draft=0.1)
+    assert 1 <= sum(k > 0 for k in chosen) <= 2, "one probe per 512 steps (first one after 512)"
+    assert chosen[:450] == [0] * 450
