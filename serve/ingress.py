@@ -27,7 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eagleray.platform.config import StrictModel, parse_config
 from eagleray.platform.schemas import ServingConfig
-from eagleray.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from eagleray.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from eagleray.serve.request_body import parse_body
 from eagleray.serve.responses import SSE_DONE, Delta, ResponseBuilder, sse
 
 logger = logging.getLogger(__name__)

@@ -201,7 +201,8 @@ class LLMEngine:
         """Metrics, the adaptive policy's cost tables and the profiler, after a step."""
         n = len(batch.seqs)
         kind = "prefill" if batch.is_prefill else ("spec" if k else "plain")
-        getattr(self.metrics, {"prefill": "prefill", "spec": "speculative", "plain": "plain"}[kind]).add(emitted, seconds)
+        times = {"prefill": self.metrics.prefill, "spec": self.metrics.speculative, "plain": self.metrics.plain}[kind]
+        times.add(emitted, seconds)
         if kind == "plain" and self.spec is not None:
             self.policy.observe_plain(n, seconds)
         elif kind == "spec":

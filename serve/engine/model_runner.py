@@ -35,14 +35,21 @@ class ForwardBatch:
 
     @classmethod
     def of(cls, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: list[int], context_lens: list[int],
-           block_tables: list[list[int]], block_size: int, tree_masks: list[torch.Tensor | None] | None = None) -> "ForwardBatch":
-        """From token tensors already on the device: input_ids, positions [T] int64, sequence by sequence."""
+           block_tables: list[list[int]] | torch.Tensor, block_size: int,
+           tree_masks: list[torch.Tensor | None] | None = None) -> "ForwardBatch":
+        """From token tensors already on the device: input_ids, positions [T] int64, sequence by sequence;
+        ``block_tables`` as lists or as a :func:`block_table_tensor` made once for several forwards."""
         device = input_ids.device
-        width = max(max((len(b) for b in block_tables), default=0), 1)
-        table = torch.tensor([b + [-1] * (width - len(b)) for b in block_tables], dtype=torch.int32)  # [B, max_blocks]
-        attn = AttentionMetadata.build(query_lens, context_lens, table.to(device), block_size, tree_masks, device)
+        table = block_tables if isinstance(block_tables, torch.Tensor) else block_table_tensor(block_tables, device)
+        attn = AttentionMetadata.build(query_lens, context_lens, table, block_size, tree_masks, device)
         last = torch.tensor(query_lens, device=device).cumsum(0) - 1  # [B]
         return cls(input_ids, positions, attn, last)
+
+
+def block_table_tensor(block_tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Per-sequence block ids -> [B, max_blocks] int32 on ``device``, -1 padded."""
+    width = max(max((len(b) for b in block_tables), default=0), 1)
+    return torch.tensor([b + [-1] * (width - len(b)) for b in block_tables], dtype=torch.int32).to(device)
 
 
 class TargetRunner:

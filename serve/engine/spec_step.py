@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from eagleray.platform.guard import assert_aux_shape
-from eagleray.serve.engine.model_runner import DraftRunner, ForwardBatch, TargetRunner
+from eagleray.serve.engine.model_runner import DraftRunner, ForwardBatch, TargetRunner, block_table_tensor
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.sampling import filter_logits, scaled_probs
 from eagleray.serve.engine.sequence import Sequence
@@ -110,7 +110,8 @@ def draft_chain(ctx: SpecContext, seqs: list[Sequence], k: int, rows: RowParams)
     with ctx.prof.phase("draft_sample"):
         ids, q = sample_draft(logits, rows, seqs)
     all_ids, all_q = [ids], [q]
-    ones, tables = [1] * len(seqs), [s.block_table for s in seqs]
+    ones = [1] * len(seqs)
+    tables = block_table_tensor([s.block_table for s in seqs], ctx.draft.device)  # [B, max_blocks], once for the chain
     first = torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.int64, device=ctx.draft.device)  # [B]
     for j in range(1, k):
         with ctx.prof.phase("prepare"):
