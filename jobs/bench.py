@@ -5,7 +5,8 @@ verification kernels vs the PyTorch reference and vLLM). `train` (EAGLE-3 TTT tr
 throughput of a SmolLM2- and an 8B-shaped draft, jobs/bench_train.py). `vllm` (the same EAGLE-3 draft
 in eagleray and in vLLM on CPU, fp32, T=0: τ, acceptance per position, tokens/s and output agreement
 side by side, jobs/bench_vllm.py). `spec` (plain vs speculative decoding in eagleray's engine vs transformers,
-jobs/bench_spec.py). `scaling` (drafts trained on different amounts of data, one plain baseline, τ against
+jobs/bench_spec.py). `engine` (the engine on GPU: plain, speculative and adaptive per batch size, SmolLM2
+and 8B shapes, jobs/bench_engine.py). `scaling` (drafts trained on different amounts of data, one plain baseline, τ against
 data size as a table, JSON, PNG and an MLflow run, jobs/bench_scaling.py).
 """
 
@@ -17,6 +18,7 @@ import sys
 
 # suite name -> module with a `run(argv) -> dict` function
 SUITES = {"verify": "eagleray.kernels.bench_verify", "gpu": "eagleray.jobs.bench_gpu", "spec": "eagleray.jobs.bench_spec",
+          "engine": "eagleray.jobs.bench_engine",
           "train": "eagleray.jobs.bench_train", "vllm": "eagleray.jobs.bench_vllm",
           "scaling": "eagleray.jobs.bench_scaling"}
 

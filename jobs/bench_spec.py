@@ -50,7 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _timed_generate(engine: LLMEngine, prompts, params: SamplingParams) -> tuple[list, float]:
-    engine.generate(prompts[:1], params.model_copy(update={"max_tokens": 4}))  # warm-up
+    # warm-up: on CUDA a full batch, so the timed run's prefill shapes have their kernels chosen already
+    n = engine.config.max_num_seqs if engine.device.type == "cuda" else 1
+    engine.generate(prompts[:n], params.model_copy(update={"max_tokens": 4}))
     engine.metrics = type(engine.metrics)()  # counters (τ, acceptance) cover the timed run only
     engine.prof.reset()
     t0 = time.perf_counter()
@@ -77,12 +79,15 @@ def _draft_config(args) -> DraftConfig:
     return DraftConfig(source=args.draft, num_speculative_tokens=args.k, tree=tree, policy=PolicyConfig(adaptive=args.adaptive))
 
 
-def plain_run(target, tok, tcfg: TargetConfig, prompts: list, params: SamplingParams, batch: int = 1):
-    """Plain decoding of ``prompts`` (messages) -> (token prompts, outputs, seconds); the target captures nothing."""
+def plain_run(target, tok, tcfg: TargetConfig, prompts: list, params: SamplingParams, batch: int = 1,
+              profile: bool = True, kv_cache_gib: float = 1.0):
+    """Plain decoding of ``prompts`` (messages or token ids) -> (token prompts, outputs, seconds, engine);
+    the target captures nothing. ``profile``: time each step's phases (on CUDA a sync per phase)."""
     aux_ids = target.aux_layer_ids
     target.set_aux_layers([])
     try:
-        engine = LLMEngine(target, tok, EngineConfig(target=tcfg, max_num_seqs=batch, profile_steps=True))
+        engine = LLMEngine(target, tok, EngineConfig(target=tcfg, max_num_seqs=batch, profile_steps=profile,
+                                                     kv_cache_gib=kv_cache_gib))
         token_prompts = [engine._tokenize(m) for m in prompts]
         outs, seconds = _timed_generate(engine, token_prompts, params)
     finally:
@@ -91,9 +96,11 @@ def plain_run(target, tok, tcfg: TargetConfig, prompts: list, params: SamplingPa
 
 
 def spec_run(target, draft, tok, tcfg: TargetConfig, dcfg: DraftConfig, token_prompts: list, params: SamplingParams,
-             plain: list, t_plain: float, batch: int = 1) -> dict:
+             plain: list, t_plain: float, batch: int = 1, profile: bool = True, kv_cache_gib: float = 1.0) -> dict:
     """Speculative decoding of the same token prompts, compared with the plain run (outputs and speed)."""
-    engine = LLMEngine(target, tok, EngineConfig(target=tcfg, draft=dcfg, max_num_seqs=batch, profile_steps=True), draft)
+    engine = LLMEngine(target, tok, EngineConfig(target=tcfg, draft=dcfg, max_num_seqs=batch, profile_steps=profile,
+                                         kv_cache_gib=kv_cache_gib),
+                       draft)
     spec, t_spec = _timed_generate(engine, token_prompts, params)
     stats = engine.metrics.spec
     n_plain, n_spec = sum(len(o.token_ids) for o in plain), sum(len(o.token_ids) for o in spec)
@@ -109,6 +116,7 @@ def spec_run(target, draft, tok, tcfg: TargetConfig, dcfg: DraftConfig, token_pr
         "policy": engine.policy.snapshot(),
         "spec_steps": engine.metrics.speculative.steps, "plain_steps_in_spec_run": engine.metrics.plain.steps,
         "spec_decode_tokens_per_s": round(engine.metrics.speculative.tokens_per_s, 3),
+        "spec_step_ms": round(1e3 * engine.metrics.speculative.seconds / max(engine.metrics.speculative.steps, 1), 4),
     }
 
 

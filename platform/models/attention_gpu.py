@@ -43,6 +43,7 @@ class DecodeMetadata:
     slot_mapping: torch.Tensor  # [B] int64 cache slot of each new token
     block_size: int
     use_triton: bool = False
+    split_tokens: int | None = None  # fixed split-K length (a multiple of the tile): batch-invariant attention
 
     @property
     def num_tokens(self) -> int:
@@ -64,7 +65,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """q [B, Hq, D] over one layer's paged cache [num_blocks, block_size, Hkv, D] -> [B, Hq, D]."""
     if meta.use_triton:
-        return decode_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window)
+        return decode_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window,
+                                       split_tokens=meta.split_tokens)
     return decode_attention_torch(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window)
 
 
@@ -86,9 +88,17 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return o.squeeze(2)
 
 
-def split_plan(max_len: int, batch: int, kv_heads: int, tile: int) -> tuple[int, int]:
-    """(tiles_per_split, splits) so that B * Hkv * splits is about :data:`SPLIT_TARGET_PROGRAMS`."""
+def split_plan(max_len: int, batch: int, kv_heads: int, tile: int, split_tokens: int | None = None) -> tuple[int, int]:
+    """(tiles_per_split, splits) so that B * Hkv * splits is about :data:`SPLIT_TARGET_PROGRAMS`.
+
+    With ``split_tokens`` every split covers that many tokens whatever the batch: a row's online
+    softmax then runs over the same ranges and merges in the same order alone or in any batch."""
     tiles = max(1, -(-max_len // tile))
+    if split_tokens is not None:
+        if split_tokens % tile or split_tokens <= 0:
+            raise EaglerayError(f"split_tokens={split_tokens} must be a positive multiple of the tile {tile}")
+        per_split = split_tokens // tile
+        return per_split, -(-tiles // per_split)
     want = max(1, min(tiles, -(-SPLIT_TARGET_PROGRAMS // max(1, batch * kv_heads))))
     per_split = -(-tiles // want)
     return per_split, -(-tiles // per_split)
@@ -185,13 +195,13 @@ def _check_triton_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                            tile: int = 64) -> torch.Tensor:
+                            tile: int = 64, split_tokens: int | None = None) -> torch.Tensor:
     """Split-K paged decode attention: q [B, Hq, D] -> [B, Hq, D]; reads only valid tokens."""
     _check_triton_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     b, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    per_split, splits = split_plan(block_tables.shape[1] * bs, b, hkv, tile)
+    per_split, splits = split_plan(block_tables.shape[1] * bs, b, hkv, tile, split_tokens)
     part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)  # [B, Hq, S, D]
     lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)  # [B, Hq, S]
     _decode_split_kernel[(b, hkv, splits)](

@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from eagleray.kernels import cpu_decode
+from eagleray.kernels.invariant_linear import invariant_linear
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.attention import KVCache
 from eagleray.platform.models.attention_gpu import DecodeMetadata, decode_attention
@@ -38,6 +40,11 @@ from eagleray.platform.models.decode_ops import add_rmsnorm, rope_write_kv, silu
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 Step = tuple[torch.Tensor, torch.Tensor | None]  # logits [B, V], aux [B, n_aux*H] or None
+
+
+def _fused(done, linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fused (weight, bias) of ``linears``: a :class:`FusedLinear` already made for inference, or a new one."""
+    return (done.weight, done.bias) if done is not None else _fuse(linears)
 
 
 def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -58,20 +65,29 @@ def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 class FusedDecodeStep:
-    """The model's decode forward in few launches; call as ``step(ids, positions, meta, kv)``."""
+    """The model's decode forward in few launches; call as ``step(ids, positions, meta, kv)``.
 
-    def __init__(self, model, use_triton: bool, use_gemv: bool | None = None):
+    ``invariant``: every product through :func:`~eagleray.kernels.invariant_linear.invariant_linear`
+    (the native kernel on CPU), never cuBLAS or the batch-1 GEMVs, so a row's logits are bitwise the
+    same at any batch size and beside any number of verified tokens (lossless speculation in bf16).
+    """
+
+    def __init__(self, model, use_triton: bool, use_gemv: bool | None = None, invariant: bool = False):
         arch = model.arch
         if arch.qk_norm:
             raise EaglerayError(f"the fused decode step does not implement q/k norms ({arch.model_type})\n"
                                 f"    fix: DecodeGraphRunner(..., fused=False) uses the model's own layers")
-        self.model, self.use_triton, self.eps = model, use_triton, arch.rms_norm_eps
+        if invariant and model.tp.world != 1:
+            raise EaglerayError("the batch-invariant decode step runs on one rank (its products are not all-reduced)\n"
+                                "    fix: invariant=False for a tensor-parallel target")
+        self.model, self.use_triton, self.eps, self.invariant = model, use_triton, arch.rms_norm_eps, invariant
         # batch 1: Triton GEMVs with the element-wise ops folded in (one rank only: no all-reduce there)
-        self.use_gemv = (use_triton if use_gemv is None else use_gemv) and model.tp.world == 1
+        self.use_gemv = (use_triton if use_gemv is None else use_gemv) and model.tp.world == 1 and not invariant
         fused = getattr(model, "_decode_fused", None)  # fuse once per model; later steps share it
         if fused is None:
-            fused = ([_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in model.layers],
-                     [_fuse([l.mlp.gate_proj, l.mlp.up_proj]) for l in model.layers])
+            fused = ([_fused(l.self_attn.qkv, [l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj])
+                      for l in model.layers],
+                     [_fused(l.mlp.gate_up, [l.mlp.gate_proj, l.mlp.up_proj]) for l in model.layers])
             model._decode_fused = fused
         self.qkv, self.gate_up = fused
         attn = model.layers[0].self_attn
@@ -90,17 +106,29 @@ class FusedDecodeStep:
             x, h = add_rmsnorm(h, delta, layer.input_layernorm.weight, self.eps, ut)  # [B, H] x2
             if i in wanted:
                 aux.append(h)
-            qkv = F.linear(x, *self.qkv[i])  # [B, (Hq+2Hkv)*D]
+            qkv = self._linear(x, *self.qkv[i])  # [B, (Hq+2Hkv)*D]
             q = rope_write_kv(qkv, positions, self.inv_freq, kv.k[i], kv.v[i], meta.slot_mapping,
                               self.hq, self.hkv, ut)  # [B, Hq, D]
             o = decode_attention(q, kv.k[i], kv.v[i], meta, self.scale, self.window)  # [B, Hq, D]
-            delta = layer.self_attn.o_proj(o.reshape(b, -1))  # [B, H]
+            delta = self._proj(layer.self_attn.o_proj, o.reshape(b, -1))  # [B, H]
             x, h = add_rmsnorm(h, delta, layer.post_attention_layernorm.weight, self.eps, ut)
-            delta = layer.mlp.down_proj(silu_mul(F.linear(x, *self.gate_up[i]), ut))  # [B, H]
+            delta = self._proj(layer.mlp.down_proj, silu_mul(self._linear(x, *self.gate_up[i]), ut))  # [B, H]
         x, h = add_rmsnorm(h, delta, m.norm.weight, self.eps, ut)
         if m.arch.num_layers in wanted:
             aux.append(h)
-        return m.compute_logits(x), (torch.cat(aux, dim=-1) if aux else None)
+        logits = self._linear(x, m.lm_head.weight)[:, :m.arch.vocab_size] if self.invariant else m.compute_logits(x)
+        return logits, (torch.cat(aux, dim=-1) if aux else None)
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, K] @ weight [N, K].T: batch-invariant when asked (Triton on GPU, the native kernel on CPU)."""
+        if not self.invariant:
+            return F.linear(x, weight, bias)
+        if self.use_triton:
+            return invariant_linear(x.contiguous(), weight, bias)
+        return cpu_decode.dispatch(x.contiguous(), weight, bias)
+
+    def _proj(self, linear, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(x, linear.weight, linear.bias) if self.invariant else linear(x)
 
 
     def _gemv_step(self, ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata, kv: KVCache) -> Step:
@@ -126,75 +154,47 @@ class FusedDecodeStep:
         return logits[:, :m.arch.vocab_size], (torch.cat(aux, dim=-1) if aux else None)
 
 
-class DecodeGraphRunner:
-    """Static-buffer decode for batches up to ``max(buckets)``; CUDA graphs per bucket on CUDA."""
+class RowGraphs:
+    """Fixed-shape row buffers for batches up to ``max(buckets)`` rows, and one CUDA graph per bucket.
 
-    def __init__(self, model, kv_cache: KVCache, max_blocks_per_seq: int, *, buckets=BUCKETS,
-                 fused: bool | None = None, use_triton: bool | None = None, use_graphs: bool | None = None,
-                 pad_slot: int | None = None, use_gemv: bool | None = None):
-        dev = kv_cache.k.device
-        cuda = dev.type == "cuda"
-        self.model, self.kv, self.buckets = model, kv_cache, tuple(sorted(buckets))
-        self.use_triton = cuda if use_triton is None else use_triton
-        self.use_graphs = cuda if use_graphs is None else use_graphs
-        if self.use_graphs and not cuda:
+    A *row* is one query token attending to its sequence's cache up to and including itself. ``load``
+    copies a batch into the buffers and pads it to its bucket (padding rows write their K/V to
+    ``pad_slot``); ``replay`` runs ``forward(bucket)`` - captured once per (key, bucket) on CUDA,
+    lazily or by :meth:`capture` - and returns its static outputs.
+    """
+
+    def __init__(self, device: torch.device, buckets, max_blocks: int, block_size: int, pad_slot: int,
+                 use_graphs: bool, lazy: bool):
+        if use_graphs and device.type != "cuda":
             raise EaglerayError("CUDA graphs need the KV cache on a CUDA device\n    fix: use_graphs=False on CPU")
-        fused = (not model.arch.qk_norm) if fused is None else fused
-        self.step = FusedDecodeStep(model, self.use_triton, use_gemv) if fused else self._generic_step
-        self.block_size = kv_cache.block_size
-        self.pad_slot = kv_cache.num_blocks * self.block_size - 1 if pad_slot is None else int(pad_slot)
-        bmax, self.max_blocks = self.buckets[-1], int(max_blocks_per_seq)
-        self.input_ids = torch.zeros(bmax, dtype=torch.int64, device=dev)  # [Bmax]
-        self.positions = torch.zeros(bmax, dtype=torch.int64, device=dev)  # [Bmax]
-        self.block_tables = torch.full((bmax, self.max_blocks), -1, dtype=torch.int32, device=dev)  # [Bmax, MB]
-        self.seq_lens = torch.ones(bmax, dtype=torch.int32, device=dev)  # [Bmax]
-        self.slot_mapping = torch.full((bmax,), self.pad_slot, dtype=torch.int64, device=dev)  # [Bmax]
-        self.block_tables[:, 0] = self.pad_slot // self.block_size
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, Step] = {}
-
-    def _generic_step(self, ids, positions, meta, kv) -> Step:
-        hidden, aux = self.model(ids, positions, meta, kv)  # [B, H], [B, A] | None
-        return self.model.compute_logits(hidden), aux
-
-    def _forward(self, b: int) -> Step:
-        """The step on the first ``b`` rows of the static buffers."""
-        meta = DecodeMetadata(self.block_tables[:b], self.seq_lens[:b], self.slot_mapping[:b], self.block_size,
-                              self.use_triton)
-        return self.step(self.input_ids[:b], self.positions[:b], meta, self.kv)
+        self.buckets, self.max_blocks, self.block_size = tuple(sorted(buckets)), int(max_blocks), block_size
+        self.pad_slot, self.use_graphs, self.lazy = int(pad_slot), use_graphs, lazy
+        bmax = self.buckets[-1]
+        self.input_ids = torch.zeros(bmax, dtype=torch.int64, device=device)  # [Bmax]
+        self.positions = torch.zeros(bmax, dtype=torch.int64, device=device)  # [Bmax]
+        self.block_tables = torch.full((bmax, self.max_blocks), -1, dtype=torch.int32, device=device)  # [Bmax, MB]
+        self.seq_lens = torch.ones(bmax, dtype=torch.int32, device=device)  # [Bmax]
+        self.slot_mapping = torch.full((bmax,), self.pad_slot, dtype=torch.int64, device=device)  # [Bmax]
+        self.block_tables[:, 0] = self.pad_slot // block_size
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple, object] = {}
+        self._pool = None
 
     def bucket_for(self, b: int) -> int:
         for size in self.buckets:
             if size >= b:
                 return size
-        raise EaglerayError(f"decode batch of {b} sequences exceeds the largest bucket {self.buckets[-1]}\n"
+        raise EaglerayError(f"decode batch of {b} rows exceeds the largest bucket {self.buckets[-1]}\n"
                             f"    fix: split the batch, or build the runner with larger buckets")
 
-    @torch.inference_mode()
-    def capture(self, buckets=None) -> None:
-        """Warm up and capture one graph per bucket (largest first, one shared memory pool)."""
-        if not self.use_graphs:
-            return
-        pool = torch.cuda.graph_pool_handle()
-        for b in sorted(buckets or self.buckets, reverse=True):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):  # compile Triton kernels, pick cuBLAS algorithms
-                    self._forward(b)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self._forward(b)
-            self.graphs[b] = graph
+    def meta(self, b: int, use_triton: bool, split_tokens: int | None) -> DecodeMetadata:
+        return DecodeMetadata(self.block_tables[:b], self.seq_lens[:b], self.slot_mapping[:b], self.block_size,
+                              use_triton, split_tokens)
 
-    @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-            seq_lens: torch.Tensor, slot_mapping: torch.Tensor) -> Step:
-        """ids, positions [B], block_tables [B, nb<=max_blocks], seq_lens (incl. the new token), slots [B].
-
-        Returns views of static outputs (valid until the next ``run``): logits [B, V], aux or None.
-        """
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+             seq_lens: torch.Tensor, slot_mapping: torch.Tensor) -> int:
+        """ids, positions [B], block_tables [B, nb<=max_blocks], seq_lens (incl. the row's token), slots [B]
+        -> the bucket the batch runs in."""
         b, nb = input_ids.shape[0], block_tables.shape[1]
         if nb > self.max_blocks:
             raise EaglerayError(f"block table of {nb} blocks exceeds max_blocks_per_seq={self.max_blocks}\n"
@@ -211,9 +211,153 @@ class DecodeGraphRunner:
             self.seq_lens[b:bucket] = 1
             self.slot_mapping[b:bucket] = self.pad_slot
             self.block_tables[b:bucket, 0] = self.pad_slot // self.block_size
-        if bucket in self.graphs:
-            self.graphs[bucket].replay()
-            logits, aux = self.outputs[bucket]
-        else:
-            logits, aux = self._forward(bucket)
+        return bucket
+
+    def replay(self, key, bucket: int, forward):
+        """``forward(bucket)``'s outputs: from the (key, bucket) graph on CUDA, else run eagerly."""
+        if self.use_graphs and self.lazy and (key, bucket) not in self.graphs:
+            self.capture(key, [bucket], forward)
+        graph = self.graphs.get((key, bucket))
+        if graph is None:
+            return forward(bucket)
+        graph.replay()
+        return self.outputs[(key, bucket)]
+
+    @torch.inference_mode()
+    def capture(self, key, buckets, forward) -> None:
+        """Warm up and capture one graph per bucket (largest first, one shared memory pool)."""
+        if not self.use_graphs:
+            return
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        for b in sorted(buckets, reverse=True):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compile Triton kernels, pick cuBLAS algorithms
+                    forward(b)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self.outputs[(key, b)] = forward(b)
+            self.graphs[(key, b)] = graph
+
+    def reset(self) -> None:
+        """Drop every captured graph (the next replay captures again)."""
+        self.graphs.clear()
+        self.outputs.clear()
+
+
+class DecodeGraphRunner:
+    """The target's decode step over :class:`RowGraphs` (CUDA graphs per bucket on CUDA).
+
+    Rows score a plain decode batch (one row per sequence) and a chain verification (k+1 rows per
+    sequence, each with its own length: every row's K/V is written before any row attends).
+    ``invariant`` makes a row's result independent of the other rows (see :class:`FusedDecodeStep`);
+    with ``lazy`` a bucket's graph is captured the first time a batch needs it. A change of the
+    model's aux layers drops the graphs (they captured the old ones).
+    """
+
+    SPLIT_TOKENS = 256  # attention split length of the batch-invariant step
+
+    def __init__(self, model, kv_cache: KVCache, max_blocks_per_seq: int, *, buckets=BUCKETS,
+                 fused: bool | None = None, use_triton: bool | None = None, use_graphs: bool | None = None,
+                 pad_slot: int | None = None, use_gemv: bool | None = None, invariant: bool = False,
+                 lazy: bool = False):
+        dev = kv_cache.k.device
+        cuda = dev.type == "cuda"
+        self.model, self.kv = model, kv_cache
+        self.use_triton = cuda if use_triton is None else use_triton
+        fused = (not model.arch.qk_norm) if fused is None else fused
+        if invariant and not fused:
+            raise EaglerayError("the batch-invariant step is the fused one\n    fix: fused=True (not for q/k-norm models)")
+        self.step = FusedDecodeStep(model, self.use_triton, use_gemv, invariant) if fused else self._generic_step
+        self.split_tokens = self.SPLIT_TOKENS if invariant else None
+        pad = kv_cache.num_blocks * kv_cache.block_size - 1 if pad_slot is None else int(pad_slot)
+        self.rows = RowGraphs(dev, buckets, max_blocks_per_seq, kv_cache.block_size, pad,
+                              cuda if use_graphs is None else use_graphs, lazy)
+        self.buckets, self.pad_slot, self.max_blocks = self.rows.buckets, pad, self.rows.max_blocks
+        self._aux_key = tuple(model.aux_layer_ids)
+
+    @property
+    def graphs(self) -> dict:
+        return self.rows.graphs
+
+    def _generic_step(self, ids, positions, meta, kv) -> Step:
+        hidden, aux = self.model(ids, positions, meta, kv)  # [B, H], [B, A] | None
+        return self.model.compute_logits(hidden), aux
+
+    def _forward(self, b: int) -> Step:
+        """The step on the first ``b`` rows of the static buffers."""
+        r = self.rows
+        return self.step(r.input_ids[:b], r.positions[:b], r.meta(b, self.use_triton, self.split_tokens), self.kv)
+
+    def bucket_for(self, b: int) -> int:
+        return self.rows.bucket_for(b)
+
+    def capture(self, buckets=None) -> None:
+        self.rows.capture(self._aux_key, buckets or self.rows.buckets, self._forward)
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+            seq_lens: torch.Tensor, slot_mapping: torch.Tensor) -> Step:
+        """ids, positions [B], block_tables [B, nb<=max_blocks], seq_lens (incl. the new token), slots [B].
+
+        Returns views of static outputs (valid until the next ``run``): logits [B, V], aux or None.
+        """
+        b = input_ids.shape[0]
+        if tuple(self.model.aux_layer_ids) != self._aux_key:
+            self.rows.reset()
+            self._aux_key = tuple(self.model.aux_layer_ids)
+        bucket = self.rows.load(input_ids, positions, block_tables, seq_lens, slot_mapping)
+        logits, aux = self.rows.replay(self._aux_key, bucket, self._forward)
         return logits[:b], (None if aux is None else aux[:b])
+
+
+class DraftGraphRunner:
+    """The EAGLE-3 draft's forward over :class:`RowGraphs`: catch-up rows fed target aux states
+    (``from_aux``) and chain rows fed the draft's own hidden state, each with CUDA graphs per bucket.
+
+    Returns the draft logits and next hidden state of every row (static views).
+    """
+
+    def __init__(self, draft, kv_cache: KVCache, max_rows: int, max_blocks_per_seq: int, buckets,
+                 use_graphs: bool | None = None, lazy: bool = True):
+        dev = kv_cache.k.device
+        cuda = dev.type == "cuda"
+        self.draft, self.kv = draft, kv_cache
+        self.use_triton = cuda
+        pad = kv_cache.num_blocks * kv_cache.block_size - 1
+        self.rows = RowGraphs(dev, buckets, max_blocks_per_seq, kv_cache.block_size, pad,
+                              cuda if use_graphs is None else use_graphs, lazy)
+        bmax, dt = self.rows.buckets[-1], draft.arch.dtype
+        self.aux_in = torch.zeros(bmax, draft.fc_in, dtype=dt, device=dev)  # [Rmax, n_aux*H_t]
+        self.hidden_in = torch.zeros(bmax, draft.arch.hidden_size, dtype=dt, device=dev)  # [Rmax, H]
+
+    def _forward(self, from_aux: bool):
+        def forward(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+            r = self.rows
+            h = self.draft.combine_hidden_states(self.aux_in[:b]) if from_aux else self.hidden_in[:b]  # [b, H]
+            normed, hidden = self.draft(r.input_ids[:b], r.positions[:b], h, r.meta(b, self.use_triton, None), self.kv)
+            return self.draft.compute_logits(normed), hidden  # [b, Vd], [b, H]
+        return forward
+
+    def capture(self) -> None:
+        """Capture every bucket of both row kinds (catch-up from aux, chain from hidden) now."""
+        for from_aux in (True, False):
+            self.rows.capture(from_aux, self.rows.buckets, self._forward(from_aux))
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+            seq_lens: torch.Tensor, slot_mapping: torch.Tensor, hidden: torch.Tensor,
+            from_aux: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows as :meth:`RowGraphs.load`, hidden [R, n_aux*H_t] (from_aux) or [R, H]
+        -> logits [R, Vd], next hidden [R, H] (views valid until the next run)."""
+        b = input_ids.shape[0]
+        bucket = self.rows.load(input_ids, positions, block_tables, seq_lens, slot_mapping)
+        buf = self.aux_in if from_aux else self.hidden_in
+        buf[:b].copy_(hidden, non_blocking=True)
+        if bucket > b:
+            buf[b:bucket].zero_()
+        logits, nxt = self.rows.replay(from_aux, bucket, self._forward(from_aux))
+        return logits[:b], nxt[:b]

@@ -24,4 +24,6 @@ class EngineConfig(StrictModel):
     plain_probe_interval: int = Field(32, ge=2, description="Adaptive policy: while speculation does not pay, probe it after this many plain steps (the interval doubles after each probe that does not pay, up to 1024).")
     cpu_kernels: Literal["auto", "native", "torch"] = Field(
         "auto", description="CPU fp32 linear layers and paged attention of decode/verify/draft steps: the native AVX-512 kernels (kernels/cpu_decode.c) where it builds ('auto'), forced ('native'), or PyTorch/MKL ('torch').")
+    decode_path: Literal["auto", "rows", "varlen"] = Field(
+        "auto", description="How plain decode and chain verification run the target. 'rows': the batch-invariant fused step over fixed-shape row buffers, replayed from CUDA graphs on CUDA (lossless greedy speculation in bf16; on CPU the same step runs eagerly); 'varlen': the eager varlen forward; 'auto': rows on CUDA for one-rank targets without q/k norms, varlen elsewhere.")
     profile_steps: bool = Field(False, description="Time every phase of every step (bench spec turns it on; on CUDA it adds a sync per phase).")

@@ -21,7 +21,7 @@ from eagleray.platform.models.llama import LlamaModel
 from eagleray.serve.engine.block_manager import BlockManager
 from eagleray.serve.engine.config import EngineConfig
 from eagleray.serve.engine.metrics import EngineMetrics
-from eagleray.serve.engine.model_runner import DraftRunner, ForwardBatch, TargetRunner
+from eagleray.serve.engine.model_runner import DecodeRows, DraftRunner, ForwardBatch, TargetRunner, block_table_tensor
 from eagleray.serve.engine.outputs import Detokenizer, RequestOutput, make_output
 from eagleray.serve.engine.policy import AcceptanceWatchdog, AdaptivePolicy
 from eagleray.serve.engine.profile import StepProfiler
@@ -44,9 +44,18 @@ class LLMEngine:
         self.threads = _CpuThreads(self.linear_backend == "native")
         self.max_model_len = min(config.target.max_model_len or target.arch.max_positions or 4096, target.arch.max_positions or 1 << 30)
         nblocks = config.num_kv_blocks or default_num_blocks(config, target, draft, self.max_model_len)
+        dcfg = config.draft
+        self.tree = dcfg.tree if dcfg is not None else None
+        k_max = (self.tree.depth if self.tree is not None else dcfg.num_speculative_tokens) if dcfg is not None else 0
+        self.use_rows = use_rows(config, target, self.device)
         self.blocks = BlockManager(nblocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.target = TargetRunner(target, nblocks, config.block_size)
+        rows = config.max_num_seqs * (k_max + 1 if self.tree is None else 1) if self.use_rows else 0
+        max_blocks = self.blocks.blocks_for(self.max_model_len + self._lookahead(k_max))
+        # with graphs one more block, never handed out, takes the padding rows' K/V (the cache's last slot)
+        self.target = TargetRunner(target, nblocks + 1 if self.use_rows else nblocks, config.block_size, rows, max_blocks)
+        if self.use_rows:
+            self.target.rows.capture()  # CUDA: every bucket's graph now (a no-op on CPU)
         self.metrics = EngineMetrics()
         self.prof = StepProfiler(self.device, config.profile_steps)
         self.detok = Detokenizer(tokenizer)
@@ -60,9 +69,6 @@ class LLMEngine:
         self._draft_aux: list[int] = []  # the target layers the serving draft reads
         self._pending_rollback = False
         self._last_accepted: list[int] = []  # accepted drafts per sequence of the last speculative step
-        dcfg = config.draft
-        self.tree = dcfg.tree if dcfg is not None else None
-        k_max = (self.tree.depth if self.tree is not None else dcfg.num_speculative_tokens) if dcfg is not None else 0
         self.policy = AdaptivePolicy(k_max, dcfg.policy.adaptive if dcfg else False, config.plain_probe_interval,
                                      can_lower_k=self.tree is None)
         self.watchdog = AcceptanceWatchdog(dcfg.policy, self._on_low_acceptance) if dcfg else None
@@ -124,11 +130,19 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- drafts
     def _install_draft(self, draft: Eagle3Draft) -> None:
-        runner = DraftRunner(draft, self.blocks.num_blocks, self.blocks.block_size)
+        runner = DraftRunner(draft, self.target.kv.num_blocks, self.blocks.block_size, *self._draft_rows())
+        if runner.rows is not None:
+            runner.rows.capture()  # CUDA: every bucket's graph now, not inside the first requests' steps
         self._draft_aux = list(self.target.model.aux_layer_ids)
         self.spec = SpecContext(self.target, runner, ChainVerifier(self.config.verify_backend, draft.d2t, self.target.vocab_size),
                                 self.prof)
         self.metrics.speculation_enabled = True
+
+    def _draft_rows(self) -> tuple[int, int]:
+        """(max rows, max blocks) of the draft's row step: a chain's catch-up is at most k+1 rows a sequence."""
+        if not self.use_rows or self.tree is not None:
+            return 0, 0
+        return self.target.rows.buckets[-1], self.target.rows.max_blocks
 
     def swap_draft(self, draft: Eagle3Draft, aux_layer_ids: list[int] | None = None) -> None:
         """Hot-swap between steps: running sequences are recomputed so no draft state crosses the swap.
@@ -235,6 +249,8 @@ class LLMEngine:
             return [SeqResult([t], a, 0, 0) for t, a in zip(self._sample(seqs, logits), aux_parts)]
 
     def _plain(self, seqs: list[Sequence]) -> list[SeqResult]:
+        if self.use_rows:
+            return self._plain_rows(seqs)
         with self.prof.phase("prepare"):
             starts = [s.num_tokens - 1 for s in seqs]
             ids = torch.tensor([s.last_token for s in seqs], dtype=torch.int64, device=self.device)  # [B]
@@ -242,6 +258,19 @@ class LLMEngine:
                                     [s.block_table for s in seqs], self.blocks.block_size)
         with self.prof.phase("target"):
             logits, aux = self.target.forward(batch)  # [B, V], [B, A]
+        with self.prof.phase("sample"):
+            aux_rows = aux.split(1) if aux is not None else [None] * len(seqs)
+            return [SeqResult([t], a, 0, 0) for t, a in zip(self._sample(seqs, logits), aux_rows)]
+
+    def _plain_rows(self, seqs: list[Sequence]) -> list[SeqResult]:
+        """Plain decode on CUDA: one row per sequence through the target's graphs."""
+        with self.prof.phase("prepare"):
+            ids_pos = torch.tensor([[s.last_token for s in seqs], [s.num_tokens - 1 for s in seqs]],
+                                   dtype=torch.int64).to(self.device)  # [2, B]: one host -> device copy
+            tables = block_table_tensor([s.block_table for s in seqs], self.device)  # [B, MB]
+            rows = DecodeRows.of(ids_pos[0], ids_pos[1], tables, self.blocks.block_size)
+        with self.prof.phase("target"):
+            logits, aux = self.target.decode(rows)  # [B, V], [B, A]
         with self.prof.phase("sample"):
             aux_rows = aux.split(1) if aux is not None else [None] * len(seqs)
             return [SeqResult([t], a, 0, 0) for t, a in zip(self._sample(seqs, logits), aux_rows)]
@@ -318,6 +347,20 @@ class LLMEngine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
+
+
+def use_rows(config: EngineConfig, target: LlamaModel, device: torch.device) -> bool:
+    """Whether decode and verification run the fixed-shape row step (``engine.decode_path``)."""
+    if config.decode_path == "varlen" or (config.decode_path == "auto" and device.type != "cuda"):
+        return False
+    why = (f"the target has q/k norms ({target.arch.model_type})" if target.arch.qk_norm else
+           "the target is tensor-parallel" if target.tp.world != 1 else None)
+    if why is None:
+        return True
+    if config.decode_path == "rows":
+        raise EaglerayError(f"engine.decode_path='rows' but {why}\n    fix: set engine.decode_path to 'auto' or 'varlen'")
+    logger.info("engine: decode runs the eager varlen path (%s)", why)
+    return False
 
 
 def default_num_blocks(config: EngineConfig, target: LlamaModel, draft: Eagle3Draft | None, max_model_len: int) -> int:

@@ -2,6 +2,11 @@
 
 Both take a flat varlen batch described by :class:`ForwardBatch` and own their KV cache; the
 block ids are shared (the block manager hands out one table per sequence for both caches).
+
+On CUDA the target also scores :class:`DecodeRows` - plain decode (a row per sequence) and chain
+verification (k+1 rows per sequence) - through the batch-invariant fused step replayed from CUDA
+graphs (:class:`~eagleray.platform.models.graphs.DecodeGraphRunner`): one launch sequence per
+bucket, no host synchronisation, and a row's logits bitwise independent of the rows beside it.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import torch
 
 from eagleray.platform.models.attention import AttentionMetadata, KVCache
 from eagleray.platform.models.eagle3 import Eagle3Draft
+from eagleray.platform.models.graphs import DecodeGraphRunner, DraftGraphRunner
 from eagleray.platform.models.layers import fuse_for_inference
 from eagleray.platform.models.llama import LlamaModel
 
@@ -46,6 +52,36 @@ class ForwardBatch:
         return cls(input_ids, positions, attn, last)
 
 
+@dataclass
+class DecodeRows:
+    """R query rows on the device: row r is token ``input_ids[r]`` at ``positions[r]`` of the sequence
+    whose block table is ``block_tables[r]``; it attends to that sequence's positions 0..positions[r]."""
+
+    input_ids: torch.Tensor  # [R] int64
+    positions: torch.Tensor  # [R] int64
+    block_tables: torch.Tensor  # [R, MB] int32
+    seq_lens: torch.Tensor  # [R] int32 = positions + 1
+    slots: torch.Tensor  # [R] int64 cache slot of each row's token
+
+    @classmethod
+    def of(cls, input_ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, block_size: int,
+           row_seq: torch.Tensor | None = None) -> "DecodeRows":
+        """tables [B, MB]; ``row_seq`` [R] the sequence of each row (default: row r is sequence r)."""
+        rows = tables if row_seq is None else tables.index_select(0, row_seq)  # [R, MB]
+        block = rows.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1).to(torch.int64)  # [R]
+        slots = block * block_size + positions % block_size  # [R]
+        return cls(input_ids, positions, rows, (positions + 1).to(torch.int32), slots)
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    def column(self, j: int, n: int, input_ids: torch.Tensor) -> "DecodeRows":
+        """Rows laid out sequence-major, ``n`` a sequence: the j-th of each sequence, with ``input_ids`` [B]."""
+        pick = slice(j, None, n)
+        return DecodeRows(input_ids, self.positions[pick], self.block_tables[pick], self.seq_lens[pick], self.slots[pick])
+
+
 def block_table_tensor(block_tables: list[list[int]], device: torch.device) -> torch.Tensor:
     """Per-sequence block ids -> [B, max_blocks] int32 on ``device``, -1 padded."""
     width = max(max((len(b) for b in block_tables), default=0), 1)
@@ -53,9 +89,14 @@ def block_table_tensor(block_tables: list[list[int]], device: torch.device) -> t
 
 
 class TargetRunner:
-    """Runs the target decoder over a :class:`ForwardBatch`; captures aux states when asked."""
+    """Runs the target decoder over a :class:`ForwardBatch`; captures aux states when asked.
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
+    ``max_rows`` > 0 (CUDA, one rank): :meth:`decode` scores :class:`DecodeRows` through CUDA graphs
+    of the batch-invariant fused step, for up to ``max_rows`` rows of ``max_blocks`` blocks each; the
+    cache's last slot takes the padding rows' K/V, so the block manager must not hand out the last block.
+    """
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, max_rows: int = 0, max_blocks: int = 0):
         self.model = fuse_for_inference(model)
         self.block_size = block_size
         self.device = model.norm.weight.device
@@ -65,6 +106,16 @@ class TargetRunner:
         if self.workers is not None:
             self.runner_id = self.workers.new_runner_id()
             self.workers.call("kv", self.runner_id, num_blocks, block_size)
+        self.rows: DecodeGraphRunner | None = None
+        if max_rows > 0:
+            self.rows = DecodeGraphRunner(self.model, self.kv, max_blocks, buckets=row_buckets(max_rows),
+                                          invariant=True, lazy=True)
+
+    @torch.inference_mode()
+    def decode(self, rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> logits [R, V] fp32, aux [R, A] or None (views valid until the next call)."""
+        logits, aux = self.rows.run(rows.input_ids, rows.positions, rows.block_tables, rows.seq_lens, rows.slots)
+        return logits.float(), (None if aux is None else aux.clone())  # aux outlives the next replay
 
     @property
     def vocab_size(self) -> int:
@@ -93,13 +144,28 @@ class TargetRunner:
 
 
 class DraftRunner:
-    """Runs the EAGLE-3 draft layer; its one-layer cache uses the target's block ids."""
+    """Runs the EAGLE-3 draft layer; its one-layer cache uses the target's block ids.
 
-    def __init__(self, draft: Eagle3Draft, num_blocks: int, block_size: int):
+    ``max_rows`` > 0: :meth:`decode` runs :class:`DecodeRows` (catch-up and chain steps) through
+    CUDA graphs on CUDA; the cache's last slot takes the padding rows' K/V.
+    """
+
+    def __init__(self, draft: Eagle3Draft, num_blocks: int, block_size: int, max_rows: int = 0, max_blocks: int = 0):
         self.draft = fuse_for_inference(draft)
         self.block_size = block_size
         self.device = draft.norm.weight.device
         self.kv: KVCache = draft.make_kv_cache(num_blocks, block_size)
+        self.max_rows = max_rows
+        self.rows: DraftGraphRunner | None = None
+        if max_rows > 0:
+            self.rows = DraftGraphRunner(self.draft, self.kv, max_rows, max_blocks, row_buckets(max_rows))
+
+    @torch.inference_mode()
+    def decode(self, rows: DecodeRows, hidden: torch.Tensor, from_aux: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [R, n_aux*H_t] (from_aux) or [R, H] -> logits [R, Vd] in the draft's dtype (argmax needs no fp32
+        copy; sampling converts), next hidden [R, H] (views valid until the next call)."""
+        return self.rows.run(rows.input_ids, rows.positions, rows.block_tables, rows.seq_lens, rows.slots,
+                             hidden, from_aux)
 
     @property
     def num_aux(self) -> int:
@@ -121,6 +187,15 @@ class DraftRunner:
     @property
     def d2t(self) -> torch.Tensor:
         return self.draft.d2t
+
+
+def row_buckets(max_rows: int) -> tuple[int, ...]:
+    """Powers of two below ``max_rows``, then ``max_rows`` itself: the graph sizes a batch is padded to."""
+    sizes, b = [], 1
+    while b < max_rows:
+        sizes.append(b)
+        b *= 2
+    return tuple(sizes) + (max_rows,)
 
 
 def copy_slots(kv: KVCache, src: torch.Tensor, dst: torch.Tensor) -> None:

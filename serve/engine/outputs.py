@@ -25,18 +25,32 @@ class RequestOutput:
 
 
 class Detokenizer:
-    """Incremental text with stop-string detection (decodes the output so far; fine at these sizes)."""
+    """Incremental text with stop-string detection.
+
+    Each step decodes only a window: the tokens since the last emitted boundary (``prefix``) plus the
+    new ones, and appends what the new tokens add (the way vLLM and transformers' TextStreamer do), so
+    a step costs O(new tokens) instead of decoding the whole output again. Text of an incomplete
+    UTF-8 sequence (a trailing U+FFFD) is held back until it completes or the request finishes.
+    """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self._text: dict[int, str] = {}
+        self._state: dict[int, _DetokState] = {}
 
     def update(self, seq: Sequence) -> tuple[str, str]:
         """Returns (full_text, delta_text); finishes ``seq`` with reason 'stop' at a stop string."""
         if self.tokenizer is None:
             return "", ""
-        old = self._text.get(seq.seq_id, "")
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        st = self._state.setdefault(seq.seq_id, _DetokState())
+        old = st.text
+        ids = seq.output_token_ids
+        if st.stopped:
+            return old, ""
+        prefix = self._decode(ids[st.prefix:st.read])
+        window = self._decode(ids[st.prefix:])
+        if len(window) > len(prefix) and (not window.endswith("\ufffd") or seq.finish_reason):
+            st.text, st.prefix, st.read = old + window[len(prefix):], st.read, len(ids)
+        text = st.text
         if seq.params.stop and seq.stop_text_index is None:
             longest = max(len(s) for s in seq.params.stop)
             start = max(0, len(old) - longest)
@@ -45,15 +59,25 @@ class Detokenizer:
                 seq.stop_text_index = min(hits)
                 seq.finish_reason = "stop"
         if seq.stop_text_index is not None:
-            text = text[:seq.stop_text_index]
-        # Text of an incomplete UTF-8 sequence ends in U+FFFD; hold it back until it completes.
-        stable = text if seq.finish_reason else text.rstrip("\ufffd")
-        delta = stable[len(old):] if stable.startswith(old) else stable
-        self._text[seq.seq_id] = stable
-        return stable, delta
+            text = st.text = text[:seq.stop_text_index]
+            st.stopped = True
+        delta = text[len(old):] if text.startswith(old) else text
+        return text, delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
 
     def forget(self, seq: Sequence) -> None:
-        self._text.pop(seq.seq_id, None)
+        self._state.pop(seq.seq_id, None)
+
+
+class _DetokState:
+    """Emitted text and the window offsets of one sequence."""
+
+    __slots__ = ("text", "prefix", "read", "stopped")
+
+    def __init__(self):
+        self.text, self.prefix, self.read, self.stopped = "", 0, 0, False
 
 
 def make_output(seq: Sequence, delta: list[int], text: str, delta_text: str) -> RequestOutput:

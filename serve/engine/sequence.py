@@ -49,7 +49,7 @@ class SpecStats:
                 "mean_acceptance_length": round(self.mean_acceptance_length, 4)}
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a request is itself (list membership, removal)
 class Sequence:
     """One request being generated.
 

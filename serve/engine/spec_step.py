@@ -21,13 +21,34 @@ from dataclasses import dataclass
 import torch
 
 from eagleray.platform.guard import assert_aux_shape
-from eagleray.serve.engine.model_runner import DraftRunner, ForwardBatch, TargetRunner, block_table_tensor
+from eagleray.serve.engine.model_runner import DecodeRows, DraftRunner, ForwardBatch, TargetRunner, block_table_tensor
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.sampling import filter_logits, scaled_probs
 from eagleray.serve.engine.sequence import Sequence
 from eagleray.serve.engine.tree import DraftTree
 from eagleray.serve.engine.tree_draft import draft_tree
 from eagleray.serve.engine.verify import ChainVerifier
+
+
+class StepClock:
+    """Marks in the step's stream: CUDA events on CUDA (read after the step's one synchronisation, so GPU
+    time lands in the phase that queued it), ``perf_counter`` elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
 
 @dataclass
@@ -39,6 +60,18 @@ class SpecContext:
     aux_checked: bool = False
     draft_seconds: float = 0.0  # the last step's drafting (catch-up + chain or tree), for the adaptive policy
     verify_seconds: float = 0.0  # the last step's target forward + verification
+    clock: StepClock | None = None
+    lag_marks: tuple | None = None  # a catch-up over more than a step's positions (after plain steps), not drafting cost
+
+    def __post_init__(self):
+        self.clock = self.clock or StepClock(self.target.device)
+
+    def record_times(self, m0, m1, m2) -> None:
+        """Draft (m0..m1, less a long catch-up) and verify (m1..m2) seconds of the step just done."""
+        lag = self.clock.seconds(*self.lag_marks) if self.lag_marks is not None else 0.0
+        self.lag_marks = None
+        self.draft_seconds = max(self.clock.seconds(m0, m1) - lag, 0.0)
+        self.verify_seconds = self.clock.seconds(m1, m2)
 
 
 @dataclass
@@ -61,11 +94,11 @@ class RowParams:
 
     @classmethod
     def of(cls, seqs: list[Sequence], device) -> "RowParams":
-        def t(vals, dt):
-            return torch.tensor(vals, dtype=dt, device=device)
         seeds = [(s.seed * 1_000_003 + s.step * 7919 + len(s.output_token_ids)) % (1 << 62) for s in seqs]
-        return cls(t([s.params.temperature for s in seqs], torch.float32), t([s.params.top_k for s in seqs], torch.int64),
-                   t([s.params.top_p for s in seqs], torch.float32), t(seeds, torch.int64))
+        ints = torch.tensor([[s.params.top_k for s in seqs], seeds], dtype=torch.int64).to(device)  # [2, B]: one copy
+        floats = torch.tensor([[s.params.temperature for s in seqs], [s.params.top_p for s in seqs]],
+                              dtype=torch.float32).to(device)  # [2, B]
+        return cls(floats[0], ints[0], floats[1], ints[1])
 
 
 def _draft_batch(seqs: list[Sequence], tokens: list[list[int]], starts: list[int], runner, device,
@@ -75,21 +108,51 @@ def _draft_batch(seqs: list[Sequence], tokens: list[list[int]], starts: list[int
     return ForwardBatch.build(tokens, positions, ctx, [s.block_table for s in seqs], runner.block_size, device, tree_masks)
 
 
-def draft_catch_up(ctx: SpecContext, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Feed the draft every committed position it has not seen -> draft logits [B, Vd], hidden [B, H] at N-2."""
+def draft_catch_up(ctx: SpecContext, seqs: list[Sequence],
+                   tables: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed the draft every committed position it has not seen -> draft logits [B, Vd], hidden [B, H] at N-2.
+
+    ``tables`` [B, MB]: the block tables on the draft's device, for the row step (short catch-ups)."""
     with ctx.prof.phase("prepare"):
         tokens = [s.tokens[s.draft_cached + 1:s.num_tokens] for s in seqs]
         aux = torch.cat([s.take_aux() for s in seqs], dim=0)  # [T, n_aux*H_t]
         if not ctx.aux_checked:
             assert_aux_shape(aux, ctx.draft.num_aux, ctx.target.model.hidden_size)
             ctx.aux_checked = True
-        batch = _draft_batch(seqs, tokens, [s.draft_cached for s in seqs], ctx.draft, ctx.draft.device)
+        lens = [len(t) for t in tokens]
+        use_rows = tables is not None and sum(lens) <= ctx.draft.max_rows
+        lagging = max(lens) > ctx.draft.max_rows // max(len(seqs), 1) if tables is not None else max(lens) > 64
+        start = ctx.clock.mark() if lagging else None
+        if use_rows:
+            rows, last = _catch_up_rows(seqs, tokens, lens, tables, ctx.draft)
+        else:
+            batch = _draft_batch(seqs, tokens, [s.draft_cached for s in seqs], ctx.draft, ctx.draft.device)
+            last = batch.last_index
     with ctx.prof.phase("draft"):
-        normed, hidden = ctx.draft.forward(batch, aux.to(ctx.draft.device), from_aux=True)  # [T, H] each
-        logits = ctx.draft.logits(normed[batch.last_index])  # [B, Vd]
+        if use_rows:
+            logits, hidden = ctx.draft.decode(rows, aux.to(ctx.draft.device), from_aux=True)  # [T, Vd], [T, H]
+            logits, hidden = logits[last], hidden[last]  # [B, Vd], [B, H]
+        else:
+            normed, hidden = ctx.draft.forward(batch, aux.to(ctx.draft.device), from_aux=True)  # [T, H] each
+            logits, hidden = ctx.draft.logits(normed[last]), hidden[last]  # [B, Vd], [B, H]
     for s in seqs:
         s.draft_cached = s.num_tokens - 1
-    return logits, hidden[batch.last_index]
+    if lagging:
+        ctx.lag_marks = (start, ctx.clock.mark())
+    return logits, hidden
+
+
+def _catch_up_rows(seqs: list[Sequence], tokens: list[list[int]], lens: list[int], tables: torch.Tensor,
+                   runner: DraftRunner) -> tuple[DecodeRows, torch.Tensor]:
+    """Catch-up as rows: row (b, i) is token tokens[b][i] at position draft_cached_b + i -> rows, last row of each b."""
+    dev = tables.device
+    host = torch.tensor([t for seq in tokens for t in seq] +
+                        [s.draft_cached + i for s, n in zip(seqs, lens) for i in range(n)] + lens,
+                        dtype=torch.int64).to(dev)  # one host -> device copy: ids [T], positions [T], lens [B]
+    t = sum(lens)
+    ids, pos, counts = host[:t], host[t:2 * t], host[2 * t:]
+    row_seq = torch.repeat_interleave(torch.arange(len(seqs), device=dev), counts, output_size=t)  # [T]
+    return DecodeRows.of(ids, pos, tables, runner.block_size, row_seq), counts.cumsum(0) - 1
 
 
 def sample_draft(logits: torch.Tensor, rows: RowParams, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -104,22 +167,35 @@ def sample_draft(logits: torch.Tensor, rows: RowParams, seqs: list[Sequence]) ->
     return ids, q
 
 
-def draft_chain(ctx: SpecContext, seqs: list[Sequence], k: int, rows: RowParams) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """k draft tokens per sequence: target ids [B, k], draft probs [B, k, Vd] (None if every row is greedy)."""
-    logits, hidden = draft_catch_up(ctx, seqs)  # [B, Vd], [B, H]
+def draft_chain(ctx: SpecContext, seqs: list[Sequence], k: int, rows: RowParams,
+                tables: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """k draft tokens per sequence: target ids [B, k], draft probs [B, k, Vd] (None if every row is greedy).
+    ``tables``: the block tables [B, MB] on the device, if the caller made them already."""
+    if tables is None:
+        tables = block_table_tensor([s.block_table for s in seqs], ctx.draft.device)  # [B, max_blocks], once a step
+    logits, hidden = draft_catch_up(ctx, seqs, tables if ctx.draft.rows is not None else None)  # [B, Vd], [B, H]
     with ctx.prof.phase("draft_sample"):
         ids, q = sample_draft(logits, rows, seqs)
     all_ids, all_q = [ids], [q]
     ones = [1] * len(seqs)
-    tables = block_table_tensor([s.block_table for s in seqs], ctx.draft.device)  # [B, max_blocks], once for the chain
     first = torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.int64, device=ctx.draft.device)  # [B]
+    if ctx.draft.rows is not None and k > 1:  # the k-1 chain steps' rows at once: step j is column j-1
+        chain = DecodeRows.of(first.repeat_interleave(k - 1), (first[:, None] + torch.arange(k - 1, device=first.device)).reshape(-1),
+                              tables, ctx.draft.block_size, torch.arange(len(seqs), device=first.device).repeat_interleave(k - 1))
     for j in range(1, k):
         with ctx.prof.phase("prepare"):
-            ctx_lens = [s.num_tokens - 2 + j for s in seqs]
-            batch = ForwardBatch.of(ctx.draft.to_target_ids(ids), first + (j - 1), ones, ctx_lens, tables, ctx.draft.block_size)
+            if ctx.draft.rows is not None:
+                step = chain.column(j - 1, k - 1, ctx.draft.to_target_ids(ids))
+            else:
+                ctx_lens = [s.num_tokens - 2 + j for s in seqs]
+                batch = ForwardBatch.of(ctx.draft.to_target_ids(ids), first + (j - 1), ones, ctx_lens, tables,
+                                        ctx.draft.block_size)
         with ctx.prof.phase("draft"):
-            normed, hidden = ctx.draft.forward(batch, hidden, from_aux=False)  # [B, H]
-            logits = ctx.draft.logits(normed)  # [B, Vd]
+            if ctx.draft.rows is not None:
+                logits, hidden = ctx.draft.decode(step, hidden, from_aux=False)  # [B, Vd], [B, H]
+            else:
+                normed, hidden = ctx.draft.forward(batch, hidden, from_aux=False)  # [B, H]
+                logits = ctx.draft.logits(normed)  # [B, Vd]
         with ctx.prof.phase("draft_sample"):
             ids, q = sample_draft(logits, rows, seqs)
         all_ids.append(ids)
@@ -150,40 +226,63 @@ def target_verify_forward(ctx: SpecContext, seqs: list[Sequence], drafts: list[l
     return list(logits.split(sizes)), aux_parts
 
 
+def target_verify_rows(ctx: SpecContext, seqs: list[Sequence], draft_tokens: torch.Tensor, k: int,
+                       tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chain verification as k+1 rows a sequence (the target's row step, no host sync); ``tables`` [B, MB]
+    -> logits [B*(k+1), V] fp32, aux [B*(k+1), A] or None."""
+    dev, b = ctx.target.device, len(seqs)
+    with ctx.prof.phase("prepare"):
+        host = torch.tensor([[s.last_token, s.num_tokens - 1] for s in seqs], dtype=torch.int64).to(dev)  # [B, 2]
+        ids = torch.cat([host[:, :1], draft_tokens.to(dev)], dim=1).reshape(-1)  # [B*(k+1)]
+        pos = (host[:, 1:] + torch.arange(k + 1, device=dev)).reshape(-1)  # [B*(k+1)]
+        row_seq = torch.arange(b, device=dev).repeat_interleave(k + 1)  # [B*(k+1)]
+        rows = DecodeRows.of(ids, pos, tables, ctx.target.block_size, row_seq)
+    with ctx.prof.phase("target"):
+        return ctx.target.decode(rows)
+
+
 def chain_step(ctx: SpecContext, seqs: list[Sequence], k: int) -> list[SeqResult]:
     """Speculative step with a k-token chain for every sequence."""
-    t0 = time.perf_counter()
+    m0 = ctx.clock.mark()
     with ctx.prof.phase("prepare"):
         rows = RowParams.of(seqs, ctx.target.device)
-    draft_tokens, q = draft_chain(ctx, seqs, k, rows)  # [B, k], [B, k, Vd] or None
-    drafts = draft_tokens.tolist()  # waits for the draft on a GPU
-    t1 = time.perf_counter()
-    logits, aux = target_verify_forward(ctx, seqs, drafts)
+    with ctx.prof.phase("prepare"):
+        tables = block_table_tensor([s.block_table for s in seqs], ctx.target.device)  # [B, MB]: draft and verify
+    draft_tokens, q = draft_chain(ctx, seqs, k, rows, tables)  # [B, k], [B, k, Vd] or None
+    m1 = ctx.clock.mark()
+    if ctx.target.rows is not None:
+        flat, flat_aux = target_verify_rows(ctx, seqs, draft_tokens, k, tables)  # [B*(k+1), V], [B*(k+1), A]
+        aux = list(flat_aux.view(len(seqs), k + 1, -1)) if flat_aux is not None else [None] * len(seqs)
+    else:
+        logits, aux = target_verify_forward(ctx, seqs, draft_tokens.tolist())  # .tolist() waits for the draft
+        flat = torch.cat(logits)
     with ctx.prof.phase("verify"):
-        p = filter_logits(torch.cat(logits).view(len(seqs) * (k + 1), -1), rows.top_k.repeat_interleave(k + 1),
-                          rows.top_p.repeat_interleave(k + 1)).view(len(seqs), k + 1, -1)  # [B, k+1, V]
+        p = flat.view(len(seqs) * (k + 1), -1)  # [B*(k+1), V]
+        if any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in seqs):  # a host check: no device sync
+            p = filter_logits(p, rows.top_k.repeat_interleave(k + 1), rows.top_p.repeat_interleave(k + 1))
+        p = p.view(len(seqs), k + 1, -1)  # [B, k+1, V]
         tokens, nacc = ctx.verifier(p, draft_tokens.to(p.device), None if q is None else q.to(p.device), rows.temperature, rows.seed)
         tokens, nacc = tokens.tolist(), nacc.tolist()  # the step's one device -> host transfer of results
-    ctx.draft_seconds, ctx.verify_seconds = t1 - t0, time.perf_counter() - t1
+    ctx.record_times(m0, m1, ctx.clock.mark())
     return [SeqResult(tokens[b][:n + 1], aux[b][:n + 1], k, n) for b, n in enumerate(nacc)]
 
 
 def tree_step(ctx: SpecContext, seqs: list[Sequence], depth: int, topk: int, num_nodes: int) -> list[SeqResult]:
     """Speculative step with an EAGLE top-k tree per sequence, verified in one target forward."""
-    t0 = time.perf_counter()
+    m0 = ctx.clock.mark()
     with ctx.prof.phase("prepare"):
         rows = RowParams.of(seqs, ctx.target.device)
     logits0, hidden0 = draft_catch_up(ctx, seqs)  # [B, Vd], [B, H]
     with ctx.prof.phase("draft"):
         trees = draft_tree(ctx.draft, seqs, logits0, hidden0, depth, topk, num_nodes)
         drafts = [t.tokens.tolist() for t in trees]
-    t1 = time.perf_counter()
+    m1 = ctx.clock.mark()
     logits, aux = target_verify_forward(ctx, seqs, drafts, trees)
     with ctx.prof.phase("verify"):
         rows_p = [filter_logits(logits[b], rows.top_k[b].expand(t.size + 1), rows.top_p[b].expand(t.size + 1))
                   for b, t in enumerate(trees)]  # [M_b+1, V] each
         verdicts = ctx.verifier.tree(rows_p, trees, rows.temperature, rows.seed)
-    ctx.draft_seconds, ctx.verify_seconds = t1 - t0, time.perf_counter() - t1
+    ctx.record_times(m0, m1, ctx.clock.mark())
     out = []
     for b, (s, tree, (path, toks)) in enumerate(zip(seqs, trees, verdicts)):
         start = s.num_tokens - 1

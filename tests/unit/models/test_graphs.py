@@ -107,3 +107,48 @@ def test_from_config_random_model_runs():
     logits, aux = model.forward_full(torch.randint(0, 64, (2, 5)))
     assert logits.shape == (2, 5, 64) and aux.shape == (2, 5, 32) and torch.isfinite(logits).all()
     assert float(model.norm.weight.min()) == 1.0
+
+
+def test_invariant_rows_score_a_position_alike_alone_in_a_batch_and_in_a_verification(tiny_dirs):
+    """The batch-invariant row step (its Triton kernels, interpreted): a position's logits and aux are bitwise the
+    same scored alone (plain decode at batch 1), beside other sequences (batch 3) and as row j of a 3-row chain
+    verification (k=2). (The torch references of the CPU path are not: SDPA's batched reduction varies.)"""
+    triton = True
+    model = LlamaModel.from_dir(tiny_dirs["llama_tied"], aux_layer_ids=[0, 2, 4])
+    g = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in PROMPTS]
+    kv = model.make_kv_cache(num_blocks=14, block_size=BLOCK)
+    runner = DecodeGraphRunner(model, kv, max_blocks_per_seq=6, buckets=(1, 4, 9), invariant=True, use_triton=triton)
+    drafts = torch.randint(0, VOCAB, (3, 3), generator=g)  # [B, k+1]: the last token, then 2 drafts
+    tables = torch.tensor(TABLES, dtype=torch.int32)
+
+    def score(row_seq, pos, ids):
+        pos, t = torch.tensor(pos), tables[torch.tensor(row_seq)]
+        slots = t.gather(1, (pos // BLOCK)[:, None]).squeeze(1).long() * BLOCK + pos % BLOCK
+        logits, aux = runner.run(ids, pos, t, (pos + 1).to(torch.int32), slots)
+        return logits.clone(), aux.clone()
+
+    with torch.inference_mode():
+        _prefill(model, seqs, kv)
+        verify = score([b for b in range(3) for _ in range(3)], [n + j for n in PROMPTS for j in range(3)],
+                       drafts.reshape(-1))
+        alone = [score([1], [PROMPTS[1] + j], drafts[1, j:j + 1]) for j in range(3)]
+        batch = [score([0, 1, 2], [n + j for n in PROMPTS], drafts[:, j]) for j in range(3)]
+    for j in range(3):
+        assert torch.equal(verify[0][3 + j], alone[j][0][0]), f"row {j} of the verification != alone"
+        assert torch.equal(verify[1][3 + j], alone[j][1][0])
+        for b in range(3):
+            assert torch.equal(verify[0][3 * b + j], batch[j][0][b]), f"seq {b} row {j} != batch of 3"
+
+
+def test_invariant_step_refuses_a_tensor_parallel_or_unfused_model(tiny_dirs):
+    from eagleray.platform.errors import EaglerayError
+    from eagleray.platform.models.graphs import FusedDecodeStep
+
+    model = LlamaModel.from_dir(tiny_dirs["llama_tied"])
+    kv = model.make_kv_cache(num_blocks=4, block_size=BLOCK)
+    with pytest.raises(EaglerayError, match="fused=True"):
+        DecodeGraphRunner(model, kv, max_blocks_per_seq=2, fused=False, invariant=True)
+    model.tp = type(model.tp)(rank=0, world=2)
+    with pytest.raises(EaglerayError, match="one rank"):
+        FusedDecodeStep(model, use_triton=False, invariant=True)

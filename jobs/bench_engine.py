@@ -1,0 +1,169 @@
+"""The serving engine on GPU, as Serve and `bench spec` run it: plain vs speculative per batch size.
+
+`python -m eagleray.jobs.bench engine --models smollm2,8b --batches 1,8,32,64 --out engine.json`
+
+For each model and batch size, three runs of ``LLMEngine`` over the same token prompts (MT-bench
+first turns through SmolLM2's chat template; the 8B-shaped target, random bf16, reads the same ids):
+plain, speculative chain k (adaptive off) and speculative with the adaptive policy. Greedy, EOS
+ignored (equal work). Each record: ``model, batch, mode (plain|spec), k, adaptive, tok_s``
+(generated tokens / wall seconds, prefill included), ``decode_tok_s`` and ``step_ms`` (decode
+steps only, from the engine's step metrics), ``predicted_speedup`` (the policy's cost model),
+``lossless`` (spec outputs equal plain outputs token for token). Engines run with the row step
+(``engine.decode_path``: CUDA graphs of the batch-invariant fused step) unless ``--decode-path``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from eagleray.jobs.bench_common import LLAMA_8B, log, run_suite, write_json
+from eagleray.jobs.bench_spec import plain_run, spec_run
+from eagleray.platform.data import load_prompts
+from eagleray.platform.errors import EaglerayError
+from eagleray.platform.models.eagle3 import Eagle3Draft
+from eagleray.platform.models.llama import LlamaModel
+from eagleray.platform.schemas import DraftConfig, PolicyConfig, TargetConfig
+from eagleray.serve.engine import SamplingParams
+from eagleray.serve.engine.loader import load_models
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", default="smollm2,8b", help="comma list of smollm2 (real weights) and 8b (random bf16)")
+    p.add_argument("--batches", default="1,8,32,64", help="comma list of max concurrent sequences")
+    p.add_argument("--adaptive-batches", default="1,8,32,64,128", help="batch sizes of the adaptive runs")
+    p.add_argument("--prompts", default="mtbench", help="prompt source (mtbench, humaneval or a file)")
+    p.add_argument("--limit", type=int, default=80, help="prompts per run (8b: --limit-8b)")
+    p.add_argument("--limit-8b", type=int, default=16, help="prompts per 8b run at batch <= 8")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (EOS ignored)")
+    p.add_argument("--k", type=int, default=4, help="chain draft length")
+    p.add_argument("--draft", default="random", help="SmolLM2 draft directory or 'random'")
+    p.add_argument("--decode-path", default="auto", choices=["auto", "rows", "varlen"], help="engine.decode_path")
+    p.add_argument("--kv-cache-gib", type=float, default=24.0, help="engine.kv_cache_gib of every run")
+    p.add_argument("--profile", action="store_true", help="per-phase step profile (a sync per phase on CUDA)")
+    p.add_argument("--json", default=None, help="write the results here")
+
+
+def _eight_b(device: torch.device, prompts_ids: list[list[int]]):
+    target = LlamaModel.from_config(LLAMA_8B, dtype="bf16", device=device, aux_layer_ids=[2, 16, 29])
+    from eagleray.platform.draft_factory import eagle3_config
+    from eagleray.platform.target import TargetSpec
+
+    spec = TargetSpec(path=__import__("pathlib").Path("<synthetic 8b>"), config=dict(LLAMA_8B))
+    draft = Eagle3Draft(eagle3_config(spec, [2, 16, 29]), device=device, dtype=torch.bfloat16).to(device)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
+    draft.share_embedding(target.embed_tokens)
+    return target, draft.eval()
+
+
+def _runs(name: str, target, draft, tok, tcfg: TargetConfig, prompts: list, args, out: list[dict]) -> None:
+    """Append the records of one model to ``out`` (and rewrite ``--json`` after each: a cut run keeps its records)."""
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    for b in sorted(set(map(int, args.batches.split(","))) | set(map(int, args.adaptive_batches.split(",")))):
+        use = prompts if name == "smollm2" or b > 8 else prompts[:args.limit_8b]
+        use = use * max(1, -(-2 * b // len(use)))  # at least two rounds of the batch
+        t0 = time.perf_counter()
+        token_prompts, plain, t_plain, eng = plain_run(target, tok, tcfg, use, params, b, args.profile,
+                                                          args.kv_cache_gib)
+        rec = _record(name, b, "plain", 0, False, plain, t_plain, eng, None, None)
+        plain_step = rec["step_ms"]
+        rec["profile"] = eng.prof.table() if args.profile else None
+        _keep(out, rec, args)
+        log(f"{name} b{b} plain: {rec['tok_s']} tok/s, decode {rec['decode_tok_s']} tok/s, step {rec['step_ms']} ms "
+            f"({time.perf_counter() - t0:.0f} s)")
+        modes = ([False] if b in map(int, args.batches.split(",")) else []) + \
+                ([True] if b in map(int, args.adaptive_batches.split(",")) else [])
+        for adaptive in modes:
+            dcfg = DraftConfig(source="random", num_speculative_tokens=args.k, policy=PolicyConfig(adaptive=adaptive))
+            r = spec_run(target, draft, tok, tcfg, dcfg, token_prompts, params, plain, t_plain, b, args.profile,
+                         args.kv_cache_gib)
+            rec = {"model": name, "batch": b, "mode": "spec", "k": args.k, "adaptive": adaptive,
+                   "tok_s": r["spec"]["tokens_per_s"], "plain_tok_s": r["plain"]["tokens_per_s"],
+                   "speedup": r["speedup"], "decode_tok_s": r["spec_decode_tokens_per_s"],
+                   "step_ms": r["spec_step_ms"] if r["spec_steps"] else None,
+                   "predicted_speedup": _predicted(r, b, args.k, plain_step),
+                   "lossless": r["lossless"], "tau": r["tau"], "acceptance_per_pos": r["acceptance_per_pos"],
+                   "chosen_k": {str(bk): c["k"] for bk, c in r["policy"]["buckets"].items()},
+                   "spec_steps": r["spec_steps"], "plain_steps": r["plain_steps_in_spec_run"],
+                   "policy": r["policy"], "profile": r["spec_profile"] if args.profile else None}
+            _keep(out, rec, args)
+            log(f"{name} b{b} spec k={args.k} adaptive={adaptive}: {rec['tok_s']} tok/s ({rec['speedup']}x), "
+                f"step {rec['step_ms']} ms, tau {rec['tau']}, lossless {rec['lossless']}, chosen k {rec['chosen_k']}, "
+                f"predicted {rec['predicted_speedup']}")
+
+
+def _keep(out: list[dict], rec: dict, args) -> None:
+    out.append(rec)
+    write_json({"partial": True, "records": out}, args.json)
+
+
+def _record(name, b, mode, k, adaptive, outs, seconds, eng, predicted, lossless) -> dict:
+    n = sum(len(o.token_ids) for o in outs)
+    plain = eng.metrics.plain
+    return {"model": name, "batch": b, "mode": mode, "k": k, "adaptive": adaptive, "tok_s": round(n / seconds, 2),
+            "decode_tok_s": round(plain.tokens_per_s, 2),
+            "step_ms": round(1e3 * plain.seconds / max(plain.steps, 1), 4),
+            "predicted_speedup": predicted, "lossless": lossless, "tokens": n, "seconds": round(seconds, 3)}
+
+
+def _predicted(r: dict, batch: int, k: int, plain_step_ms: float) -> float | None:
+    """The cost model at ``batch``: τ t_plain / (t_verify + k t_draft), t_plain from the plain run's decode steps,
+    t_verify and t_draft (per draft token) from the spec run's policy measurements."""
+    from eagleray.serve.engine.policy import bucket
+
+    costs = r["policy"]["buckets"].get(bucket(batch))
+    if not costs or costs["verify_ms"] is None or costs["draft_ms"] is None or not plain_step_ms:
+        return None
+    return round(r["tau"] * plain_step_ms / (costs["verify_ms"] + k * costs["draft_ms"]), 3)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda":
+        log("bench engine: no CUDA device; running on CPU (slow, for checking the suite)")
+    records = [r.to_dict() for r in load_prompts(args.prompts, limit=args.limit)]
+    if not records:
+        raise EaglerayError(f"--prompts {args.prompts!r} gave no prompts\n    fix: pass mtbench, humaneval or a file")
+    messages = [r["messages"] for r in records]
+    results = []
+    for name in args.models.split(","):
+        if name == "smollm2":
+            tcfg = TargetConfig(model="smollm2", dtype="bf16", device=device.type, max_model_len=2048)
+            dcfg = DraftConfig(source=args.draft, num_speculative_tokens=args.k)
+            target, draft, tok, _ = load_models(tcfg, dcfg)
+            _runs(name, target, draft, tok, tcfg, messages, args, results)
+        elif name == "8b":
+            tcfg = TargetConfig(model="smollm2", dtype="bf16", device=device.type, max_model_len=2048)
+            _, _, tok, _ = load_models(tcfg, None)
+            ids = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+                   for m in messages]
+            target, draft = _eight_b(device, ids)
+            _runs(name, target, draft, None, tcfg, [list(i) for i in ids], args, results)
+            del target, draft
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+        else:
+            raise EaglerayError(f"--models: unknown model {name!r}\n    fix: use smollm2 and/or 8b")
+    return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "date": time.strftime("%Y-%m-%d"), "max_tokens": args.max_tokens, "prompts": args.prompts,
+            "records": results}
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{'model':<8}{'batch':>6}{'mode':>6}{'k':>3}{'adapt':>7}{'tok/s':>11}{'decode tok/s':>14}{'step ms':>9}"
+          f"{'pred':>7}{'lossless':>9}")
+    for r in result["records"]:
+        print(f"{r['model']:<8}{r['batch']:>6}{r['mode']:>6}{r['k']:>3}{str(r['adaptive']):>7}{r['tok_s']:>11}"
+              f"{str(r['decode_tok_s']):>14}{str(r['step_ms']):>9}{str(r['predicted_speedup']):>7}{str(r['lossless']):>9}")
+
+
+def run(args: argparse.Namespace | list[str] | None = None) -> dict:
+    return run_suite(args, "eagleray bench engine", __doc__, add_arguments, measure, print_table)
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])

@@ -1,0 +1,182 @@
+"""A batch-invariant linear for decode and verification on GPU (Triton), with its PyTorch reference.
+
+Lossless greedy speculative decoding in bf16 needs a position's logits to be bitwise the same
+whether it is computed alone (a plain decode step at batch 1), beside 63 other sequences, or as one
+of the k+1 rows a verification step scores. cuBLAS picks its algorithm (tile shape, split-K) by
+the number of rows, so the summation order of a row's dot products, and its last bits, change with
+the batch. This kernel fixes that order for every row count:
+
+- one tile configuration for every M (``BLOCK_M`` x ``BLOCK_N`` x ``BLOCK_K``, warps, stages);
+  rows only add tiles, each tile runs the same instructions, and a row's products are accumulated
+  in the same sequence of ``tl.dot`` steps over K;
+- a split of K into ``splits`` fixed ranges that depends only on the weight's shape (N, K), never on
+  M; partial sums are fp32 and are added in split order by the epilogue kernel (no atomics);
+- the epilogue adds the bias, rounds to the weight's dtype, and optionally adds a residual
+  (rounded again), as the model's ``linear`` followed by ``h + delta`` does.
+
+Cost, measured against cuBLAS in BENCHMARKS.md: at one row the K split keeps enough programs in
+flight to stream the weight; at many rows (prefill sizes) it is slower than cuBLAS, so the engine
+uses it only for decode and verification, where rows are few.
+
+    y = invariant_linear(x, weight, bias, residual=h)   # x [M, K], weight [N, K] -> [M, N]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eagleray.kernels.errors import KernelInputError
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - Triton is optional on CPU machines
+    triton = None
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 128
+NUM_WARPS, NUM_STAGES = 4, 3
+TARGET_PROGRAMS = 264  # two per SM of an H200: enough loads in flight to stream a weight at one row
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a weight [N, K] is tiled: ``splits`` ranges of ``k_per_split`` columns (a multiple of BLOCK_K)."""
+
+    splits: int
+    k_per_split: int
+
+
+def plan(n: int, k: int) -> Plan:
+    """The K split for a weight [N, K]: a function of the shape alone (the batch invariance rests on it)."""
+    chunks = -(-k // BLOCK_K)
+    n_tiles = -(-n // BLOCK_N)
+    want = max(1, min(chunks, -(-TARGET_PROGRAMS // n_tiles)))
+    per = -(-chunks // want)
+    return Plan(-(-chunks // per), per * BLOCK_K)
+
+
+def invariant_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                               residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias) in fp32, rounded to weight.dtype (+ residual, rounded) -> [M, N]."""
+    y = x.to(torch.float32) @ weight.to(torch.float32).T  # [M, N]
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    y = y.to(weight.dtype)
+    if residual is not None:
+        y = (residual.to(torch.float32) + y.to(torch.float32)).to(weight.dtype)
+    return y
+
+
+if triton is not None:
+
+    @triton.jit
+    def _partial_kernel(x_ptr,  # [M, K] (row stride stride_x)
+                        w_ptr,  # [N, K] (row stride stride_w)
+                        part_ptr,  # [S, M, N] fp32 partial sums
+                        b_ptr, res_ptr, out_ptr,  # [N], [M, N], [M, N]: used when S == 1 (epilogue fused)
+                        M, N, K, stride_x, stride_w, stride_r, stride_o, K_PER_SPLIT,
+                        FUSED: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        pid_m = tl.program_id(0)  # fastest: tiles of one weight block run together and share it in L2
+        pid_n = tl.program_id(1)
+        s = tl.program_id(2)
+        rm = pid_m * BM + tl.arange(0, BM)  # [BM]
+        rn = pid_n * BN + tl.arange(0, BN)  # [BN]
+        mmask, nmask = rm < M, rn < N
+        acc = tl.zeros([BM, BN], tl.float32)
+        k_lo = s * K_PER_SPLIT
+        k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+        for k0 in range(k_lo, k_hi, BK):
+            rk = k0 + tl.arange(0, BK)  # [BK]
+            kmask = rk < k_hi
+            a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mmask[:, None] & kmask[None, :],
+                        other=0.0)  # [BM, BK]
+            w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=nmask[:, None] & kmask[None, :],
+                        other=0.0, eviction_policy="evict_first")  # [BN, BK]
+            if IEEE:  # fp32 weights: full fp32 products, not TF32
+                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")  # [BM, BN]
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)  # [BM, BN]
+        omask = mmask[:, None] & nmask[None, :]
+        if FUSED:
+            _epilogue(acc, rm, rn, N, omask, b_ptr, res_ptr, out_ptr, stride_r, stride_o, HAS_BIAS, HAS_RES)
+        else:
+            tl.store(part_ptr + (s * M + rm[:, None]) * N + rn[None, :], acc, mask=omask)
+
+    @triton.jit
+    def _epilogue(acc, rm, rn, N, omask, b_ptr, res_ptr, out_ptr, stride_r, stride_o,
+                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+        """acc [BM, BN] fp32 -> (+ bias) -> out dtype (-> + residual -> out dtype), stored."""
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0)[None, :].to(tl.float32)
+        dt = out_ptr.dtype.element_ty
+        y = acc.to(dt)
+        if HAS_RES:
+            r = tl.load(res_ptr + rm[:, None] * stride_r + rn[None, :], mask=omask, other=0.0)
+            y = (r.to(tl.float32) + y.to(tl.float32)).to(dt)
+        tl.store(out_ptr + rm[:, None] * stride_o + rn[None, :], y, mask=omask)
+
+    @triton.jit
+    def _reduce_kernel(part_ptr,  # [S, M, N] fp32
+                       b_ptr, res_ptr, out_ptr,  # [N], [M, N], [M, N]
+                       M, N, stride_r, stride_o,
+                       S: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr):
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        omask = (rm < M)[:, None] & (rn < N)[None, :]
+        acc = tl.zeros([BM, BN], tl.float32)
+        for s in tl.static_range(S):  # split order: the fixed summation order
+            acc += tl.load(part_ptr + (s * M + rm[:, None]) * N + rn[None, :], mask=omask, other=0.0)
+        _epilogue(acc, rm, rn, N, omask, b_ptr, res_ptr, out_ptr, stride_r, stride_o, HAS_BIAS, HAS_RES)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None) -> None:
+    def bad(arg: str, expected: str, got, fix: str) -> KernelInputError:
+        return KernelInputError(f"invariant_linear: {arg}", expected, str(got), fix)
+
+    if triton is None:
+        raise bad("triton", "the triton package", "none installed", "pip install triton, or use invariant_linear_reference")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise bad("x, weight", "x [M, K] and weight [N, K] (the same K)", f"{tuple(x.shape)} and {tuple(weight.shape)}",
+                  "pass 2-D tensors with matching inner dimensions")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise bad("x, weight", "contiguous rows (stride 1 in the last dim)", f"strides {x.stride()}, {weight.stride()}",
+                  "pass .contiguous() tensors")
+    if x.dtype != weight.dtype or x.device != weight.device:
+        raise bad("x", f"the weight's dtype and device ({weight.dtype}, {weight.device})", f"{x.dtype}, {x.device}",
+                  "cast x to the weight's dtype and device")
+    n = weight.shape[0]
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.stride(0) != 1):
+        raise bad("bias", f"a contiguous [{n}] tensor", tuple(bias.shape), "pass the layer's own bias")
+    if residual is not None and (tuple(residual.shape) != (x.shape[0], n) or residual.stride(1) != 1):
+        raise bad("residual", f"[{x.shape[0]}, {n}] with contiguous rows", tuple(residual.shape),
+                  "pass the residual stream of the same rows")
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias) -> weight.dtype (+ residual [M, N]) -> [M, N]; row results
+    do not depend on M (see the module docstring)."""
+    _check(x, weight, bias, residual)
+    m, k = x.shape
+    n = weight.shape[0]
+    p = plan(n, k)
+    out = torch.empty(m, n, dtype=weight.dtype, device=x.device)  # [M, N]
+    fused = p.splits == 1
+    part = out if fused else torch.empty(p.splits, m, n, dtype=torch.float32, device=x.device)  # [S, M, N]
+    b = bias if bias is not None else out
+    r = residual if residual is not None else out
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), p.splits)
+    _partial_kernel[grid](x, weight, part, b, r, out, m, n, k, x.stride(0), weight.stride(0), r.stride(0),
+                          out.stride(0), p.k_per_split, FUSED=fused,
+                          IEEE=weight.dtype == torch.float32, HAS_BIAS=bias is not None,
+                          HAS_RES=residual is not None, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+                          num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    if not fused:
+        _reduce_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 128))](
+            part, b, r, out, m, n, r.stride(0), out.stride(0), S=p.splits, HAS_BIAS=bias is not None,
+            HAS_RES=residual is not None, BM=32, BN=128, num_warps=4)
+    return out

@@ -1,0 +1,46 @@
+"""The batch-invariant linear (Triton interpreter on CPU, fp32): equals its reference, a row's result does not
+depend on how many rows are computed beside it, the K split depends on the weight shape only, and bad inputs
+are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagleray.kernels.errors import KernelInputError
+from eagleray.kernels.invariant_linear import BLOCK_K, invariant_linear, invariant_linear_reference, plan
+
+
+@pytest.mark.parametrize("n,k,bias,residual", [(96, 200, True, True), (70, 384, False, False), (130, 64, True, False)])
+def test_equals_reference_and_rows_are_invariant(n, k, bias, residual):
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(21, k, generator=g)
+    r = torch.randn(21, n, generator=g) if residual else None
+    y = invariant_linear(x, w, b, residual=r)
+    torch.testing.assert_close(y, invariant_linear_reference(x, w, b, r), atol=1e-4, rtol=1e-4)
+    for m in (1, 5):
+        part = invariant_linear(x[:m], w, b, residual=None if r is None else r[:m])
+        assert torch.equal(part, y[:m])
+    one = invariant_linear(x[17:18], w, b, residual=None if r is None else r[17:18])
+    assert torch.equal(one, y[17:18])
+
+
+def test_split_depends_on_the_weight_shape_only():
+    p = plan(576, 1536)
+    assert p.splits > 1 and p.k_per_split % BLOCK_K == 0 and p.splits * p.k_per_split >= 1536
+    assert (p.splits - 1) * p.k_per_split < 1536  # no empty split
+    assert plan(128256, 4096).splits == 1  # wide weights: enough tiles already, epilogue fused
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(x=torch.randn(3, 8), w=torch.randn(4, 9)), "the same K"),
+    (dict(x=torch.randn(8, 3).T, w=torch.randn(4, 8)), "contiguous"),
+    (dict(x=torch.randn(3, 8, dtype=torch.float64), w=torch.randn(4, 8)), "dtype and device"),
+    (dict(x=torch.randn(3, 8), w=torch.randn(4, 8), bias=torch.randn(5)), "bias"),
+    (dict(x=torch.randn(3, 8), w=torch.randn(4, 8), residual=torch.randn(3, 5)), "residual"),
+])
+def test_bad_inputs_are_refused_by_name(bad, match):
+    with pytest.raises(KernelInputError, match=match):
+        invariant_linear(bad["x"], bad["w"], bad.get("bias"), residual=bad.get("residual"))
