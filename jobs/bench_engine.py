@@ -64,7 +64,8 @@ def _eight_b(device: torch.device, prompts_ids: list[list[int]]):
 def _runs(name: str, target, draft, tok, tcfg: TargetConfig, prompts: list, args, out: list[dict]) -> None:
     """Append the records of one model to ``out`` (and rewrite ``--json`` after each: a cut run keeps its records)."""
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    for b in sorted(set(map(int, args.batches.split(","))) | set(map(int, args.adaptive_batches.split(",")))):
+    fixed, adaptive_set = _ints(args.batches), _ints(args.adaptive_batches)
+    for b in sorted(set(fixed) | set(adaptive_set)):
         use = prompts if name == "smollm2" or b > 8 else prompts[:args.limit_8b]
         use = use * max(1, -(-2 * b // len(use)))  # at least two rounds of the batch
         t0 = time.perf_counter()
@@ -76,8 +77,7 @@ def _runs(name: str, target, draft, tok, tcfg: TargetConfig, prompts: list, args
         _keep(out, rec, args)
         log(f"{name} b{b} plain: {rec['tok_s']} tok/s, decode {rec['decode_tok_s']} tok/s, step {rec['step_ms']} ms "
             f"({time.perf_counter() - t0:.0f} s)")
-        modes = ([False] if b in map(int, args.batches.split(",")) else []) + \
-                ([True] if b in map(int, args.adaptive_batches.split(",")) else [])
+        modes = ([False] if b in fixed else []) + ([True] if b in adaptive_set else [])
         for adaptive in modes:
             dcfg = DraftConfig(source="random", num_speculative_tokens=args.k, policy=PolicyConfig(adaptive=adaptive))
             r = spec_run(target, draft, tok, tcfg, dcfg, token_prompts, params, plain, t_plain, b, args.profile,
@@ -95,6 +95,10 @@ def _runs(name: str, target, draft, tok, tcfg: TargetConfig, prompts: list, args
             log(f"{name} b{b} spec k={args.k} adaptive={adaptive}: {rec['tok_s']} tok/s ({rec['speedup']}x), "
                 f"step {rec['step_ms']} ms, tau {rec['tau']}, lossless {rec['lossless']}, chosen k {rec['chosen_k']}, "
                 f"predicted {rec['predicted_speedup']}")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(t) for t in text.split(",") if t.strip()]
 
 
 def _keep(out: list[dict], rec: dict, args) -> None:

@@ -333,6 +333,11 @@ class DraftGraphRunner:
         bmax, dt = self.rows.buckets[-1], draft.arch.dtype
         self.aux_in = torch.zeros(bmax, draft.fc_in, dtype=dt, device=dev)  # [Rmax, n_aux*H_t]
         self.hidden_in = torch.zeros(bmax, draft.arch.hidden_size, dtype=dt, device=dev)  # [Rmax, H]
+        # the greedy chain's inputs: first draft token (target id), its position, the sequences' block tables
+        self.chain_ids = torch.zeros(bmax, dtype=torch.int64, device=dev)  # [Bmax]
+        self.chain_first = torch.zeros(bmax, dtype=torch.int64, device=dev)  # [Bmax]
+        self.chain_tables = torch.full((bmax, self.rows.max_blocks), pad // kv_cache.block_size, dtype=torch.int32,
+                                       device=dev)  # [Bmax, MB]
 
     def _forward(self, from_aux: bool):
         def forward(b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -342,10 +347,48 @@ class DraftGraphRunner:
             return self.draft.compute_logits(normed), hidden  # [b, Vd], [b, H]
         return forward
 
-    def capture(self) -> None:
-        """Capture every bucket of both row kinds (catch-up from aux, chain from hidden) now."""
+    def capture(self, chain_steps: int = 0) -> None:
+        """Capture every bucket of both row kinds (catch-up from aux, chain from hidden) now, and of the greedy
+        chain of ``chain_steps`` tokens (other lengths are captured when first used)."""
         for from_aux in (True, False):
             self.rows.capture(from_aux, self.rows.buckets, self._forward(from_aux))
+        if chain_steps > 0:
+            self.rows.capture(("chain", chain_steps), self.rows.buckets, self._chain_forward(chain_steps))
+
+    def _chain_forward(self, steps: int):
+        """Greedy drafting of ``steps`` tokens after the first, in one graph: each step's rows (position, slot)
+        come from ``chain_first`` and ``chain_tables``, its token from the previous step's argmax."""
+        def forward(b: int) -> torch.Tensor:
+            r, bs = self.rows, self.rows.block_size
+            ids, hidden, out = self.chain_ids[:b], self.hidden_in[:b], []
+            tables = self.chain_tables[:b]
+            for j in range(steps):
+                pos = self.chain_first[:b] + j  # [b]
+                block = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1).to(torch.int64)  # [b]
+                meta = DecodeMetadata(tables, (pos + 1).to(torch.int32), block * bs + pos % bs, bs, self.use_triton)
+                normed, hidden = self.draft(ids, pos, hidden, meta, self.kv)  # [b, H]
+                ids = self.draft.to_target_ids(self.draft.compute_logits(normed).argmax(-1))  # [b] target ids
+                out.append(ids)
+            return torch.stack(out, dim=1)  # [b, steps]
+        return forward
+
+    @torch.inference_mode()
+    def chain(self, first_ids: torch.Tensor, hidden: torch.Tensor, first_pos: torch.Tensor, tables: torch.Tensor,
+              steps: int) -> torch.Tensor:
+        """Greedy chain: first_ids [B] (target ids of the first draft), hidden [B, H] (its draft state),
+        first_pos [B] (its position), tables [B, nb] -> the next ``steps`` draft tokens [B, steps] (target ids)."""
+        b, nb = first_ids.shape[0], tables.shape[1]
+        bucket = self.rows.bucket_for(b)
+        self.chain_ids[:b].copy_(first_ids, non_blocking=True)
+        self.hidden_in[:b].copy_(hidden, non_blocking=True)
+        self.chain_first[:b].copy_(first_pos, non_blocking=True)
+        self.chain_tables[:b, :nb].copy_(tables, non_blocking=True)
+        if bucket > b:  # padding rows draft into the pad block (never handed out)
+            self.chain_ids[b:bucket] = 0
+            self.hidden_in[b:bucket].zero_()
+            self.chain_first[b:bucket] = 0
+            self.chain_tables[b:bucket, 0] = self.rows.pad_slot // self.rows.block_size
+        return self.rows.replay(("chain", steps), bucket, self._chain_forward(steps))[:b]
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,

@@ -131,8 +131,8 @@ class LLMEngine:
     # ----------------------------------------------------------------- drafts
     def _install_draft(self, draft: Eagle3Draft) -> None:
         runner = DraftRunner(draft, self.target.kv.num_blocks, self.blocks.block_size, *self._draft_rows())
-        if runner.rows is not None:
-            runner.rows.capture()  # CUDA: every bucket's graph now, not inside the first requests' steps
+        if runner.rows is not None:  # CUDA: every bucket's graph now, not inside the first requests' steps
+            runner.rows.capture(self.policy.k_max - 1 if self.tree is None else 0)
         self._draft_aux = list(self.target.model.aux_layer_ids)
         self.spec = SpecContext(self.target, runner, ChainVerifier(self.config.verify_backend, draft.d2t, self.target.vocab_size),
                                 self.prof)

@@ -179,6 +179,10 @@ def draft_chain(ctx: SpecContext, seqs: list[Sequence], k: int, rows: RowParams,
     all_ids, all_q = [ids], [q]
     ones = [1] * len(seqs)
     first = torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.int64, device=ctx.draft.device)  # [B]
+    if ctx.draft.rows is not None and q is None and k > 1:  # every row greedy: the rest of the chain in one graph
+        with ctx.prof.phase("draft"):
+            rest = ctx.draft.rows.chain(ctx.draft.to_target_ids(ids), hidden, first, tables, k - 1)  # [B, k-1]
+        return torch.cat([ctx.draft.to_target_ids(ids)[:, None], rest], dim=1), None
     if ctx.draft.rows is not None and k > 1:  # the k-1 chain steps' rows at once: step j is column j-1
         chain = DecodeRows.of(first.repeat_interleave(k - 1), (first[:, None] + torch.arange(k - 1, device=first.device)).reshape(-1),
                               tables, ctx.draft.block_size, torch.arange(len(seqs), device=first.device).repeat_interleave(k - 1))

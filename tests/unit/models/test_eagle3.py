@@ -171,3 +171,34 @@ def test_unsupported_and_inconsistent_drafts_are_refused(target_dir, draft_dir, 
     draft = Eagle3Draft.from_checkpoint(draft_dir, target)
     with pytest.raises(EaglerayError, match="aux hidden states of width 192"):
         draft.combine_hidden_states(torch.zeros(3, 64))
+
+
+def test_greedy_chain_graph_equals_the_step_by_step_chain(target, draft_dir):
+    """DraftGraphRunner.chain (the greedy chain as one replayable step) drafts the same tokens as one row step
+    per draft token, with a reduced draft vocabulary (d2t) and a padded bucket."""
+    from eagleray.platform.models.graphs import DraftGraphRunner
+
+    draft = Eagle3Draft.from_checkpoint(draft_dir, target)
+    outs = []
+    for mode in ("steps", "chain"):
+        kv = draft.make_kv_cache(num_blocks=9, block_size=4)
+        kv.k.copy_(torch.randn(kv.k.shape, generator=torch.Generator().manual_seed(1)))
+        kv.v.copy_(torch.randn(kv.v.shape, generator=torch.Generator().manual_seed(2)))
+        runner = DraftGraphRunner(draft, kv, max_rows=4, max_blocks_per_seq=4, buckets=(1, 4))
+        tables = torch.tensor([[3, 1, 6, 0], [2, 7, 4, 5], [5, 0, 1, 2]], dtype=torch.int32)  # [3, 4]; block 8 = pad
+        first = torch.tensor([5, 9, 2])  # [3] positions of the first draft token
+        ids = torch.randint(0, 64, (3,), generator=torch.Generator().manual_seed(4)) + draft.d2t[:3]
+        hidden = torch.randn(3, draft.arch.hidden_size, generator=torch.Generator().manual_seed(5))
+        with torch.inference_mode():
+            if mode == "chain":
+                outs.append(runner.chain(ids, hidden, first, tables, 3))
+                continue
+            got = []
+            for j in range(3):
+                pos = first + j
+                slots = tables.gather(1, (pos // 4)[:, None]).squeeze(1).long() * 4 + pos % 4
+                logits, hidden = runner.run(ids, pos, tables, (pos + 1).to(torch.int32), slots, hidden, from_aux=False)
+                ids = draft.to_target_ids(logits.argmax(-1))
+                got.append(ids)
+            outs.append(torch.stack(got, 1))
+    assert torch.equal(outs[0], outs[1]), (outs[0], outs[1])
