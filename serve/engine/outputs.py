@@ -27,11 +27,15 @@ class RequestOutput:
 class Detokenizer:
     """Incremental text with stop-string detection.
 
-    Each step decodes only a window: the tokens since the last emitted boundary (``prefix``) plus the
-    new ones, and appends what the new tokens add (the way vLLM and transformers' TextStreamer do), so
-    a step costs O(new tokens) instead of decoding the whole output again. Text of an incomplete
-    UTF-8 sequence (a trailing U+FFFD) is held back until it completes or the request finishes.
+    A step decodes one window: the tokens from an *anchor* (a few tokens back) to the end, and emits
+    what that window's text gained since the last step, so a step costs about one short decode
+    instead of decoding the whole output again. Every ``REANCHOR`` tokens the anchor moves up (one
+    more decode). Text of an incomplete UTF-8 sequence (a trailing U+FFFD) is held back until it
+    completes or the request finishes.
     """
+
+    REANCHOR = 16  # tokens in a window before the anchor moves up
+    CONTEXT = 4  # tokens of the old window kept before the new anchor (merges across token boundaries)
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -43,13 +47,15 @@ class Detokenizer:
             return "", ""
         st = self._state.setdefault(seq.seq_id, _DetokState())
         old = st.text
-        ids = seq.output_token_ids
         if st.stopped:
             return old, ""
-        prefix = self._decode(ids[st.prefix:st.read])
-        window = self._decode(ids[st.prefix:])
-        if len(window) > len(prefix) and (not window.endswith("\ufffd") or seq.finish_reason):
-            st.text, st.prefix, st.read = old + window[len(prefix):], st.read, len(ids)
+        ids = seq.output_token_ids
+        window = self._decode(ids[st.anchor:])
+        if len(window) > len(st.seen) and (not window.endswith("\ufffd") or seq.finish_reason):
+            st.text, st.seen = old + window[len(st.seen):], window
+            if len(ids) - st.anchor > self.REANCHOR:
+                st.anchor = len(ids) - self.CONTEXT
+                st.seen = self._decode(ids[st.anchor:])
         text = st.text
         if seq.params.stop and seq.stop_text_index is None:
             longest = max(len(s) for s in seq.params.stop)
@@ -72,12 +78,12 @@ class Detokenizer:
 
 
 class _DetokState:
-    """Emitted text and the window offsets of one sequence."""
+    """Emitted text, the window anchor and the window text already emitted, of one sequence."""
 
-    __slots__ = ("text", "prefix", "read", "stopped")
+    __slots__ = ("text", "anchor", "seen", "stopped")
 
     def __init__(self):
-        self.text, self.prefix, self.read, self.stopped = "", 0, 0, False
+        self.text, self.anchor, self.seen, self.stopped = "", 0, "", False
 
 
 def make_output(seq: Sequence, delta: list[int], text: str, delta_text: str) -> RequestOutput:
