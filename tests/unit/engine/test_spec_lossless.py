@@ -49,3 +49,30 @@ def test_batch_invariance(target, tokenizer, copy_draft, plain_outputs):
     assert alone == plain_outputs[0] == outs[3].token_ids
     assert outs[0].token_ids == plain_outputs[1]
     assert crowded.scheduler.num_preemptions > 0, "the small cache should force a preemption"
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_row_path_chain_greedy_equals_plain(target, tokenizer, copy_draft, plain_outputs, k):
+    """engine.decode_path='rows' (the GPU path's fixed-shape row step, eager on CPU): plain rows equal the varlen
+    plain output, and the speculative rows (catch-up rows, the greedy chain step, k+1 verification rows a
+    sequence) equal it too, with drafts accepted; the reserved pad block is never handed out."""
+    plain = make_engine(target, tokenizer, decode_path="rows", max_num_seqs=3)
+    assert [o.token_ids for o in plain.generate(PROMPTS, GREEDY)] == plain_outputs
+    engine = make_engine(target, tokenizer, copy_draft, k=k, decode_path="rows", max_num_seqs=3)
+    assert engine.target.kv.num_blocks == engine.blocks.num_blocks + 1, "the pad block must be outside the pool"
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain_outputs
+    assert engine.metrics.spec.num_accepted_tokens > 0
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_row_path_refuses_what_it_cannot_run(target, tokenizer):
+    from eagleray.platform.errors import EaglerayError
+
+    target.tp = type(target.tp)(rank=0, world=2)
+    try:
+        with pytest.raises(EaglerayError, match="decode_path='rows' but the target is tensor-parallel"):
+            make_engine(target, tokenizer, decode_path="rows")
+        assert not make_engine(target, tokenizer, decode_path="auto").use_rows
+    finally:
+        target.tp = type(target.tp)()
