@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -47,12 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write the results here")
 
 
-def _eight_b(device: torch.device, prompts_ids: list[list[int]]):
-    target = LlamaModel.from_config(LLAMA_8B, dtype="bf16", device=device, aux_layer_ids=[2, 16, 29])
+def _eight_b(device: torch.device):
+    """Llama-3.1-8B shapes with random bf16 weights, and a random EAGLE-3 draft for them (shared embedding)."""
     from eagleray.platform.draft_factory import eagle3_config
     from eagleray.platform.target import TargetSpec
 
-    spec = TargetSpec(path=__import__("pathlib").Path("<synthetic 8b>"), config=dict(LLAMA_8B))
+    target = LlamaModel.from_config(LLAMA_8B, dtype="bf16", device=device, aux_layer_ids=[2, 16, 29])
+    spec = TargetSpec(path=Path("<synthetic 8b>"), config=dict(LLAMA_8B))
     draft = Eagle3Draft(eagle3_config(spec, [2, 16, 29]), device=device, dtype=torch.bfloat16).to(device)
     with torch.no_grad():
         for name, p in draft.named_parameters():
@@ -146,7 +148,7 @@ def measure(args: argparse.Namespace) -> dict:
             _, _, tok, _ = load_models(tcfg, None)
             ids = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
                    for m in messages]
-            target, draft = _eight_b(device, ids)
+            target, draft = _eight_b(device)
             _runs(name, target, draft, None, tcfg, [list(i) for i in ids], args, results)
             del target, draft
             torch.cuda.empty_cache() if device.type == "cuda" else None
