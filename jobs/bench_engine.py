@@ -7,7 +7,8 @@ first turns through SmolLM2's chat template; the 8B-shaped target, random bf16, 
 plain, speculative chain k (adaptive off) and speculative with the adaptive policy. Greedy, EOS
 ignored (equal work). Each record: ``model, batch, mode (plain|spec), k, adaptive, tok_s``
 (generated tokens / wall seconds, prefill included), ``decode_tok_s`` and ``step_ms`` (decode
-steps only, from the engine's step metrics), ``predicted_speedup`` (the policy's cost model),
+steps only, from the engine's step metrics; for spec records the speculative steps), ``decode_ratio`` (all
+decode steps of the run, plain and speculative, against the plain run's: what the adaptive policy is judged by), ``predicted_speedup`` (the policy's cost model),
 ``lossless`` (spec outputs equal plain outputs token for token). Engines run with the row step
 (``engine.decode_path``: CUDA graphs of the batch-invariant fused step) unless ``--decode-path``.
 """
@@ -74,7 +75,7 @@ def _runs(name: str, target, draft, tok, tcfg: TargetConfig, prompts: list, args
         token_prompts, plain, t_plain, eng = plain_run(target, tok, tcfg, use, params, b, args.profile,
                                                           args.kv_cache_gib)
         rec = _record(name, b, "plain", 0, False, plain, t_plain, eng, None, None)
-        plain_step = rec["step_ms"]
+        plain_step, plain_decode = rec["step_ms"], rec["decode_tok_s"]
         rec["profile"] = eng.prof.table() if args.profile else None
         _keep(out, rec, args)
         log(f"{name} b{b} plain: {rec['tok_s']} tok/s, decode {rec['decode_tok_s']} tok/s, step {rec['step_ms']} ms "
@@ -87,6 +88,8 @@ def _runs(name: str, target, draft, tok, tcfg: TargetConfig, prompts: list, args
             rec = {"model": name, "batch": b, "mode": "spec", "k": args.k, "adaptive": adaptive,
                    "tok_s": r["spec"]["tokens_per_s"], "plain_tok_s": r["plain"]["tokens_per_s"],
                    "speedup": r["speedup"], "decode_tok_s": r["spec_decode_tokens_per_s"],
+                   "all_decode_tok_s": r["decode_tokens_per_s"],
+                   "decode_ratio": round(r["decode_tokens_per_s"] / plain_decode, 3) if plain_decode else None,
                    "step_ms": r["spec_step_ms"] if r["spec_steps"] else None,
                    "predicted_speedup": _predicted(r, b, args.k, plain_step),
                    "lossless": r["lossless"], "tau": r["tau"], "acceptance_per_pos": r["acceptance_per_pos"],

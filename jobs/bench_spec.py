@@ -117,7 +117,14 @@ def spec_run(target, draft, tok, tcfg: TargetConfig, dcfg: DraftConfig, token_pr
         "spec_steps": engine.metrics.speculative.steps, "plain_steps_in_spec_run": engine.metrics.plain.steps,
         "spec_decode_tokens_per_s": round(engine.metrics.speculative.tokens_per_s, 3),
         "spec_step_ms": round(1e3 * engine.metrics.speculative.seconds / max(engine.metrics.speculative.steps, 1), 4),
+        "decode_tokens_per_s": round(_decode_rate(engine.metrics), 3),  # plain and speculative steps together
     }
+
+
+def _decode_rate(metrics) -> float:
+    tokens = metrics.plain.tokens + metrics.speculative.tokens
+    seconds = metrics.plain.seconds + metrics.speculative.seconds
+    return tokens / seconds if seconds > 0 else 0.0
 
 
 def compare_engines(target, draft, tok, tcfg: TargetConfig, dcfg: DraftConfig, prompts: list, params: SamplingParams,
