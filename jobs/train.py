@@ -4,7 +4,7 @@ Trains an EAGLE-3 draft (eagleray.training: TTT on Ray Train, MLflow run, regist
 With ``evaluate_with_engine: true`` it then measures real acceptance (τ) and speed with eagleray's
 engine bench and logs them to the same MLflow run; that glue lives here, not in training, because
 training may not import serve (DESIGN.md, Layout). The bench is
-:func:`eagleray.jobs.bench_spec.measure`; if it cannot be imported the flag is refused up front.
+:func:`eagleray.jobs.bench.spec.measure`; if it cannot be imported the flag is refused up front.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from eagleray.platform.config import load_yaml_config
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.schemas import TrainingConfig
 
-ENGINE_BENCH = "eagleray.jobs.bench_spec"  # module expected to expose measure(cfg, draft_dir) -> dict of metrics
+ENGINE_BENCH = "eagleray.jobs.bench.spec"  # module expected to expose measure(cfg, draft_dir) -> dict of metrics
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

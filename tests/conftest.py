@@ -35,7 +35,7 @@ os.environ.setdefault("EAGLERAY_HOME", str(REPO / ".cache" / "eagleray"))
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory) -> Path:
     """A tiny random Llama HF directory (8 layers, hidden 64, GQA, tied embeddings)."""
-    from eagleray.platform.tiny import make_tiny_llama
+    from eagleray.tests.support.tiny import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "target")
 

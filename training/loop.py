@@ -51,7 +51,7 @@ def make_optimizer(model: TTTModel, cfg: TrainingConfig):
 
 
 def train_step(net, batch: TTTBatch, opt, sched, amp: bool, grad_clip: float) -> tuple[TTTOutput, float, float]:
-    """One optimiser step (the trainer's, also timed by ``jobs/bench_train``): forward under bf16 autocast
+    """One optimiser step (the trainer's, also timed by ``jobs/bench/train_step``): forward under bf16 autocast
     when ``amp``, backward, grad-norm clip, AdamW step, schedule step.
 
     ``net``: the TTTModel or its DDP wrapper; ``batch`` already on the device. Returns the output,

@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover
 
 MODES = {"plain": 0, "norm": 1, "silu": 2}
 # (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages), else `config()`'s rule. Llama-3.1-8B shapes, best of
-# 18 in a CUDA-graph sweep on an H200 (jobs/gemv_check.py, 2026-11-30); qkv_rope_gemv looks up (N/2, K).
+# 18 in a CUDA-graph sweep on an H200 (jobs/bench/gemv_check.py, 2026-11-30); qkv_rope_gemv looks up (N/2, K).
 CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (3072, 4096): (4, 512, 4, 3), (4096, 4096): (16, 1024, 8, 3), (28672, 4096): (16, 256, 4, 4),
     (4096, 14336): (8, 1024, 4, 3), (128256, 4096): (16, 256, 4, 4)}

@@ -18,7 +18,7 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def peaked_target(tiny_target, tmp_path_factory):
     """The tiny target with 2-D weights x6: peaked logits, so TP's different reduction order cannot flip an argmax."""
-    from eagleray.platform.tiny import scaled_copy
+    from eagleray.tests.support.tiny import scaled_copy
 
     return scaled_copy(tiny_target, tmp_path_factory.mktemp("tp2") / "target")
 

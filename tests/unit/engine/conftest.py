@@ -17,7 +17,7 @@ def _one_thread():
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
-    from eagleray.platform.tiny import make_tiny_llama
+    from eagleray.tests.support.tiny import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("engine") / "target", num_layers=NUM_LAYERS)
 

@@ -15,7 +15,7 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def scaled_dir(tiny_dir, tmp_path_factory):
     """The tiny target on disk with the conftest ``target`` fixture's weights (2-D weights x6)."""
-    from eagleray.platform.tiny import scaled_copy
+    from eagleray.tests.support.tiny import scaled_copy
 
     return scaled_copy(tiny_dir, tmp_path_factory.mktemp("tp") / "target")
 

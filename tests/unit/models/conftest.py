@@ -37,7 +37,7 @@ def write_tiny(out: Path, kind: str, overrides: dict, seed: int = 0) -> Path:
     """Save a random transformers model of ``kind`` (fp32) to ``out``; biases/norms randomised too."""
     from transformers import AutoModelForCausalLM
 
-    from eagleray.platform.tiny import tiny_tokenizer
+    from eagleray.tests.support.tiny import tiny_tokenizer
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_config(kind, overrides)).float().eval()

@@ -18,7 +18,7 @@ from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.models.llama import LlamaModel
 from eagleray.platform.target import TargetSpec
-from eagleray.platform.tiny import make_tiny_llama
+from eagleray.tests.support.tiny import make_tiny_llama
 
 AUX = [1, 2, 4]
 ATOL = 1e-5

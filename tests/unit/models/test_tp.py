@@ -10,7 +10,7 @@ from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.arch import LlamaArch
 from eagleray.platform.models.llama import LlamaModel
 from eagleray.platform.models.tp import TPInfo
-from eagleray.platform.models.tp_check import AUX_IDS, compare
+from eagleray.jobs.bench.tp_check import AUX_IDS, compare
 from eagleray.platform.target import TargetSpec
 
 
@@ -26,7 +26,7 @@ def test_tp2_gloo_equals_single_process(tiny_dirs, tmp_path):
 
 def test_uneven_gqa_groups_tp2_equals_single_process(tmp_path):
     """SmolLM2's case: 3 KV heads (9 query heads) over 2 ranks -> 2 + 1 whole GQA groups."""
-    from eagleray.platform.tiny import make_tiny_llama
+    from eagleray.tests.support.tiny import make_tiny_llama
 
     model_dir = make_tiny_llama(tmp_path / "gqa3", num_layers=4, hidden_size=48, num_heads=6, num_kv_heads=3,
                                 intermediate_size=64)

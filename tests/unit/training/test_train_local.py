@@ -84,7 +84,7 @@ def test_shard_reader_splits_ranks_and_held_out(synthetic_data):
 
 def test_data_dir_of_another_target_is_refused(synthetic_data, tmp_path):
     from eagleray.platform.errors import ConfigError
-    from eagleray.platform.tiny import make_tiny_llama
+    from eagleray.tests.support.tiny import make_tiny_llama
     from eagleray.training.plan import make_plan
 
     other = make_tiny_llama(tmp_path / "other", num_layers=2, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64)

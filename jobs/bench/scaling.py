@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from eagleray.jobs.bench_common import run_suite
-from eagleray.jobs.bench_spec import plain_run, spec_run
+from eagleray.jobs.bench.common import run_suite
+from eagleray.jobs.bench.spec import plain_run, spec_run
 from eagleray.platform.data import load_prompts
 from eagleray.platform.draft import DraftCheckpoint
 from eagleray.platform.errors import EaglerayError

@@ -2,7 +2,7 @@
 
 import json
 
-from eagleray.jobs import bench_gpu
+from eagleray.jobs.bench import gpu as bench_gpu
 
 
 def test_bench_gpu_quick_writes_json(tmp_path):

@@ -1,6 +1,6 @@
 """Scale check of datagen on CPU: 83,288 prompt records through the full pipeline with a tiny target.
 
-``python -m eagleray.jobs.datagen_scale --workdir DIR [--records 83288] [--json docs/bench/datagen-scale-cpu.json]``
+``python -m eagleray.jobs.bench.datagen_scale --workdir DIR [--records 83288] [--json docs/bench/datagen-scale-cpu.json]``
 
 Input: ShareGPT prompt turns (unique by content) topped up to ``--records`` with marked repeats
 ("[repeat k] " + the user text, so each repeat is its own prompt id). Target: a tiny random Llama
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     from eagleray.datagen.pipeline import run_datagen
     from eagleray.platform.schemas import DatagenConfig
-    from eagleray.platform.tiny import make_tiny_llama
+    from eagleray.tests.support.tiny import make_tiny_llama
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     ray.shutdown()
     run_ = manifest["run"]
     out = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {psutil.cpu_count()} cores (shared)",
-           "command": f"python -m eagleray.jobs.datagen_scale --workdir {args.workdir} --records {args.records}",
+           "command": f"python -m eagleray.jobs.bench.datagen_scale --workdir {args.workdir} --records {args.records}",
            "input": counts, "target": "tiny random Llama hidden 32, 4 layers, vocab 384", "max_tokens": 8,
            "rows_written": manifest["rows"], "errors": manifest["errors"], "shards": manifest["shards"],
            "tokens": manifest["tokens"], "bytes": manifest["bytes"], "wall_s": round(wall, 1),
@@ -106,6 +106,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m eagleray.jobs.datagen_scale")
+    parser = argparse.ArgumentParser(prog="python -m eagleray.jobs.bench.datagen_scale")
     add_arguments(parser)
     raise SystemExit(run(parser.parse_args()))

@@ -10,7 +10,7 @@ machine (torch + triton, no vllm there):
   (vllm/v1/worker/gpu/spec_decode/rejection_sampler_utils.py) and the modules it imports, with a
   stub `vllm.triton_utils`. Put `.vllm_kernels` first on sys.path to import it.
 
-Usage: python -m eagleray.kernels.vllm_extract [--src SITE_PACKAGES_VLLM] [--dst .vllm_kernels]
+Usage: python -m eagleray.jobs.bench.vllm_extract [--src SITE_PACKAGES_VLLM] [--dst .vllm_kernels]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""jobs/bench_train: the `train` bench suite runs the trainer's step on a tiny draft (CPU smoke, no timing asserts)."""
+"""jobs/bench/train_step: the `train` bench suite runs the trainer's step on a tiny draft (CPU smoke, no timing asserts)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _one_thread():
 
 
 def test_quick_run_writes_the_json(tmp_path):
-    from eagleray.jobs.bench_train import run
+    from eagleray.jobs.bench.train_step import run
 
     out = tmp_path / "train.json"
     result = run(["--quick", "--json", str(out)])

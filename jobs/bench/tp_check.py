@@ -1,6 +1,6 @@
 """Self-check: a model run tensor-parallel gives the same logits as one process.
 
-``python -m eagleray.platform.models.tp_check MODEL_DIR [--draft DRAFT_DIR] --world 2 --backend gloo``
+``python -m eagleray.jobs.bench.tp_check MODEL_DIR [--draft DRAFT_DIR] --world 2 --backend gloo``
 spawns ``world`` processes (torch.multiprocessing, 127.0.0.1, a free port), runs the target (full
 forward, a paged-cache decode step, greedy decoding) and optionally the EAGLE-3 draft on every
 rank, and compares rank 0's results with a single-process run. Works with gloo (CPU) and NCCL.

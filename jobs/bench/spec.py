@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from eagleray.jobs.bench_common import run_suite
+from eagleray.jobs.bench.common import run_suite
 from eagleray.platform.data import load_prompts
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.schemas import DraftConfig, PolicyConfig, TargetConfig, TreeConfig

@@ -1,4 +1,4 @@
-"""jobs/bench_scaling: drafts of different data sizes against one plain baseline (table, JSON, PNG, MLflow run)."""
+"""jobs/bench/scaling: drafts of different data sizes against one plain baseline (table, JSON, PNG, MLflow run)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_two_drafts_one_baseline_table_json_png_and_mlflow(tmp_path, monkeypatch
     import mlflow
 
     from eagleray.jobs.bench import main
-    from eagleray.platform.tiny import make_tiny_llama
+    from eagleray.tests.support.tiny import make_tiny_llama
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     target = make_tiny_llama(tmp_path / "target", num_layers=4, max_positions=4096)
@@ -51,9 +51,9 @@ def test_two_drafts_one_baseline_table_json_png_and_mlflow(tmp_path, monkeypatch
 
 
 def test_a_draft_without_its_data_size_is_refused(tmp_path):
-    from eagleray.jobs.bench_scaling import draft_facts
+    from eagleray.jobs.bench.scaling import draft_facts
     from eagleray.platform.errors import EaglerayError
-    from eagleray.platform.tiny import make_tiny_llama
+    from eagleray.tests.support.tiny import make_tiny_llama
 
     target = make_tiny_llama(tmp_path / "target", num_layers=4, max_positions=4096)
     with pytest.raises(EaglerayError, match=r"(?s)--drafts: .* records no training data size.*fix: pass drafts written by `eagleray train`"):

@@ -1,6 +1,6 @@
 """GPU check of the batch-invariant decode path: bitwise row invariance, accuracy, and its cost vs cuBLAS.
 
-`python -m eagleray.jobs.invariant_check OUT.json` (on a CUDA machine):
+`python -m eagleray.jobs.bench.invariant_check OUT.json` (on a CUDA machine):
 
 1. :func:`~eagleray.kernels.invariant_linear.invariant_linear` on Llama-3.1-8B and SmolLM2 weight
    shapes (bf16): every row of M = 5, 64, 320 equals the same row computed alone, bit for bit; error
@@ -19,7 +19,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from eagleray.jobs.bench_common import LLAMA_8B, SMOLLM2, log
+from eagleray.jobs.bench.common import LLAMA_8B, SMOLLM2, log
 from eagleray.kernels.invariant_linear import invariant_linear, invariant_linear_reference, plan
 
 SHAPES = {"8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)],

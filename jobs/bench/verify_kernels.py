@@ -1,7 +1,7 @@
 """Benchmark suite `verify`: eagleray's chain verification vs the PyTorch reference and vLLM.
 
 Run: `python -m eagleray.jobs.bench verify [--quick] [--out docs/bench/verify-h200.json]`.
-vLLM's kernels come from `.vllm_kernels/` (made by `python -m eagleray.kernels.vllm_extract`).
+vLLM's kernels come from `.vllm_kernels/` (made by `python -m eagleray.jobs.bench.vllm_extract`).
 
 Roofline: the bytes that must be read once - the logits B*(K+1)*V*elem, plus for sampled rows the
 draft probs B*K*V*4 (the definition under which vLLM's v1 pipeline is 0.18 of a 116.5 us roofline
@@ -215,7 +215,7 @@ def run(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser(prog="eagleray bench verify")
     ap.add_argument("--quick", action="store_true", help="tiny grid (CPU interpreter smoke run)")
     ap.add_argument("--out", type=pathlib.Path, default=None, help="write the JSON here")
-    ap.add_argument("--vllm-kernels", default=".vllm_kernels", help="folder made by kernels/vllm_extract.py")
+    ap.add_argument("--vllm-kernels", default=".vllm_kernels", help="folder made by jobs/bench/vllm_extract.py")
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile-size sweep")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(pathlib.Path(args.vllm_kernels).resolve()))

@@ -1,4 +1,4 @@
-"""jobs/bench_spec.measure: the training hook measures τ and speed of a draft with the engine."""
+"""jobs/bench/spec.measure: the training hook measures τ and speed of a draft with the engine."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ def _one_thread():
 
 
 def test_measure_tiny_target_random_draft(tmp_path):
-    from eagleray.jobs.bench_spec import measure
+    from eagleray.jobs.bench.spec import measure
     from eagleray.platform.draft_factory import make_random_draft
     from eagleray.platform.schemas import TargetConfig, TrainingConfig
     from eagleray.platform.target import TargetSpec
-    from eagleray.platform.tiny import make_tiny_llama
+    from eagleray.tests.support.tiny import make_tiny_llama
 
     target_dir = make_tiny_llama(tmp_path / "target", num_layers=4, max_positions=4096)
     draft_dir = make_random_draft(TargetSpec.from_dir(target_dir), tmp_path / "draft")

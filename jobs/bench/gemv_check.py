@@ -1,6 +1,6 @@
 """GPU check + tile sweep for the batch-1 decode GEMVs, then the decode bench (one device call).
 
-Run: `python -m eagleray.jobs.gemv_check OUT_DIR [bench options]`.
+Run: `python -m eagleray.jobs.bench.gemv_check OUT_DIR [bench options]`.
 
 1. correctness: 8B-shaped random bf16 model, one batch-1 step at context 64: Triton-GEMV step (eager and
    CUDA graph) vs the cuBLAS fused step and the model's own forward: logits relative error, argmax.
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from eagleray.jobs import bench_gpu
+from eagleray.jobs.bench import gpu as bench_gpu
 from eagleray.platform.models import decode_gemv
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.graphs import DecodeGraphRunner

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from eagleray.jobs.bench_common import LLAMA_8B, log, run_suite, write_json
-from eagleray.jobs.bench_spec import plain_run, spec_run
+from eagleray.jobs.bench.common import LLAMA_8B, log, run_suite, write_json
+from eagleray.jobs.bench.spec import plain_run, spec_run
 from eagleray.platform.data import load_prompts
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.eagle3 import Eagle3Draft

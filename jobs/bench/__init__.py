@@ -2,12 +2,12 @@
 
 Suites print a table and write JSON (see each suite's --help). Available: `verify` (Triton
 verification kernels vs the PyTorch reference and vLLM). `train` (EAGLE-3 TTT training
-throughput of a SmolLM2- and an 8B-shaped draft, jobs/bench_train.py). `vllm` (the same EAGLE-3 draft
+throughput of a SmolLM2- and an 8B-shaped draft, jobs/bench/train_step.py). `vllm` (the same EAGLE-3 draft
 in eagleray and in vLLM on CPU, fp32, T=0: τ, acceptance per position, tokens/s and output agreement
-side by side, jobs/bench_vllm.py). `spec` (plain vs speculative decoding in eagleray's engine vs transformers,
-jobs/bench_spec.py). `engine` (the engine on GPU: plain, speculative and adaptive per batch size, SmolLM2
-and 8B shapes, jobs/bench_engine.py). `scaling` (drafts trained on different amounts of data, one plain baseline, τ against
-data size as a table, JSON, PNG and an MLflow run, jobs/bench_scaling.py).
+side by side, jobs/bench/vllm.py). `spec` (plain vs speculative decoding in eagleray's engine vs transformers,
+jobs/bench/spec.py). `engine` (the engine on GPU: plain, speculative and adaptive per batch size, SmolLM2
+and 8B shapes, jobs/bench/engine.py). `scaling` (drafts trained on different amounts of data, one plain baseline, τ against
+data size as a table, JSON, PNG and an MLflow run, jobs/bench/scaling.py).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import importlib
 import sys
 
 # suite name -> module with a `run(argv) -> dict` function
-SUITES = {"verify": "eagleray.kernels.bench_verify", "gpu": "eagleray.jobs.bench_gpu", "spec": "eagleray.jobs.bench_spec",
-          "engine": "eagleray.jobs.bench_engine",
-          "train": "eagleray.jobs.bench_train", "vllm": "eagleray.jobs.bench_vllm",
-          "scaling": "eagleray.jobs.bench_scaling"}
+SUITES = {"verify": "eagleray.jobs.bench.verify_kernels", "gpu": "eagleray.jobs.bench.gpu", "spec": "eagleray.jobs.bench.spec",
+          "engine": "eagleray.jobs.bench.engine",
+          "train": "eagleray.jobs.bench.train_step", "vllm": "eagleray.jobs.bench.vllm",
+          "scaling": "eagleray.jobs.bench.scaling"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,7 +47,7 @@ import time
 
 import torch
 
-from eagleray.jobs.bench_common import LLAMA_8B, SMOLLM2, log, step_times, write_json
+from eagleray.jobs.bench.common import LLAMA_8B, SMOLLM2, log, step_times, write_json
 from eagleray.platform.schemas import TrainingConfig
 from eagleray.platform.target import TargetSpec
 from eagleray.training.build import draft_module, new_draft

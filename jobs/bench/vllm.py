@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from eagleray.jobs.bench_common import run_suite
-from eagleray.jobs.bench_spec import _timed_generate
+from eagleray.jobs.bench.common import run_suite
+from eagleray.jobs.bench.spec import _timed_generate
 from eagleray.platform import registry
 from eagleray.platform.data import load_prompts
 from eagleray.platform.draft import DraftCheckpoint

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from eagleray.jobs.bench_common import LLAMA_8B, SMOLLM2, log, step_times, write_json
+from eagleray.jobs.bench.common import LLAMA_8B, SMOLLM2, log, step_times, write_json
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.graphs import BUCKETS, DecodeGraphRunner
 from eagleray.platform.models.llama import LlamaModel

@@ -17,7 +17,7 @@ def test_bench_verify_quick_writes_json(tmp_path):
     ours = [r for r in data["records"] if r["impl"] == "eagleray"]
     assert ours and all(r["us"] is not None for r in ours)
     assert {r["mode"] for r in ours} == {"greedy", "sampled"}
-    # vLLM's kernels are only present after `python -m eagleray.kernels.vllm_extract`; a missing
+    # vLLM's kernels are only present after `python -m eagleray.jobs.bench.vllm_extract`; a missing
     # peer is recorded as an error in the JSON, never silently dropped.
     peers = [r for r in data["records"] if r["impl"].startswith("vllm")]
     assert peers and all(("error" in r) or r["us"] is not None for r in peers)
