@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from eagleray.platform.errors import EaglerayError
-from eagleray.platform.schemas import DatagenConfig, GenerationConfig
+from eagleray.platform.config.schemas import DatagenConfig, GenerationConfig
 
 
 @dataclass

@@ -24,9 +24,9 @@ from eagleray.datagen.estimate import check_space, estimate, human_bytes, human_
 from eagleray.datagen.prompts import make_chunks, select_prompts
 from eagleray.datagen.regenerate import check_given_sources
 from eagleray.platform.errors import EaglerayError
-from eagleray.platform.schemas import DatagenConfig
-from eagleray.platform.smollm2 import resolve_target
-from eagleray.platform.target import TargetSpec
+from eagleray.platform.config.schemas import DatagenConfig
+from eagleray.platform.checkpoints.target import resolve_target
+from eagleray.platform.checkpoints.target import TargetSpec
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from eagleray.platform.data import PromptRecord, iter_prompts, prompt_turns
-from eagleray.platform.schemas import DatagenConfig
+from eagleray.platform.prompts import PromptRecord, iter_prompts, prompt_turns
+from eagleray.platform.config.schemas import DatagenConfig
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from eagleray.platform.shard_format import SHARD_SCHEMA, SHARDS_DIR, decode_bf16, encode_bf16  # noqa: F401  (re-exported)
+from eagleray.platform.shard_format import SHARD_SCHEMA, SHARDS_DIR, decode_bf16, encode_bf16, shard_files  # noqa: F401  (re-exported)
 
 ERROR_FIELDS = ("prompt_id", "chunk_id", "stage", "kind", "message")
 ERRORS_DIR = "errors"
@@ -87,10 +87,6 @@ def remove_tmp_files(output_dir: str | Path) -> int:
             p.unlink()
             n += 1
     return n
-
-
-def shard_files(output_dir: str | Path) -> list[Path]:
-    return sorted((Path(output_dir) / SHARDS_DIR).glob("shard-*.parquet"))
 
 
 def read_errors(output_dir: str | Path) -> list[dict[str, str]]:

@@ -20,9 +20,10 @@ import torch
 
 from eagleray.datagen import shards
 from eagleray.datagen.backends import batch_seed, make_generator
-from eagleray.datagen.template import RowError, Tokenized, prompt_ids, tokenize_with_mask
-from eagleray.platform.schemas import DatagenConfig
-from eagleray.platform.smollm2 import resolve_target
+from eagleray.platform.prompts.template import RowError, Tokenized, prompt_ids, tokenize_with_mask
+from eagleray.platform.config.schemas import DatagenConfig
+from eagleray.platform.checkpoints.target import resolve_target
+from eagleray.platform.host import pick_device
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +42,7 @@ def _error(pid: str, chunk: str, stage: str, kind: str, message: str) -> str:
 
 
 def _device(cfg: DatagenConfig) -> str:
-    if cfg.target.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return cfg.target.device
+    return pick_device(cfg.target.device).type
 
 
 def _set_threads(cfg: DatagenConfig) -> None:

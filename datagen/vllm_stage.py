@@ -11,7 +11,7 @@ import json
 import pyarrow as pa
 
 from eagleray.datagen.backends import vllm_regenerate
-from eagleray.platform.schemas import DatagenConfig
+from eagleray.platform.config.schemas import DatagenConfig
 
 
 def _flatten(chunk: dict) -> list[dict]:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eagleray.platform.cli import run_job
-from eagleray.platform.config import load_yaml_config
-from eagleray.platform.schemas import DatagenConfig
+from eagleray.jobs.cli import run_job
+from eagleray.platform.config.load import load_yaml_config
+from eagleray.platform.config.schemas import DatagenConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -13,11 +13,11 @@ import json
 import logging
 import sys
 
-from eagleray.platform.cli import run_job
+from eagleray.jobs.cli import run_job
 from eagleray.platform import registry
-from eagleray.platform.config import load_yaml_config
+from eagleray.platform.config.load import load_yaml_config
 from eagleray.platform.errors import EaglerayError
-from eagleray.platform.schemas import PromotionConfig
+from eagleray.platform.config.schemas import PromotionConfig
 
 logger = logging.getLogger(__name__)
 
@@ -53,17 +53,16 @@ def tags_of(result: dict) -> dict[str, str]:
 def promote(cfg: PromotionConfig) -> dict:
     """Measure, decide, record; returns everything measured and decided."""
     from eagleray.serve.promotion import Bench, decide
-    from eagleray.serve.draft_source import resolve
 
     registry.configure(cfg.mlflow.tracking_uri)
-    cand = resolve(cfg.candidate, cfg.mlflow)
+    cand = registry.resolve_draft(cfg.candidate, tracking_uri=cfg.mlflow.tracking_uri)
     cand_name, cand_version = cand.version.split("/", 1) if registry.is_registry_uri(cfg.candidate) else (None, None)
     champ = champion_of(cfg, cand_version if cand_name == cfg.mlflow.registered_model else None)
     bench = Bench(cfg)
     plain = bench.measure("plain", None, None)
     champion = None
     if champ is not None:
-        champion = bench.measure("champion", resolve(champ.uri, cfg.mlflow).path, champ.version)
+        champion = bench.measure("champion", registry.resolve_draft(champ.uri, tracking_uri=cfg.mlflow.tracking_uri).path, champ.version)
     candidate = bench.measure("candidate", cand.path, cand.version)
     decision = decide(candidate, champion, plain, cfg)
     result = {"candidate": candidate.to_dict(), "champion": champion.to_dict() if champion else None,

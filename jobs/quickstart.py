@@ -22,13 +22,13 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from eagleray.platform.cli import run_job
-from eagleray.platform.guard import check_compatibility
+from eagleray.jobs.cli import run_job
+from eagleray.platform.checkpoints.guard import check_compatibility
 from eagleray.platform.paths import eagleray_home
-from eagleray.platform.schemas import (DatagenConfig, DraftConfig, GenerationConfig, MlflowConfig, PromotionConfig,
+from eagleray.platform.config.schemas import (DatagenConfig, DraftConfig, GenerationConfig, MlflowConfig, PromotionConfig,
                                        ServingConfig, TargetConfig, TrainingConfig)
-from eagleray.platform.smollm2 import smollm2_dir
-from eagleray.platform.target import TargetSpec
+from eagleray.platform.checkpoints.smollm2 import smollm2_dir
+from eagleray.platform.checkpoints.target import TargetSpec
 
 MODEL_NAME = "quickstart-smollm2-eagle3"
 STEPS = 6
@@ -103,7 +103,7 @@ class Steps:
 
 
 def _guard_demo(target: TargetSpec, work: Path) -> None:
-    from eagleray.platform.draft_factory import make_random_draft
+    from eagleray.platform.checkpoints.draft_factory import make_random_draft
 
     draft = make_random_draft(target, work / "draft-random", draft_vocab_size=4096)
     for problem in check_compatibility(target, draft, algorithm="eagle").problems:

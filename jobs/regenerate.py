@@ -12,9 +12,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from eagleray.platform.cli import run_job
-from eagleray.platform.config import load_yaml_config
-from eagleray.platform.schemas import DatagenConfig
+from eagleray.jobs.cli import run_job
+from eagleray.platform.config.load import load_yaml_config
+from eagleray.platform.config.schemas import DatagenConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from eagleray.datagen.regenerate import regenerate, write_prompts
-    from eagleray.serve.engine.loader import pick_device
+    from eagleray.platform.host import pick_device
 
     cfg = load_yaml_config(DatagenConfig, args.config, args.set)
     if args.prompts_only:

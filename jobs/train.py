@@ -14,10 +14,10 @@ import importlib
 import importlib.util
 import sys
 
-from eagleray.platform.cli import run_job
-from eagleray.platform.config import load_yaml_config
+from eagleray.jobs.cli import run_job
+from eagleray.platform.config.load import load_yaml_config
 from eagleray.platform.errors import EaglerayError
-from eagleray.platform.schemas import TrainingConfig
+from eagleray.platform.config.schemas import TrainingConfig
 
 ENGINE_BENCH = "eagleray.jobs.bench.spec"  # module expected to expose measure(cfg, draft_dir) -> dict of metrics
 

@@ -23,12 +23,12 @@ from ray.serve import Application
 
 from pathlib import Path
 
-from eagleray.platform.config import StrictModel, load_yaml_config, parse_config
-from eagleray.platform.guard import ensure_compatible
+from eagleray.platform.config.load import StrictModel, load_yaml_config, parse_config
+from eagleray.platform.checkpoints.guard import ensure_compatible
 from eagleray.platform.registry import is_registry_uri
-from eagleray.platform.schemas import ServingConfig
-from eagleray.platform.smollm2 import resolve_target
-from eagleray.platform.target import TargetSpec
+from eagleray.platform.config.schemas import ServingConfig
+from eagleray.platform.checkpoints.target import resolve_target
+from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.serve.engine_server import EngineServer
 from eagleray.serve.ingress import OpenAIIngress, app as fastapi_app
 

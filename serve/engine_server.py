@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import tempfile
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 from pydantic import Field
 
-from eagleray.platform.config import StrictModel, parse_config
-from eagleray.platform.draft_factory import make_random_draft
+from eagleray.platform.config.load import StrictModel, parse_config
 from eagleray.platform.errors import EaglerayError
-from eagleray.platform.schemas import ServingConfig
-from eagleray.platform.smollm2 import resolve_target
-from eagleray.platform.target import TargetSpec
-from eagleray.serve.draft_source import ResolvedDraft, registry_version, resolve
+from eagleray.platform.registry import ResolvedDraft, registry_version, resolve_draft
+from eagleray.platform.config.schemas import ServingConfig
+from eagleray.platform.checkpoints.target import resolve_target
+from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.serve.engine.config import EngineConfig
 from eagleray.serve.engine.engine import LLMEngine
 from eagleray.serve.engine.sampling import SamplingParams
@@ -44,10 +41,7 @@ def initial_draft(cfg: ServingConfig, spec: TargetSpec) -> ResolvedDraft | None:
     """The start-up draft: 'random' is written for the target; anything else is resolved."""
     if cfg.draft is None:
         return None
-    if cfg.draft.source == "random":
-        out = Path(tempfile.mkdtemp(prefix="eagleray-serve-")) / "random-draft"
-        return ResolvedDraft(make_random_draft(spec, out), "random", "random")
-    return resolve(cfg.draft.source, cfg.mlflow)
+    return resolve_draft(cfg.draft.source, spec, tracking_uri=cfg.mlflow.tracking_uri)
 
 
 def replica_tp_launch(tensor_parallel_size: int) -> TPLaunch | None:
@@ -195,7 +189,7 @@ class EngineServer:
         while True:
             await asyncio.sleep(every)
             try:
-                version = f"{name}/{await asyncio.to_thread(registry_version, uri, self.cfg.mlflow)}"
+                version = f"{name}/{await asyncio.to_thread(registry_version, uri, self.cfg.mlflow.tracking_uri)}"
             except Exception as err:  # noqa: BLE001 - registry unreachable: logged and counted, poll again
                 logger.warning("alias poll of %s failed: %s", uri, err)
                 self.metrics.record_swap("poll_error")

@@ -21,11 +21,11 @@ import time
 from dataclasses import dataclass, field
 
 from eagleray.platform.errors import EaglerayError, Problem
-from eagleray.platform.guard import check_compatibility
+from eagleray.platform.registry import ResolvedDraft, resolve_draft
+from eagleray.platform.checkpoints.guard import check_compatibility
 from eagleray.platform.models.eagle3 import Eagle3Draft
-from eagleray.platform.schemas import ServingConfig
-from eagleray.platform.target import TargetSpec
-from eagleray.serve.draft_source import ResolvedDraft, resolve
+from eagleray.platform.config.schemas import ServingConfig
+from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.serve.engine.engine import LLMEngine
 from eagleray.serve.engine.loader import load_draft
 from eagleray.serve.engine.async_engine import AsyncEngine
@@ -96,7 +96,7 @@ class DraftManager:
 
     def resolve(self, source: str) -> ResolvedDraft:
         try:
-            return resolve(source, self.cfg.mlflow)
+            return resolve_draft(source, self.spec, tracking_uri=self.cfg.mlflow.tracking_uri)
         except EaglerayError as err:
             raise SwapRefused("failed_load", f"cannot resolve draft source {source!r}: {err}") from err
 

@@ -25,8 +25,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from eagleray.platform.config import StrictModel, parse_config
-from eagleray.platform.schemas import ServingConfig
+from eagleray.platform.config.load import StrictModel, parse_config
+from eagleray.platform.config.schemas import ServingConfig
 from eagleray.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from eagleray.serve.request_body import parse_body
 from eagleray.serve.responses import SSE_DONE, Delta, ResponseBuilder, sse

@@ -9,20 +9,14 @@ For the quickstart and the integration tests::
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
 from eagleray.platform.errors import EaglerayError
-from eagleray.platform.schemas import ServingConfig
+from eagleray.platform.host import free_port
+from eagleray.platform.config.schemas import ServingConfig
 
 APP_NAME = "eagleray"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_local(cfg: ServingConfig, port: int | None = None, *, num_cpus: int | None = None,

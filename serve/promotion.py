@@ -17,12 +17,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagleray.platform.data import load_prompts
+from eagleray.platform.prompts import load_prompts
 from eagleray.platform.errors import CompatibilityError, EaglerayError
-from eagleray.platform.guard import check_compatibility
+from eagleray.platform.checkpoints.guard import check_compatibility
 from eagleray.platform.models.eagle3 import Eagle3Draft
-from eagleray.platform.schemas import DraftConfig, PolicyConfig, PromotionConfig
-from eagleray.platform.target import TargetSpec
+from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, PromotionConfig
+from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.serve.engine.config import EngineConfig
 from eagleray.serve.engine.engine import LLMEngine
 from eagleray.serve.engine.loader import load_models
@@ -95,7 +95,7 @@ class Bench:
 
     @property
     def target_dir(self) -> str:
-        from eagleray.platform.smollm2 import resolve_target
+        from eagleray.platform.checkpoints.target import resolve_target
 
         return str(resolve_target(self.cfg.target.model, self.cfg.target.dtype))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.eagle3 import Eagle3Draft
-from eagleray.platform.schemas import DraftConfig, PolicyConfig
+from eagleray.platform.config.schemas import DraftConfig, PolicyConfig
 from eagleray.serve.engine.config import EngineConfig
 from eagleray.serve.engine.engine import LLMEngine
 from eagleray.serve.engine.sampling import SamplingParams

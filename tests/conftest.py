@@ -43,6 +43,6 @@ def tiny_target(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_fp32() -> Path:
     """The real SmolLM2-135M-Instruct converted to an fp32 HF directory (once per cache)."""
-    from eagleray.platform.smollm2 import smollm2_dir
+    from eagleray.platform.checkpoints.smollm2 import smollm2_dir
 
     return smollm2_dir("fp32")

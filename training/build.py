@@ -1,8 +1,8 @@
 """Build a new trainable EAGLE-3 draft for a target, and export it in the vLLM-loadable format.
 
-- config: :func:`eagleray.platform.draft_factory.eagle3_config` (layer shapes and rope follow the target);
+- config: :func:`eagleray.platform.checkpoints.draft_factory.eagle3_config` (layer shapes and rope follow the target);
 - draft vocab: the ``draft_vocab_size`` most frequent loss-masked tokens of the training data
-  (datagen's ``vocab_counts.npy``) -> ``d2t``/``t2d`` (:func:`~eagleray.platform.draft_factory.vocab_map`);
+  (datagen's ``vocab_counts.npy``) -> ``d2t``/``t2d`` (:func:`~eagleray.platform.checkpoints.draft_factory.vocab_map`);
 - embedding: the target's, frozen, not saved (vLLM/eagleray share the target's at load time);
 - lm_head: initialised from the target's lm_head rows of the draft vocab (``init_lm_head_from_target``),
   other linears N(0, 0.02), norms 1.
@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from eagleray.platform.draft import DraftCheckpoint, DraftMetadata, save_draft
-from eagleray.platform.draft_factory import eagle3_config, random_eagle3_tensors, vocab_map
+from eagleray.platform.checkpoints.draft import DraftCheckpoint, DraftMetadata, save_draft
+from eagleray.platform.checkpoints.draft_factory import eagle3_config, random_eagle3_tensors, vocab_map
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.models.tp import TPInfo
-from eagleray.platform.target import TargetSpec
+from eagleray.platform.checkpoints.target import TargetSpec
 
 EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight")
 HEAD_NAMES = ("lm_head.weight",)

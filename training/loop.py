@@ -19,7 +19,7 @@ from typing import Any, Iterable
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from eagleray.platform.schemas import TrainingConfig
+from eagleray.platform.config.schemas import TrainingConfig
 from eagleray.training.build import draft_module, export
 from eagleray.training.plan import Plan, batch_streams, make_plan
 from eagleray.training.session import Session

@@ -14,29 +14,26 @@ from pathlib import Path
 
 import torch
 
-from eagleray.platform.data.loader import iter_prompts
+from eagleray.platform.prompts.sources import iter_prompts
+from eagleray.platform.prompts.template import RowError, tokenize_with_mask
 from eagleray.platform.errors import DataError
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.llama import LlamaModel
-from eagleray.platform.schemas import TrainingConfig
+from eagleray.platform.config.schemas import TrainingConfig
 from eagleray.training.data import Row, group, is_eval, pad_hidden, pad_tokens
 from eagleray.training.ttt import TTTBatch
 
 
 def tokenize(tok, messages: list[dict], max_seq_len: int) -> tuple[list[int], list[int]] | None:
-    """(input_ids, loss_mask) of a conversation ending with an assistant message; None if it does not."""
+    """(input_ids, loss_mask) of a conversation ending with an assistant message (the loss mask datagen
+    writes, :func:`~eagleray.platform.prompts.template.tokenize_with_mask`); None if it does not end so."""
     if len(messages) < 2 or messages[-1]["role"] != "assistant":
         return None
-    prefix = list(tok.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"])
-    full = list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=False, return_dict=True)["input_ids"])
-    if full[:len(prefix)] != prefix:
+    try:
+        t = tokenize_with_mask(tok, messages[:-1], messages[-1]["content"], max_seq_len)
+    except RowError:  # the template of prompt + answer does not start with the templated prompt
         return None
-    end = len(full)
-    tail = full[len(prefix):]
-    if tok.eos_token_id is not None and tok.eos_token_id in tail:
-        end = len(prefix) + tail.index(tok.eos_token_id) + 1
-    mask = [0] * len(prefix) + [1] * (end - len(prefix)) + [0] * (len(full) - end)
-    return full[:max_seq_len], mask[:max_seq_len]
+    return t.input_ids, t.loss_mask
 
 
 def iter_online_rows(cfg: TrainingConfig, tok, *, split: str = "train") -> Iterator[Row]:

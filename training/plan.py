@@ -10,11 +10,12 @@ from typing import Any, Iterator
 
 import torch
 
-from eagleray.platform.draft import DraftMetadata
+from eagleray.platform.checkpoints.draft import DraftMetadata
 from eagleray.platform.errors import ConfigError, Problem
-from eagleray.platform.schemas import TrainingConfig
-from eagleray.platform.smollm2 import resolve_target
-from eagleray.platform.target import TargetSpec
+from eagleray.platform.config.schemas import TrainingConfig
+from eagleray.platform.shard_format import SHARDS_GLOB
+from eagleray.platform.checkpoints.target import resolve_target
+from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.training import data
 from eagleray.training.build import DraftInit, from_checkpoint, new_draft, target_embed_and_head
 from eagleray.training.ttt import TTTBatch
@@ -64,6 +65,8 @@ def _offline_data(cfg: TrainingConfig, spec: TargetSpec) -> tuple[list[int], str
         _fail("aux_layer_ids", f"is {cfg.aux_layer_ids} but the shards hold layers {aux}",
               "leave aux_layer_ids unset (the dataset decides) or regenerate the data with these layers")
     files = data.shard_files(cfg.data_dir)
+    if not files:
+        _fail("data_dir", f"holds no {SHARDS_GLOB}", "run datagen into this directory first")
     if cfg.max_shards is None:
         return aux, manifest.get("dataset_id"), data.read_vocab_counts(cfg.data_dir), files
     if cfg.max_shards > len(files):
@@ -111,7 +114,7 @@ def _data_size(files: list[Path], counts: torch.Tensor) -> dict[str, int]:
 def _init_from(cfg: TrainingConfig, aux: list[int]) -> DraftInit:
     from eagleray.platform.registry import resolve_draft
 
-    init = from_checkpoint(resolve_draft(cfg.init_from))
+    init = from_checkpoint(resolve_draft(cfg.init_from).path)
     got = (init.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if got != aux:
         _fail("init_from", f"the draft reads aux layers {got} but the data holds {aux}", "start from a draft trained on these layers")

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from eagleray.platform.host import pick_device
+
 
 class Session:
     rank: int = 0
@@ -45,7 +47,7 @@ class LocalSession(Session):
 
     root: Path
     keep: int = 2
-    device: torch.device = field(default_factory=lambda: torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    device: torch.device = field(default_factory=pick_device)
     reports: list[dict[str, Any]] = field(default_factory=list)
     last_checkpoint: Path | None = None
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from eagleray.platform import registry
-from eagleray.platform.schemas import TrainingConfig
+from eagleray.platform.config.schemas import TrainingConfig
 
 DRAFT_ARTIFACT = "draft"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eagleray.platform.registry import DraftVersion
-from eagleray.platform.schemas import TrainingConfig
+from eagleray.platform.config.schemas import TrainingConfig
 from eagleray.training.loop import DRAFT, train_worker
 from eagleray.training.session import LocalSession
 

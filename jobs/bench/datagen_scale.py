@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_input(path: Path, records: int) -> dict:
     """Write the prompt JSONL; returns how many records are unique ShareGPT turns and repeats."""
-    from eagleray.platform.data import iter_prompts, prompt_turns
+    from eagleray.platform.prompts import iter_prompts, prompt_turns
 
     seen, turns = set(), []
     for rec in iter_prompts("sharegpt"):
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from eagleray.datagen.pipeline import run_datagen
-    from eagleray.platform.schemas import DatagenConfig
+    from eagleray.platform.config.schemas import DatagenConfig
     from eagleray.tests.support.tiny import make_tiny_llama
 
     work = Path(args.workdir)

@@ -24,11 +24,11 @@ import torch
 
 from eagleray.jobs.bench.common import LLAMA_8B, log, run_suite, write_json
 from eagleray.jobs.bench.spec import plain_run, spec_run
-from eagleray.platform.data import load_prompts
+from eagleray.platform.prompts import load_prompts
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.models.llama import LlamaModel
-from eagleray.platform.schemas import DraftConfig, PolicyConfig, TargetConfig
+from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TargetConfig
 from eagleray.serve.engine import SamplingParams
 from eagleray.serve.engine.loader import load_models
 
@@ -51,8 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _eight_b(device: torch.device):
     """Llama-3.1-8B shapes with random bf16 weights, and a random EAGLE-3 draft for them (shared embedding)."""
-    from eagleray.platform.draft_factory import eagle3_config
-    from eagleray.platform.target import TargetSpec
+    from eagleray.platform.checkpoints.draft_factory import eagle3_config
+    from eagleray.platform.checkpoints.target import TargetSpec
 
     target = LlamaModel.from_config(LLAMA_8B, dtype="bf16", device=device, aux_layer_ids=[2, 16, 29])
     spec = TargetSpec(path=Path("<synthetic 8b>"), config=dict(LLAMA_8B))

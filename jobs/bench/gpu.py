@@ -29,6 +29,7 @@ import time
 import torch
 
 from eagleray.jobs.bench.common import LLAMA_8B, SMOLLM2, log, step_times, write_json
+from eagleray.platform.host import pick_device
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.graphs import BUCKETS, DecodeGraphRunner
 from eagleray.platform.models.llama import LlamaModel
@@ -250,7 +251,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def run(argv: list[str]) -> dict:
     args = parse(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device()
     skip = set(filter(None, args.skip.split(",")))
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

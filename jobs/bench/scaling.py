@@ -24,13 +24,13 @@ import torch
 
 from eagleray.jobs.bench.common import run_suite
 from eagleray.jobs.bench.spec import plain_run, spec_run
-from eagleray.platform.data import load_prompts
-from eagleray.platform.draft import DraftCheckpoint
+from eagleray.platform.prompts import load_prompts
+from eagleray.platform.checkpoints.draft import DraftCheckpoint
 from eagleray.platform.errors import EaglerayError
-from eagleray.platform.guard import ensure_compatible
-from eagleray.platform.schemas import DraftConfig, PolicyConfig, TargetConfig
-from eagleray.platform.smollm2 import resolve_target
-from eagleray.platform.target import TargetSpec
+from eagleray.platform.checkpoints.guard import ensure_compatible
+from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TargetConfig
+from eagleray.platform.checkpoints.target import resolve_target
+from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.serve.engine import SamplingParams
 from eagleray.serve.engine.loader import close_target, load_draft, load_models
 

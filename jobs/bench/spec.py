@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from eagleray.jobs.bench.common import run_suite
-from eagleray.platform.data import load_prompts
+from eagleray.platform.prompts import load_prompts
 from eagleray.platform.errors import EaglerayError
-from eagleray.platform.schemas import DraftConfig, PolicyConfig, TargetConfig, TreeConfig
+from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TargetConfig, TreeConfig
 from eagleray.serve.engine import EngineConfig, LLMEngine, SamplingParams
 from eagleray.serve.engine.loader import close_target, load_models
 
@@ -222,7 +222,7 @@ def measure(cfg, draft_dir, *, suites: tuple[str, ...] = ("mtbench", "humaneval"
 
 
 def target_dir_of(args) -> Path:
-    from eagleray.platform.smollm2 import resolve_target
+    from eagleray.platform.checkpoints.target import resolve_target
 
     return resolve_target(args.target, args.dtype)
 

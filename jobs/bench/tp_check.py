@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import tempfile
 from pathlib import Path
 
@@ -19,16 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from eagleray.platform.host import free_port
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.tp import TPInfo
 
 AUX_IDS = [1, 2]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _device(backend: str, rank: int) -> torch.device:

@@ -48,8 +48,9 @@ import time
 import torch
 
 from eagleray.jobs.bench.common import LLAMA_8B, SMOLLM2, log, step_times, write_json
-from eagleray.platform.schemas import TrainingConfig
-from eagleray.platform.target import TargetSpec
+from eagleray.platform.config.schemas import TrainingConfig
+from eagleray.platform.host import pick_device
+from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.training.build import draft_module, new_draft
 from eagleray.training.loop import make_optimizer, train_step, use_bf16
 from eagleray.training.ttt import TTTBatch, TTTModel
@@ -196,7 +197,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def run(argv: list[str]) -> dict:
     args = parse(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = pick_device(args.device or "auto", "--device")
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 torch=torch.__version__, command="python -m eagleray.jobs.bench train " + " ".join(argv),

@@ -25,6 +25,7 @@ import triton
 
 from eagleray.kernels.verify_chain import verify_chain, verify_chain_reference
 from eagleray.kernels.verify_common import DEFAULT_CONFIG, LaunchConfig
+from eagleray.platform.host import pick_device
 
 FULL_GRID = dict(B=(1, 8, 64, 256), K=(1, 3, 7), V=(32000, 128256), dtype=("fp32", "bf16"), mode=("greedy", "sampled"))
 QUICK_GRID = dict(B=(1, 4), K=(1, 3), V=(64,), dtype=("fp32", "bf16"), mode=("greedy", "sampled"))
@@ -219,7 +220,7 @@ def run(argv: list[str]) -> dict:
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile-size sweep")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(pathlib.Path(args.vllm_kernels).resolve()))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device()
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (TRITON_INTERPRET)",
                 torch=torch.__version__, triton=triton.__version__,
@@ -240,20 +241,3 @@ def run(argv: list[str]) -> dict:
         args.out.write_text(json.dumps(result, indent=1))
         print(f"wrote {args.out}")
     return result
-
-
-def markdown_table(result: dict) -> str:
-    """BENCHMARKS.md table: one line per case, microseconds (roofline fraction) per impl."""
-    rows = {}
-    for r in result["records"]:
-        key = (r["mode"], r["B"], r["K"], r["V"], r["dtype"])
-        cell = "error" if r["us"] is None else f"{r['us']:.1f} ({r['roofline_fraction']:.2f})"
-        rows.setdefault(key, {})[r["impl"]] = cell
-        rows[key]["roof"] = r.get("roofline_us")
-    lines = ["| mode | B | K | V | dtype | roofline us | " + " | ".join(IMPLS) + " |",
-             "|---|---|---|---|---|---|" + "---|" * len(IMPLS)]
-    for key in sorted(rows):
-        cells = rows[key]
-        lines.append("| " + " | ".join(str(x) for x in key) + f" | {cells['roof']} | "
-                     + " | ".join(cells.get(i, "-") for i in IMPLS) + " |")
-    return "\n".join(lines)

@@ -27,13 +27,12 @@ import torch
 from eagleray.jobs.bench.common import run_suite
 from eagleray.jobs.bench.spec import _timed_generate
 from eagleray.platform import registry
-from eagleray.platform.data import load_prompts
-from eagleray.platform.draft import DraftCheckpoint
-from eagleray.platform.draft_factory import make_random_draft
+from eagleray.platform.prompts import load_prompts
+from eagleray.platform.checkpoints.draft import DraftCheckpoint
 from eagleray.platform.errors import EaglerayError
-from eagleray.platform.schemas import DraftConfig, PolicyConfig, TargetConfig
-from eagleray.platform.smollm2 import resolve_target
-from eagleray.platform.target import TargetSpec
+from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TargetConfig
+from eagleray.platform.checkpoints.target import resolve_target
+from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.serve.engine import EngineConfig, LLMEngine, SamplingParams
 from eagleray.serve.engine.loader import close_target, load_models
 
@@ -57,16 +56,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write the results here (default: print only)")
 
 
-def resolve_draft_dir(source: str, target_dir: Path, workdir: Path) -> Path:
-    """'random' -> an untrained draft for the target; models:/ -> downloaded; a directory -> itself."""
-    if source == "random":
-        return make_random_draft(TargetSpec.from_dir(target_dir), workdir / "random-draft")
-    if registry.is_registry_uri(source):
-        registry.configure()
-        return registry.resolve_draft(source, workdir / "registry-draft")
-    return registry.resolve_draft(source)
-
-
 def vllm_aux_layer_ids(ckpt: DraftCheckpoint, num_layers: int) -> list[int]:
     """The target layers vLLM captures for this draft, read the way vLLM reads them.
 
@@ -88,12 +77,12 @@ def check_vllm_loadable(ckpt: DraftCheckpoint, num_layers: int) -> list[int]:
         # renames d2t to it -> "There is no module or parameter named 'draft_id_to_target_id'".
         raise EaglerayError(f"draft.weights.d2t: {ckpt.path} is a full-vocabulary draft (draft_vocab_size == vocab_size == {vocab}) "
                             f"that stores d2t/t2d, which vLLM cannot load\n"
-                            f"    fix: re-save it with eagleray.platform.draft.save_draft (it drops the identity maps)")
+                            f"    fix: re-save it with eagleray.platform.checkpoints.draft.save_draft (it drops the identity maps)")
     ids, ours = vllm_aux_layer_ids(ckpt, num_layers), ckpt.aux_layer_ids  # ours: eagle_config, else the eagleray block
     if ours is not None and ids != sorted(ours):  # None: eagleray's guard names the missing field
         raise EaglerayError(f"{AUX_FIELD}: vLLM would capture target layers {ids} but eagleray feeds the draft {sorted(ours)}, "
                             f"so the two τ cannot be compared\n"
-                            f"    fix: write the draft's aux layer ids into {AUX_FIELD} (eagleray.platform.draft_factory.eagle3_config does)")
+                            f"    fix: write the draft's aux layer ids into {AUX_FIELD} (eagleray.platform.checkpoints.draft_factory.eagle3_config does)")
     return ids
 
 
@@ -215,7 +204,7 @@ def measure(args) -> dict:
         raise EaglerayError(f"--prompts {args.prompts!r} gave no prompts\n    fix: pass mtbench, humaneval or a non-empty file")
     target_dir = resolve_target(args.target, "fp32")
     with tempfile.TemporaryDirectory(prefix="eagleray-bench-vllm-") as work:
-        draft_dir = resolve_draft_dir(args.draft, target_dir, Path(work))
+        draft_dir = registry.resolve_draft(args.draft, TargetSpec.from_dir(target_dir), workdir=work).path
         ckpt = DraftCheckpoint.open(draft_dir)
         check_vllm_loadable(ckpt, TargetSpec.from_dir(target_dir).num_layers)
         token_prompts = tokenize(target_dir, messages)

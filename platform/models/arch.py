@@ -13,7 +13,7 @@ import torch
 
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.rope import SUPPORTED_ROPE_TYPES
-from eagleray.platform.target import SUPPORTED_TARGET_TYPES, rope_of
+from eagleray.platform.checkpoints.target import SUPPORTED_TARGET_TYPES, rope_of
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from eagleray.platform.draft import DraftCheckpoint
+from eagleray.platform.checkpoints.draft import DraftCheckpoint
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.arch import LlamaArch, parse_dtype
 from eagleray.platform.models.attention import AttentionMetadata, KVCache

@@ -28,7 +28,7 @@ from eagleray.platform.models.attention import AttentionMetadata, KVCache
 from eagleray.platform.models.layers import DecoderLayer, RMSNorm
 from eagleray.platform.models.tp import ParallelLMHead, TPInfo, VocabParallelEmbedding
 from eagleray.platform.models.weights import iter_safetensors, load_weights
-from eagleray.platform.target import TargetSpec
+from eagleray.platform.checkpoints.target import TargetSpec
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 

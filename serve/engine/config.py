@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from eagleray.platform.config import StrictModel
-from eagleray.platform.schemas import DraftConfig, TargetConfig
+from eagleray.platform.config.load import StrictModel
+from eagleray.platform.config.schemas import DraftConfig, TargetConfig
 
 
 class EngineConfig(StrictModel):

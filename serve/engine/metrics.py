@@ -68,13 +68,3 @@ class EngineMetrics:
             "num_requests_finished": self.num_requests_finished,
             "num_preemptions": self.num_preemptions,
         }
-
-    def prometheus(self, prefix: str = "eagleray:") -> str:
-        """Prometheus text exposition of :meth:`snapshot` (per-position counts as a labelled series)."""
-        lines = []
-        for name, value in self.snapshot().items():
-            if isinstance(value, list):
-                lines += [f'{prefix}{name}{{position="{i}"}} {v}' for i, v in enumerate(value)]
-            else:
-                lines.append(f"{prefix}{name} {value}")
-        return "\n".join(lines) + "\n"

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from eagleray.platform.schemas import PolicyConfig
+from eagleray.platform.config.schemas import PolicyConfig
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from eagleray.platform.config import problems_from_validation
+from eagleray.platform.config.load import problems_from_validation
 from eagleray.platform.errors import ConfigError
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagleray.platform.guard import assert_aux_shape
+from eagleray.platform.checkpoints.guard import assert_aux_shape
 from eagleray.serve.engine.model_runner import DecodeRows, DraftRunner, ForwardBatch, TargetRunner, block_table_tensor
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.sampling import filter_logits, scaled_probs

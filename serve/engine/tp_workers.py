@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue as queue_mod
-import socket
 import traceback
 from datetime import timedelta
 from typing import Any, Literal
@@ -36,6 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from eagleray.platform.errors import EaglerayError
+from eagleray.platform.host import free_port
 from eagleray.platform.models.tp import TPInfo
 
 logger = logging.getLogger(__name__)
@@ -59,12 +59,6 @@ class TPLaunch:
         if (self.backend == "ray") != (self.placement_group is not None):
             raise EaglerayError(f"tensor-parallel backend {self.backend!r} with placement_group={self.placement_group!r}\n"
                                 f"    fix: the 'ray' backend needs the deployment's placement group; 'mp' takes none")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def backend_for(device: torch.device) -> str:

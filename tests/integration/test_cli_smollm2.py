@@ -6,7 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 BIN = Path(sys.executable).parent / "eagleray"
 
@@ -27,8 +26,8 @@ def test_models_prints_ready_directory(smollm2_fp32):
 
 
 def test_bf16_and_fp32_share_a_fingerprint(smollm2_fp32):
-    from eagleray.platform.smollm2 import smollm2_dir
-    from eagleray.platform.target import TargetSpec
+    from eagleray.platform.checkpoints.smollm2 import smollm2_dir
+    from eagleray.platform.checkpoints.target import TargetSpec
     bf16 = TargetSpec.from_dir(smollm2_dir("bf16"))
     assert bf16.fingerprint == TargetSpec.from_dir(smollm2_fp32).fingerprint
     assert '"dtype": "bfloat16"' in (bf16.path / "config.json").read_text()

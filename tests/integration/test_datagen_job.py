@@ -8,7 +8,6 @@ group) and is stopped by signalling that group, never with a machine-wide `ray s
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,18 +19,13 @@ import yaml
 
 from eagleray.datagen import shards
 from eagleray.datagen.manifest import MANIFEST
+from eagleray.platform.host import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "datagen"))
 from conftest import datagen_config, expected_ids  # noqa: E402
 
 BIN = Path(sys.executable).parent
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "datagen_prompts.jsonl"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -52,7 +46,7 @@ def _wait_for(pred, timeout: float, what: str, proc=None):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    port, dash = _free_port(), _free_port()
+    port, dash = free_port(), free_port()
     temp = Path(f"/tmp/ray-dg-{os.getpid()}")
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true", "--num-cpus=2",

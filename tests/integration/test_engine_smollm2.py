@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagleray.platform.data import load_prompts
-from eagleray.platform.schemas import DraftConfig, PolicyConfig, TargetConfig, TreeConfig
+from eagleray.platform.prompts import load_prompts
+from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TargetConfig, TreeConfig
 from eagleray.serve.engine import EngineConfig, LLMEngine, SamplingParams
 
 PARAMS = SamplingParams(max_tokens=24)

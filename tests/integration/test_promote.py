@@ -7,9 +7,9 @@ import json
 import pytest
 
 from eagleray.platform import registry
-from eagleray.platform.draft_factory import make_random_draft
-from eagleray.platform.schemas import PromotionConfig
-from eagleray.platform.target import TargetSpec
+from eagleray.platform.checkpoints.draft_factory import make_random_draft
+from eagleray.platform.config.schemas import PromotionConfig
+from eagleray.platform.checkpoints.target import TargetSpec
 
 
 @pytest.fixture()

@@ -73,7 +73,7 @@ def _default_sigint() -> None:
 def test_serve_run_shipped_yaml(smollm2_fp32, tmp_path):
     """The shipped file as is (SmolLM2-135M, random draft, CPU) but for the port; smollm2_fp32 converts the
     model into $EAGLERAY_HOME beforehand when a fresh cache lacks it."""
-    from eagleray.serve.local import free_port
+    from eagleray.platform.host import free_port
 
     data = yaml.safe_load(CONFIG.read_text())
     port = free_port()

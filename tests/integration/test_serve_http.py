@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from eagleray.platform.draft_factory import make_random_draft
-from eagleray.platform.schemas import ServingConfig
-from eagleray.platform.target import TargetSpec
+from eagleray.platform.checkpoints.draft_factory import make_random_draft
+from eagleray.platform.config.schemas import ServingConfig
+from eagleray.platform.checkpoints.target import TargetSpec
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -28,9 +28,9 @@ import pytest
 import torch
 
 from eagleray.platform import registry
-from eagleray.platform.draft_factory import make_random_draft
-from eagleray.platform.schemas import ServingConfig
-from eagleray.platform.target import TargetSpec
+from eagleray.platform.checkpoints.draft_factory import make_random_draft
+from eagleray.platform.config.schemas import ServingConfig
+from eagleray.platform.checkpoints.target import TargetSpec
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -108,7 +108,8 @@ def server(constant_target, reg):
     """Ray with a Prometheus export port; the app serves models:/NAME@champion and polls the alias every 1 s."""
     import ray
 
-    from eagleray.serve.local import free_port, start_local, stop_local
+    from eagleray.platform.host import free_port
+    from eagleray.serve.local import start_local, stop_local
 
     tracking_uri, root = reg
     assert not ray.is_initialized()
@@ -313,8 +314,7 @@ def test_registry_download_cache_is_per_source_and_never_empty(tiny_target, tmp_
     import mlflow
 
     from eagleray.platform.errors import EaglerayError
-    from eagleray.platform.schemas import MlflowConfig
-    from eagleray.serve.draft_source import resolve
+    from eagleray.platform.registry import resolve_draft
 
     monkeypatch.setenv("EAGLERAY_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -326,7 +326,7 @@ def test_registry_download_cache_is_per_source_and_never_empty(tiny_target, tmp_
         with mlflow.start_run() as run:
             mlflow.log_artifacts(str(d), "draft")
         registry.register_draft("d", run.info.run_id, "draft")
-        r = resolve("models:/d/1", MlflowConfig(tracking_uri=uri))
+        r = resolve_draft("models:/d/1", tracking_uri=uri)
         assert r.version == "d/1" and (r.path / "model.safetensors").read_bytes() == (d / "model.safetensors").read_bytes()
         got.append(r.path)
     assert got[0] != got[1]
@@ -336,7 +336,7 @@ def test_registry_download_cache_is_per_source_and_never_empty(tiny_target, tmp_
     artifacts = Path(run.info.artifact_uri.removeprefix("file://")) / "draft"
     artifacts.rename(artifacts.with_name("moved"))
     with pytest.raises(EaglerayError, match="expected one draft checkpoint"):
-        resolve("models:/d/2", MlflowConfig(tracking_uri=uri))
+        resolve_draft("models:/d/2", tracking_uri=uri)
     assert not list((tmp_path / "home" / "drafts" / "d").glob("2-*"))
     artifacts.with_name("moved").rename(artifacts)
-    assert resolve("models:/d/2", MlflowConfig(tracking_uri=uri)).version == "d/2"
+    assert resolve_draft("models:/d/2", tracking_uri=uri).version == "d/2"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagleray.platform.schemas import ServingConfig
+from eagleray.platform.config.schemas import ServingConfig
 
 KEY = "test-key"
 CTX = 128
@@ -26,7 +26,7 @@ def peaked_target(tiny_target, tmp_path_factory):
 @pytest.fixture(scope="module")
 def tp1_answer(peaked_target) -> str:
     """The plain engine's greedy chat answer at TP=1, computed in-process."""
-    from eagleray.platform.schemas import TargetConfig
+    from eagleray.platform.config.schemas import TargetConfig
     from eagleray.serve.engine import SamplingParams
     from eagleray.serve.engine.config import EngineConfig
     from eagleray.serve.engine.engine import LLMEngine

@@ -7,7 +7,6 @@ models:/name@alias and passes the compatibility guard.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -28,10 +27,10 @@ def ray_local():
 def test_ray_train_resumes_after_killed_worker_and_registers(tmp_path, ray_local):
     import mlflow
 
-    from eagleray.platform.guard import check_compatibility
-    from eagleray.platform.registry import get_alias, resolve_draft
-    from eagleray.platform.schemas import TrainingConfig
-    from eagleray.platform.target import TargetSpec
+    from eagleray.platform.checkpoints.guard import check_compatibility
+    from eagleray.platform.registry import download_draft, get_alias
+    from eagleray.platform.config.schemas import TrainingConfig
+    from eagleray.platform.checkpoints.target import TargetSpec
     from eagleray.tests.support.tiny import make_tiny_llama
     from eagleray.training.trainer import train
 
@@ -66,6 +65,6 @@ def test_ray_train_resumes_after_killed_worker_and_registers(tmp_path, ray_local
     spec = TargetSpec.from_dir(target)
     assert version.tags["target_fingerprint"] == spec.fingerprint and version.tags["aux_layer_ids"] == "1,2"
     assert version.tags["dataset_id"] == "synthetic-0" and "eval/sim_tau" in version.tags
-    local = resolve_draft("models:/it-draft@candidate", tmp_path / "fetched")
+    local = download_draft("models:/it-draft@candidate", tmp_path / "fetched")
     report = check_compatibility(spec, local, algorithm="eagle3")
     assert report.ok, [p.render() for p in report.problems]

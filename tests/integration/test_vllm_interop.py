@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import save_file
 
 from eagleray.jobs.bench import vllm as bench_vllm
-from eagleray.platform.draft import DraftCheckpoint
-from eagleray.platform.draft_factory import make_random_draft
+from eagleray.platform.checkpoints.draft import DraftCheckpoint
+from eagleray.platform.checkpoints.draft_factory import make_random_draft
 from eagleray.platform.errors import EaglerayError
-from eagleray.platform.target import TargetSpec
+from eagleray.platform.checkpoints.target import TargetSpec
 
 K, MAX_TOKENS, PROMPTS = 3, 16, 2
 ENGINE_KEYS = {"tokens", "seconds", "tokens_per_s", "num_drafts", "num_draft_tokens", "num_accepted_tokens",

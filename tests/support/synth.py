@@ -12,7 +12,7 @@ import torch
 from eagleray.datagen import shards
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.llama import LlamaModel
-from eagleray.platform.target import TargetSpec
+from eagleray.platform.checkpoints.target import TargetSpec
 
 
 @torch.inference_mode()

@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from eagleray.platform.draft import EAGLE, EAGLE3, DraftCheckpoint, derive_algorithm
-from eagleray.platform.draft_factory import eagle3_config, make_random_draft, vocab_map
+from eagleray.platform.checkpoints.draft import EAGLE, EAGLE3, DraftCheckpoint, derive_algorithm
+from eagleray.platform.checkpoints.draft_factory import eagle3_config, make_random_draft, vocab_map
 from eagleray.platform.errors import EaglerayError
-from eagleray.platform.target import TargetSpec
+from eagleray.platform.checkpoints.target import TargetSpec
 
 
 def test_vocab_map_picks_most_frequent_in_id_order():
@@ -37,7 +37,7 @@ def test_round_trip_in_vllm_layout(tiny_target, tmp_path):
 
 
 def test_fingerprint_ignores_dtype_but_not_shapes(tiny_target, tmp_path):
-    from eagleray.platform.fingerprint import target_fingerprint
+    from eagleray.platform.checkpoints.fingerprint import target_fingerprint
     t = TargetSpec.from_dir(tiny_target)
     shapes = dict(t.weight_shapes)
     assert target_fingerprint({**t.config, "torch_dtype": "bfloat16"}, shapes) == t.fingerprint

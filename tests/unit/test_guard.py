@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagleray.platform.cli import main
-from eagleray.platform.draft_factory import make_random_draft
-from eagleray.platform.target import TargetSpec
+from eagleray.jobs.cli import main
+from eagleray.platform.checkpoints.draft_factory import make_random_draft
+from eagleray.platform.checkpoints.target import TargetSpec
 
 
 @pytest.fixture(scope="module")

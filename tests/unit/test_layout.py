@@ -42,7 +42,7 @@ def test_stdlib_platform_not_shadowed_from_repo_root():
 
 def test_every_subpackage_imports_from_elsewhere(tmp_path):
     names = ["eagleray"] + [f"eagleray.{d}" for d in TOP]
-    code = "import importlib\nfor n in %r: importlib.import_module(n)\nimport eagleray.platform.guard, eagleray.platform.cli" % names
+    code = "import importlib\nfor n in %r: importlib.import_module(n)\nimport eagleray.platform.checkpoints.guard, eagleray.jobs.cli" % names
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
 

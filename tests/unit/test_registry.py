@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from eagleray.platform import registry
-from eagleray.platform.draft_factory import make_random_draft
+from eagleray.platform.checkpoints.draft_factory import make_random_draft
 from eagleray.platform.errors import EaglerayError
-from eagleray.platform.guard import check_compatibility
-from eagleray.platform.target import TargetSpec
+from eagleray.platform.checkpoints.guard import check_compatibility
+from eagleray.platform.checkpoints.target import TargetSpec
 
 
 def test_register_alias_and_resolve(tiny_target, tmp_path):
@@ -26,11 +26,10 @@ def test_register_alias_and_resolve(tiny_target, tmp_path):
     got = registry.get_alias("d", "champion")
     assert got.version == v.version == "1" and got.tags["aux_layer_ids"] == "2,4,5" and "champion" in got.aliases
     for source in ("models:/d@champion", "models:/d/1"):
-        local = registry.resolve_draft(source, tmp_path / source.replace("/", "_").replace(":", "").replace("@", "_"))
+        local = registry.download_draft(source, tmp_path / source.replace("/", "_").replace(":", "").replace("@", "_"))
         assert check_compatibility(spec, local).ok
-    assert registry.resolve_draft(draft) == draft
     with pytest.raises(EaglerayError, match="models:/d@nope does not exist"):
-        registry.resolve_draft("models:/d@nope")
+        registry.download_draft("models:/d@nope")
     with pytest.raises(EaglerayError, match="not a model URI"):
         registry.lookup("models:/d")
 
@@ -41,7 +40,7 @@ def test_doctor_checks_a_registered_draft_by_alias(tiny_target, tmp_path, monkey
 
     import mlflow
 
-    from eagleray.platform import cli_doctor
+    from eagleray.jobs import doctor as cli_doctor
 
     uri = f"sqlite:///{tmp_path / 'm.db'}"
     registry.configure(uri, "doctor-test")
@@ -59,3 +58,16 @@ def test_doctor_checks_a_registered_draft_by_alias(tiny_target, tmp_path, monkey
     args.draft = "models:/dd@missing"
     with pytest.raises(EaglerayError, match="models:/dd@missing does not exist"):
         cli_doctor.run(args)
+
+
+def test_resolve_draft_random_directory_and_errors(tiny_target, tmp_path):
+    """The one resolver: 'random' needs the target, a directory is itself, anything else names the fix."""
+    spec = TargetSpec.from_dir(tiny_target)
+    rnd = registry.resolve_draft("random", spec, workdir=tmp_path)
+    assert rnd.version == "random" and rnd.path == tmp_path / "random-draft" and check_compatibility(spec, rnd.path).ok
+    same = registry.resolve_draft(rnd.path)
+    assert same.path == rnd.path and same.version == "random-draft" and same.source == str(rnd.path)
+    with pytest.raises(EaglerayError, match="'random' needs the target"):
+        registry.resolve_draft("random")
+    with pytest.raises(EaglerayError, match="is not a directory.*\n    fix: pass a draft directory, models:/"):
+        registry.resolve_draft(tmp_path / "missing")

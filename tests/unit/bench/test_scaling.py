@@ -14,8 +14,8 @@ def _one_thread():
 
 
 def _draft(target_dir, out, seed, loss_tokens=None):
-    from eagleray.platform.draft_factory import make_random_draft
-    from eagleray.platform.target import TargetSpec
+    from eagleray.platform.checkpoints.draft_factory import make_random_draft
+    from eagleray.platform.checkpoints.target import TargetSpec
 
     path = make_random_draft(TargetSpec.from_dir(target_dir), out, seed=seed)
     if loss_tokens is not None:  # what `eagleray train` records (training/plan.py)

@@ -13,9 +13,9 @@ def _one_thread():
 
 def test_measure_tiny_target_random_draft(tmp_path):
     from eagleray.jobs.bench.spec import measure
-    from eagleray.platform.draft_factory import make_random_draft
-    from eagleray.platform.schemas import TargetConfig, TrainingConfig
-    from eagleray.platform.target import TargetSpec
+    from eagleray.platform.checkpoints.draft_factory import make_random_draft
+    from eagleray.platform.config.schemas import TargetConfig, TrainingConfig
+    from eagleray.platform.checkpoints.target import TargetSpec
     from eagleray.tests.support.tiny import make_tiny_llama
 
     target_dir = make_tiny_llama(tmp_path / "target", num_layers=4, max_positions=4096)

@@ -12,7 +12,7 @@ LONG_PROMPT = "tell me about " + "the quick brown fox and the lazy dog " * 40  #
 @pytest.fixture(scope="module")
 def prompt_file(tmp_path_factory) -> Path:
     """The 20-prompt fixture plus one MT-bench question (held out) and one over-long prompt (fails)."""
-    from eagleray.platform.data import iter_prompts
+    from eagleray.platform.prompts import iter_prompts
 
     mt = next(iter_prompts("mtbench")).messages[0].content
     path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
@@ -33,6 +33,6 @@ def datagen_config(target: Path, prompts: Path, out: Path, **over) -> dict:
 
 def expected_ids(cfg_dict: dict) -> set[str]:
     from eagleray.datagen.prompts import select_prompts
-    from eagleray.platform.schemas import DatagenConfig
+    from eagleray.platform.config.schemas import DatagenConfig
 
     return {r.prompt_id for r in select_prompts(DatagenConfig(**cfg_dict))[0]}

@@ -10,7 +10,7 @@ import torch
 from tests.unit.datagen.conftest import FIXTURE, datagen_config
 
 from eagleray.datagen.backends import EagleRayGenerator, TransformersGenerator, make_generator
-from eagleray.platform.schemas import DatagenConfig, GenerationConfig
+from eagleray.platform.config.schemas import DatagenConfig, GenerationConfig
 
 GEN = GenerationConfig(max_tokens=12)
 

@@ -5,7 +5,6 @@ import json
 import os
 from collections import Counter
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -14,7 +13,7 @@ from eagleray.datagen import manifest as mf
 from eagleray.datagen import shards
 from eagleray.datagen.pipeline import dry_run, run_datagen
 from eagleray.platform.errors import EaglerayError
-from eagleray.platform.schemas import DatagenConfig
+from eagleray.platform.config.schemas import DatagenConfig
 
 from .conftest import LONG_PROMPT, datagen_config, expected_ids  # noqa: TID252
 
@@ -59,7 +58,7 @@ def test_errors_table_records_the_failing_row(first_run):
 
 
 def test_manifest_and_vocab_counts(first_run, tiny_target):
-    from eagleray.platform.target import TargetSpec
+    from eagleray.platform.checkpoints.target import TargetSpec
 
     _, out, manifest, lines = first_run
     spec = TargetSpec.from_dir(tiny_target)

@@ -3,8 +3,8 @@
 import json
 
 from eagleray.datagen.prompts import HoldOut, chunk_id_for, make_chunks, normalise, select_prompts
-from eagleray.platform.data import iter_prompts
-from eagleray.platform.schemas import DatagenConfig
+from eagleray.platform.prompts import iter_prompts
+from eagleray.platform.config.schemas import DatagenConfig
 
 
 def _write(path, convs):

@@ -12,8 +12,8 @@ import pytest
 
 from eagleray.datagen.pipeline import ray_address, run_datagen
 from eagleray.platform.errors import EaglerayError
-from eagleray.platform.schemas import DatagenConfig
-from eagleray.serve.local import free_port
+from eagleray.platform.config.schemas import DatagenConfig
+from eagleray.platform.host import free_port
 
 from .conftest import datagen_config  # noqa: TID252
 

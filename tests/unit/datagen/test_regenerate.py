@@ -11,8 +11,8 @@ from eagleray.datagen import shards
 from eagleray.datagen.pipeline import dry_run, run_datagen
 from eagleray.datagen.regenerate import errors_path, manifest_path, regenerate, write_prompts
 from eagleray.platform.errors import ConfigError
-from eagleray.platform.schemas import DatagenConfig
-from eagleray.platform.target import TargetSpec
+from eagleray.platform.config.schemas import DatagenConfig
+from eagleray.platform.checkpoints.target import TargetSpec
 
 from .conftest import datagen_config, expected_ids  # noqa: TID252
 

@@ -45,9 +45,9 @@ def target(tiny_dir):
 @pytest.fixture(scope="session")
 def random_draft(tiny_dir, target, tmp_path_factory):
     """An untrained EAGLE-3 draft (τ ≈ 1)."""
-    from eagleray.platform.draft_factory import make_random_draft
+    from eagleray.platform.checkpoints.draft_factory import make_random_draft
     from eagleray.platform.models.eagle3 import Eagle3Draft
-    from eagleray.platform.target import TargetSpec
+    from eagleray.platform.checkpoints.target import TargetSpec
 
     path = make_random_draft(TargetSpec.from_dir(tiny_dir), tmp_path_factory.mktemp("draft") / "random",
                              aux_layer_ids=[1, 2, NUM_LAYERS])
@@ -59,9 +59,9 @@ def copy_draft(tiny_dir, target, tmp_path_factory):
     """A draft that replays the target's last distribution: fc picks the final pre-norm state, the layer is
     an identity (o_proj = down_proj = 0) and norm/lm_head are the target's. It is accepted often, which
     exercises acceptance, rollback and tree compaction."""
-    from eagleray.platform.draft_factory import make_random_draft
+    from eagleray.platform.checkpoints.draft_factory import make_random_draft
     from eagleray.platform.models.eagle3 import Eagle3Draft
-    from eagleray.platform.target import TargetSpec
+    from eagleray.platform.checkpoints.target import TargetSpec
 
     path = make_random_draft(TargetSpec.from_dir(tiny_dir), tmp_path_factory.mktemp("draft") / "copy",
                              aux_layer_ids=[1, 2, NUM_LAYERS])
@@ -78,7 +78,7 @@ def copy_draft(tiny_dir, target, tmp_path_factory):
 
 
 def make_engine(target, tokenizer, draft=None, *, k=3, tree=None, policy=None, **engine_kw):
-    from eagleray.platform.schemas import DraftConfig, PolicyConfig, TreeConfig
+    from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TreeConfig
     from eagleray.serve.engine import EngineConfig, LLMEngine
 
     dcfg = None

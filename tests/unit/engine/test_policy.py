@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from eagleray.platform.schemas import PolicyConfig
+from eagleray.platform.config.schemas import PolicyConfig
 from eagleray.serve.engine import SamplingParams
 import pytest
 

@@ -23,7 +23,7 @@ def scaled_dir(tiny_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def tp_models(scaled_dir, tmp_path_factory):
     """Rank 0 of a TP=2 target (+ a random draft with a replicated embedding); workers stopped after."""
-    from eagleray.platform.schemas import DraftConfig, TargetConfig
+    from eagleray.platform.config.schemas import DraftConfig, TargetConfig
     from eagleray.serve.engine.loader import close_target, load_models
 
     tcfg = TargetConfig(model=str(scaled_dir), tensor_parallel_size=2, device="cpu")

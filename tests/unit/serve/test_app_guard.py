@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from eagleray.platform.cli import main
-from eagleray.platform.draft_factory import make_random_draft
+from eagleray.jobs.cli import main
+from eagleray.platform.checkpoints.draft_factory import make_random_draft
 from eagleray.platform.errors import CompatibilityError
-from eagleray.platform.schemas import ServingConfig
-from eagleray.platform.target import TargetSpec
+from eagleray.platform.config.schemas import ServingConfig
+from eagleray.platform.checkpoints.target import TargetSpec
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ def test_build_app_rejects_bad_args(args):
 
 
 def test_tensor_parallel_gets_strict_pack_bundles():
-    from eagleray.platform.schemas import ServingConfig
+    from eagleray.platform.config.schemas import ServingConfig
     from eagleray.serve.app import engine_options
 
     opts = engine_options(ServingConfig.model_validate({"target": {"tensor_parallel_size": 4, "device": "cuda"}}))

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from eagleray.platform.data import iter_prompts, load_prompts, prompt_turns
-from eagleray.platform.data import packages
-from eagleray.platform.data.report import LoadReport
+from eagleray.platform.prompts import iter_prompts, load_prompts, prompt_turns
+from eagleray.platform.prompts import packages
+from eagleray.platform.prompts.report import LoadReport
 from eagleray.platform.errors import DataError, MissingPackageError
 
 SHAREGPT_FILE_BYTES = 125_509_632  # the packaged file is cut here

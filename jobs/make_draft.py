@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from eagleray.platform.draft_factory import make_random_draft
-from eagleray.platform.smollm2 import resolve_target
-from eagleray.platform.target import TargetSpec
+from eagleray.platform.checkpoints.draft_factory import make_random_draft
+from eagleray.platform.checkpoints.target import resolve_target
+from eagleray.platform.checkpoints.target import TargetSpec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

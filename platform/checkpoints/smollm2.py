@@ -67,10 +67,3 @@ def _convert(gguf: Path, out: Path, dtype: torch.dtype) -> None:
         model.save_pretrained(str(tmp), safe_serialization=True)
         tok.save_pretrained(str(tmp))
         (tmp / _DONE).write_text(f"source={gguf}\n")
-
-
-def resolve_target(name_or_dir: str, dtype: str = "fp32") -> Path:
-    """``smollm2`` means the packaged model; anything else is a model directory."""
-    if name_or_dir.lower() in ("smollm2", "smollm2-135m-instruct"):
-        return smollm2_dir(dtype)
-    return Path(name_or_dir)

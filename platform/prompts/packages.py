@@ -23,10 +23,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from eagleray.platform.data.files import iter_json_file
-from eagleray.platform.data.formats import data_error, require_object
-from eagleray.platform.data.records import Message, PromptRecord, make_record
-from eagleray.platform.data.report import LoadReport
+from eagleray.platform.prompts.files import iter_json_file
+from eagleray.platform.prompts.formats import data_error, require_object
+from eagleray.platform.prompts.records import Message, PromptRecord, make_record
+from eagleray.platform.prompts.report import LoadReport
 from eagleray.platform.errors import DataError, MissingPackageError
 
 HUMANEVAL_INSTRUCTION = (

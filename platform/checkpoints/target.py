@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from eagleray.platform.errors import ConfigError, EaglerayError, Problem
-from eagleray.platform.fingerprint import target_fingerprint, tokenizer_fingerprint, weight_shapes
+from eagleray.platform.checkpoints.fingerprint import target_fingerprint, tokenizer_fingerprint, weight_shapes
 
 SUPPORTED_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -136,3 +136,13 @@ class TargetSpec:
     @cached_property
     def tokenizer_fingerprint(self) -> str:
         return tokenizer_fingerprint(self.path)
+
+
+def resolve_target(name_or_dir: str | Path, dtype: str = "fp32") -> Path:
+    """A target model directory: ``smollm2`` means the packaged model (converted once to ``dtype``); anything
+    else is a model directory."""
+    if str(name_or_dir).lower() in ("smollm2", "smollm2-135m-instruct"):
+        from eagleray.platform.checkpoints.smollm2 import smollm2_dir
+
+        return smollm2_dir(dtype)
+    return Path(name_or_dir)

@@ -7,10 +7,10 @@ import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 
-from eagleray.platform.data.files import iter_file
-from eagleray.platform.data.packages import iter_humaneval, iter_mtbench, iter_sharegpt
-from eagleray.platform.data.records import PromptRecord, dedup
-from eagleray.platform.data.report import LoadReport
+from eagleray.platform.prompts.files import iter_file
+from eagleray.platform.prompts.packages import iter_humaneval, iter_mtbench, iter_sharegpt
+from eagleray.platform.prompts.records import PromptRecord, dedup
+from eagleray.platform.prompts.report import LoadReport
 from eagleray.platform.errors import DataError
 
 logger = logging.getLogger(__name__)

@@ -1,14 +1,14 @@
 """MLflow model registry client for EAGLE-3 drafts (used by training, promotion and serving).
 
-The whole API::
+The client API (a draft *source* of any kind becomes a directory through
+:func:`eagleray.platform.registry.resolve_draft`)::
 
     uri = configure(tracking_uri=None, experiment="eagleray")      # sqlite + local artifacts by default
     v = register_draft("eagleray-draft", run_id, "draft", tags={...})  # run artifact dir -> model version
     set_alias("eagleray-draft", "champion", v.version)
     get_alias("eagleray-draft", "champion")                           # -> DraftVersion
-    path = resolve_draft("models:/eagleray-draft@champion")           # -> local directory
-    path = resolve_draft("models:/eagleray-draft/3")                  # -> local directory
-    path = resolve_draft("/some/draft/dir")                           # -> the same directory
+    path = download_draft("models:/eagleray-draft@champion", dst)     # -> local directory (under dst)
+    path = download_draft("models:/eagleray-draft/3")                 # -> local directory (MLflow's temp dir)
 
 Defaults: tracking URI ``sqlite:///$EAGLERAY_HOME/mlflow/mlflow.db`` with artifacts under
 ``$EAGLERAY_HOME/mlflow/artifacts``; a tracking server URI (``http://...``) scales it out.
@@ -168,15 +168,9 @@ def lookup(uri: str) -> DraftVersion:
     return get_version(m["name"], m["version"])
 
 
-def resolve_draft(source: str | Path, dst_dir: str | Path | None = None) -> Path:
-    """A local draft directory for a registry URI (downloaded; the checkpoint directory inside it) or a
-    path (returned as is)."""
-    if not is_registry_uri(str(source)):
-        p = Path(source)
-        if not p.is_dir():
-            raise EaglerayError(f"draft: {p} is not a directory\n    fix: pass a draft directory or models:/<name>@<alias>")
-        return p
-    version = lookup(str(source))  # clear error for a missing alias/version
+def download_draft(uri: str, dst_dir: str | Path | None = None) -> Path:
+    """Download a registry version (``models:/name@alias`` or ``models:/name/N``); -> the checkpoint directory in it."""
+    version = lookup(str(uri))  # clear error for a missing alias/version
     kw = {"dst_path": str(dst_dir)} if dst_dir is not None else {}
     local = _mlflow().artifacts.download_artifacts(artifact_uri=version.uri, **kw)
     return find_draft_dir(Path(local))

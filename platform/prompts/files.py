@@ -19,10 +19,10 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from eagleray.platform.data.formats import check_columns, detect_form, record_of, require_object
-from eagleray.platform.data.json_stream import iter_json_array
-from eagleray.platform.data.records import PromptRecord
-from eagleray.platform.data.report import LoadReport
+from eagleray.platform.prompts.formats import check_columns, detect_form, record_of, require_object
+from eagleray.platform.prompts.json_stream import iter_json_array
+from eagleray.platform.prompts.records import PromptRecord
+from eagleray.platform.prompts.report import LoadReport
 from eagleray.platform.errors import DataError
 
 SUFFIXES = {

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from eagleray.platform.draft import EAGLE3_ARCHITECTURES, DraftMetadata, save_draft
+from eagleray.platform.checkpoints.draft import EAGLE3_ARCHITECTURES, DraftMetadata, save_draft
 from eagleray.platform.errors import EaglerayError
-from eagleray.platform.target import TargetSpec, rope_of
+from eagleray.platform.checkpoints.target import TargetSpec, rope_of
 
 
 def eagle3_config(target: TargetSpec, aux_layer_ids: list[int] | None = None,

@@ -1,12 +1,32 @@
-"""A single greedy chat answer with transformers (the engine replaces this for serving)."""
+"""``eagleray chat --target smollm2 "prompt"``: one greedy chat answer from the real model.
+
+It runs transformers' ``generate`` (a check that a target directory loads and chats, independent
+of eagleray's engine; serving uses the engine).
+"""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
 
+from eagleray.platform.checkpoints.target import resolve_target
+from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.platform.errors import EaglerayError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the user message")
+    p.add_argument("--target", default="smollm2", help="target model directory, or 'smollm2'")
+    p.add_argument("--max-tokens", type=int, default=128, help="maximum new tokens")
+    p.add_argument("--system", default=None, help="optional system message")
+
+
+def run(args: argparse.Namespace) -> int:
+    target = TargetSpec.from_dir(resolve_target(args.target))  # clear error for a bad directory
+    print(chat_once(target.path, args.prompt, max_tokens=args.max_tokens, system=args.system))
+    return 0
 
 
 def chat_once(model_dir: Path, prompt: str, *, max_tokens: int = 128, system: str | None = None) -> str:

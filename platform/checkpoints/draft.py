@@ -33,7 +33,7 @@ from pydantic import Field
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from eagleray.platform.config import StrictModel, parse_config
+from eagleray.platform.config.load import StrictModel, parse_config
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.paths import atomic_dir
 
@@ -91,7 +91,7 @@ class DraftCheckpoint:
     @classmethod
     def open(cls, path: str | Path) -> "DraftCheckpoint":
         """Read config.json and the safetensors headers; raise EaglerayError if unreadable."""
-        from eagleray.platform.target import read_json
+        from eagleray.platform.checkpoints.target import read_json
 
         p = Path(path)
         if not p.is_dir():
@@ -196,5 +196,5 @@ def _without_identity_maps(cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
     if bool(tensors["d2t"].any()):
         raise EaglerayError(f"draft.weights.d2t: draft_vocab_size == vocab_size == {vocab} but d2t is not the identity map "
                             f"(vLLM cannot load a permuted full vocabulary)\n"
-                            f"    fix: build the maps with eagleray.platform.draft_factory.vocab_map, or use a smaller draft_vocab_size")
+                            f"    fix: build the maps with eagleray.platform.checkpoints.draft_factory.vocab_map, or use a smaller draft_vocab_size")
     return {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}

@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from eagleray.platform.data.json_stream import iter_json_array
-from eagleray.platform.data.report import LoadReport
+from eagleray.platform.prompts.json_stream import iter_json_array
+from eagleray.platform.prompts.report import LoadReport
 from eagleray.platform.errors import DataError
 
 ITEMS = [

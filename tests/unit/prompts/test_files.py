@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagleray.platform.data import Message, load_prompts, prompt_id_for
+from eagleray.platform.prompts import Message, load_prompts, prompt_id_for
 from eagleray.platform.errors import DataError
 
 CHAT = [
@@ -174,7 +174,7 @@ class _FakePackagedFile:
     ],
 )
 def test_malformed_sharegpt_record_mid_file_is_an_error(tmp_path: Path, monkeypatch, item: str, pattern: str) -> None:
-    from eagleray.platform.data import packages
+    from eagleray.platform.prompts import packages
 
     good = '{"id": "a", "conversations": [{"from": "human", "value": "hi"}]}'
     path = tmp_path / "sharegpt.json"

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from eagleray.platform.config import StrictModel
+from eagleray.platform.config.load import StrictModel
 
 
 class TargetConfig(StrictModel):
@@ -84,7 +84,7 @@ class DatagenConfig(StrictModel):
     target: TargetConfig = Field(default_factory=TargetConfig, description="Target that regenerates responses and gives hidden states.")
     limit: int | None = Field(None, ge=1, description="Use at most this many prompts (after turn splitting, dedup and hold-out).")
     shuffle_seed: int | None = Field(None, description="Shuffle prompts with this seed before the limit.")
-    split_turns: bool = Field(True, description="One prompt per assistant turn of a multi-turn conversation (platform.data.prompt_turns).")
+    split_turns: bool = Field(True, description="One prompt per assistant turn of a multi-turn conversation (platform.prompts.prompt_turns).")
     backend: Literal["eagleray", "vllm", "transformers", "given"] = Field("eagleray", description="Regeneration backend: eagleray's engine, vLLM through ray.data.llm, transformers generate, or 'given': each record's last message (role assistant) is already the target's answer, e.g. from `eagleray regenerate`, so only hidden states are computed (needs split_turns: false).")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Sampling settings for regeneration.")
     draft: DraftConfig | None = Field(None, description="backend 'eagleray' only: an EAGLE-3 draft to decode speculatively (a directory or 'random'); greedy responses are unchanged.")

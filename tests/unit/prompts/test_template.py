@@ -2,7 +2,7 @@
 
 import pytest
 
-from eagleray.datagen.template import prompt_ids, tokenize_with_mask
+from eagleray.platform.prompts.template import prompt_ids, tokenize_with_mask
 from eagleray.tests.support.tiny import tiny_tokenizer
 
 

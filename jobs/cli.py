@@ -1,8 +1,7 @@
-"""The ``eagleray`` command line.
+"""The ``eagleray`` command line: one subcommand per entry point in ``jobs/``.
 
-Commands that live in higher layers (datagen, train, serve, bench, promote, quickstart) are
-named here by module path and imported only when run, so ``platform`` keeps its place at the
-bottom of the import graph (DESIGN.md, Layout).
+Each command's module is imported only when that command runs, so start-up stays fast and a
+command's heavy dependencies (Ray, vLLM, MLflow) load only for the commands that use them.
 """
 
 from __future__ import annotations
@@ -17,10 +16,10 @@ from eagleray.platform.errors import EaglerayError
 
 # command -> (module with `add_arguments(parser)` and `run(args) -> int`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "models": ("eagleray.platform.cli_models", "prepare a packaged model and print its directory"),
-    "doctor": ("eagleray.platform.cli_doctor", "check that a draft can serve a target (the compatibility guard)"),
-    "chat": ("eagleray.platform.cli_chat", "one chat answer from a target model"),
-    "draft": ("eagleray.platform.cli_draft", "write an untrained EAGLE-3 draft for a target"),
+    "models": ("eagleray.jobs.prepare_model", "prepare a packaged model and print its directory"),
+    "doctor": ("eagleray.jobs.doctor", "check that a draft can serve a target (the compatibility guard)"),
+    "chat": ("eagleray.jobs.chat", "one chat answer from a target model"),
+    "draft": ("eagleray.jobs.make_draft", "write an untrained EAGLE-3 draft for a target"),
     "datagen": ("eagleray.jobs.datagen", "regenerate responses and write aux hidden-state shards (Ray Data, resumable)"),
     "regenerate": ("eagleray.jobs.regenerate", "regenerate the target's answers in one process (no Ray) to a JSONL, resumable"),
     "train": ("eagleray.jobs.train", "train an EAGLE-3 draft (Ray Train) with MLflow tracking and registry"),

@@ -13,10 +13,10 @@ from typing import Any, Callable
 
 import torch
 
-from eagleray.platform.draft import EAGLE, EAGLE3, DraftCheckpoint
+from eagleray.platform.checkpoints.draft import EAGLE, EAGLE3, DraftCheckpoint
 from eagleray.platform.errors import CompatibilityError, EaglerayError, Problem
-from eagleray.platform.target import TargetSpec, rope_of
-from eagleray.platform.vocab_check import check_vocab_map
+from eagleray.platform.checkpoints.target import TargetSpec, rope_of
+from eagleray.platform.checkpoints.vocab_check import check_vocab_map
 
 KNOWN_ALGORITHMS = (EAGLE3, EAGLE)
 MIDLAYER = ("input_layernorm", "hidden_norm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
@@ -223,7 +223,7 @@ def _check_tensors(c: _Ctx) -> list[Problem]:
     missing = [n for n in need if n not in c.draft.shapes]
     out = []
     if missing:
-        out.append(Problem("draft.weights", f"missing tensors {missing}", "use a complete EAGLE-3 checkpoint (see eagleray.platform.draft)"))
+        out.append(Problem("draft.weights", f"missing tensors {missing}", "use a complete EAGLE-3 checkpoint (see eagleray.platform.checkpoints.draft)"))
     emb = c.shape("embed_tokens.weight")
     if emb is not None and emb != [c.target.vocab_size, c.target.hidden_size]:
         out.append(Problem("draft.weights.embed_tokens.weight", f"has shape {emb}, the target's embedding is "

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 
 from eagleray.platform import registry
-from eagleray.platform.guard import GuardReport, check_compatibility
-from eagleray.platform.smollm2 import resolve_target
-from eagleray.platform.target import TargetSpec
+from eagleray.platform.checkpoints.guard import GuardReport, check_compatibility
+from eagleray.platform.checkpoints.target import resolve_target
+from eagleray.platform.checkpoints.target import TargetSpec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,12 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     target = TargetSpec.from_dir(resolve_target(args.target))
-    with tempfile.TemporaryDirectory(prefix="eagleray-doctor-") as tmp:
-        draft = args.draft
-        if registry.is_registry_uri(draft):  # MLFLOW_TRACKING_URI, else the sqlite store under $EAGLERAY_HOME
-            registry.configure()
-            draft = registry.resolve_draft(draft, tmp)
-        report = check_compatibility(target, draft, algorithm=args.algorithm, max_model_len=args.max_model_len)
+    draft = args.draft  # a registry URI: MLFLOW_TRACKING_URI, else the sqlite store under $EAGLERAY_HOME
+    if registry.is_registry_uri(draft):
+        draft = registry.resolve_draft(draft).path
+    report = check_compatibility(target, draft, algorithm=args.algorithm, max_model_len=args.max_model_len)
     if report.ok:
         print(summary(report, target, args.draft))
         return 0

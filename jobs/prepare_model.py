@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from eagleray.platform.smollm2 import DTYPES, smollm2_dir
+from eagleray.platform.checkpoints.smollm2 import DTYPES, smollm2_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from eagleray.platform.draft import DraftCheckpoint
+from eagleray.platform.checkpoints.draft import DraftCheckpoint
 from eagleray.platform.errors import Problem
 
 
@@ -33,7 +33,7 @@ def check_vocab_map(draft: DraftCheckpoint, target_vocab: int) -> list[Problem]:
 def _check_maps(draft: DraftCheckpoint, dvocab: int, target_vocab: int) -> list[Problem]:
     t = draft.load_tensors(["d2t", "t2d"])
     d2t, t2d = t["d2t"], t["t2d"]  # [Vd] offsets, [V] mask
-    fix = "rebuild d2t/t2d from the token counts the draft was trained with (eagleray.platform.draft_factory.vocab_map)"
+    fix = "rebuild d2t/t2d from the token counts the draft was trained with (eagleray.platform.checkpoints.draft_factory.vocab_map)"
     if list(d2t.shape) != [dvocab] or d2t.dtype not in (torch.int64, torch.int32):
         return [Problem("draft.weights.d2t", f"has shape {list(d2t.shape)} dtype {d2t.dtype}, expected [{dvocab}] int64", fix)]
     if list(t2d.shape) != [target_vocab] or t2d.dtype != torch.bool:

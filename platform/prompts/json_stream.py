@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from eagleray.platform.data.report import LoadReport
+from eagleray.platform.prompts.report import LoadReport
 from eagleray.platform.errors import DataError
 
 logger = logging.getLogger(__name__)

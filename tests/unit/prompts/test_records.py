@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagleray.platform.data import Message, dedup, make_record, prompt_id_for, prompt_turns
+from eagleray.platform.prompts import Message, dedup, make_record, prompt_id_for, prompt_turns
 
 CONVERSATION = (
     Message("system", "Be brief."),

@@ -1,0 +1,1 @@
+"""Job configuration: strict pydantic schemas (:mod:`.schemas`) and YAML loading with dotted overrides (:mod:`.load`)."""

@@ -1,0 +1,86 @@
+"""The one place a draft source becomes a local directory.
+
+    resolve_draft("random", target)                 -> an untrained draft for ``target`` (written under ``workdir``)
+    resolve_draft("models:/name@alias")             -> that version, downloaded once into
+    resolve_draft("models:/name/3")                    $EAGLERAY_HOME/drafts/<name>/<version>-<hash of the artifact source>
+    resolve_draft("/some/draft/dir")                -> the same directory
+
+The result carries the version label ("name/3", "random", the directory name) that responses,
+metrics and promotion tags report.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagleray.platform.checkpoints.draft_factory import make_random_draft
+from eagleray.platform.checkpoints.target import TargetSpec
+from eagleray.platform.errors import EaglerayError
+from eagleray.platform.paths import eagleray_home
+from eagleray.platform.registry import client
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ResolvedDraft:
+    """A draft directory and the version label reported in responses and metrics."""
+
+    path: Path
+    version: str  # "name/3" for registry versions, "random", the directory name otherwise
+    source: str  # what was asked for
+
+
+def resolve_draft(source: str | Path, target: TargetSpec | None = None, *, tracking_uri: str | None = None,
+                  workdir: str | Path | None = None) -> ResolvedDraft:
+    """``source`` ('random', ``models:/...`` or a directory) -> :class:`ResolvedDraft`.
+
+    ``target`` is needed for 'random' only; ``tracking_uri`` picks the registry (default:
+    MLFLOW_TRACKING_URI, else the sqlite store under $EAGLERAY_HOME); ``workdir`` is where a random
+    draft is written (default: a new temporary directory).
+    """
+    source = str(source)
+    if source == "random":
+        if target is None:
+            raise EaglerayError("draft source 'random' needs the target it drafts for\n"
+                                "    fix: pass a draft directory or models:/<name>@<alias>, or resolve 'random' with the target")
+        out = Path(workdir or tempfile.mkdtemp(prefix="eagleray-random-draft-")) / "random-draft"
+        return ResolvedDraft(make_random_draft(target, out), "random", source)
+    if client.is_registry_uri(source):
+        client.configure(tracking_uri)
+        return _cached_download(source)
+    path = Path(source)
+    if not path.is_dir():
+        raise EaglerayError(f"draft: {path} is not a directory\n"
+                            f"    fix: pass a draft directory, models:/<name>@<alias>, models:/<name>/<version> or 'random'")
+    return ResolvedDraft(path, path.name, source)
+
+
+def registry_version(uri: str, tracking_uri: str | None = None) -> str:
+    """The version number a registry URI points at now (aliases are looked up)."""
+    client.configure(tracking_uri)
+    return client.lookup(uri).version
+
+
+def _cached_download(uri: str) -> ResolvedDraft:
+    version = client.lookup(uri)
+    # keyed by the artifact source too: name/version alone is not unique across registries sharing $EAGLERAY_HOME
+    digest = hashlib.sha256(version.source.encode()).hexdigest()[:12]
+    dest = eagleray_home() / "drafts" / version.name / f"{version.version}-{digest}"
+    if not dest.is_dir():  # download beside, then rename: a cached directory is always complete
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{version.version}.", dir=dest.parent))
+        logger.info("downloading %s (version %s) to %s", uri, version.version, dest)
+        try:
+            client.download_draft(version.uri, tmp)  # raises on an empty download (artifacts gone): never cached
+            os.replace(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return ResolvedDraft(client.find_draft_dir(dest), f"{version.name}/{version.version}", uri)
