@@ -15,8 +15,8 @@ from typing import Protocol
 
 import torch
 
-from eagleray.platform.errors import EaglerayError
 from eagleray.platform.config.schemas import DatagenConfig, GenerationConfig
+from eagleray.platform.errors import EaglerayError
 
 
 @dataclass

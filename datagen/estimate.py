@@ -8,10 +8,10 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagleray.platform.prompts.template import prompt_ids
-from eagleray.platform.errors import EaglerayError
-from eagleray.platform.config.schemas import DatagenConfig
 from eagleray.platform.checkpoints.target import TargetSpec
+from eagleray.platform.config.schemas import DatagenConfig
+from eagleray.platform.errors import EaglerayError
+from eagleray.platform.prompts.template import prompt_ids
 
 # Rough device numbers for the time guess (decode is bandwidth-bound, prefill compute-bound).
 _DEVICE = {"cpu": {"bytes_per_s": 10e9, "flops": 5e10}, "cuda": {"bytes_per_s": 3e12, "flops": 3e14}}

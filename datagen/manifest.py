@@ -14,9 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagleray.datagen import shards
-from eagleray.platform.shard_format import MANIFEST, VOCAB_COUNTS, ids_and_mask, read_vocab_counts  # noqa: F401  (re-exported)
-from eagleray.platform.errors import DataError, EaglerayError
 from eagleray.platform.config.schemas import DatagenConfig
+from eagleray.platform.errors import DataError, EaglerayError
+from eagleray.platform.shard_format import MANIFEST, VOCAB_COUNTS, ids_and_mask, read_vocab_counts  # noqa: F401  (re-exported)
 
 RUN, ERRORS_TABLE = "run.json", "errors.parquet"
 FORMAT_VERSION = 1

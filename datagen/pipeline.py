@@ -23,10 +23,9 @@ from eagleray.datagen import shards
 from eagleray.datagen.estimate import check_space, estimate, human_bytes, human_seconds
 from eagleray.datagen.prompts import make_chunks, select_prompts
 from eagleray.datagen.regenerate import check_given_sources
-from eagleray.platform.errors import EaglerayError
+from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
 from eagleray.platform.config.schemas import DatagenConfig
-from eagleray.platform.checkpoints.target import resolve_target
-from eagleray.platform.checkpoints.target import TargetSpec
+from eagleray.platform.errors import EaglerayError
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from eagleray.platform.prompts import PromptRecord, iter_prompts, prompt_turns
 from eagleray.platform.config.schemas import DatagenConfig
+from eagleray.platform.prompts import PromptRecord, iter_prompts, prompt_turns
 
 log = logging.getLogger(__name__)
 

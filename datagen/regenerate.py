@@ -29,12 +29,11 @@ from typing import Any
 
 from eagleray.datagen.backends import batch_seed, make_generator
 from eagleray.datagen.prompts import select_prompts
-from eagleray.platform.prompts.template import prompt_ids
-from eagleray.platform.prompts import PromptRecord
-from eagleray.platform.errors import ConfigError, EaglerayError, Problem
+from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
 from eagleray.platform.config.schemas import DatagenConfig
-from eagleray.platform.checkpoints.target import resolve_target
-from eagleray.platform.checkpoints.target import TargetSpec
+from eagleray.platform.errors import ConfigError, EaglerayError, Problem
+from eagleray.platform.prompts import PromptRecord
+from eagleray.platform.prompts.template import prompt_ids
 
 MANIFEST_SUFFIX, ERRORS_SUFFIX = ".manifest.json", ".errors.jsonl"
 PROVENANCE_KEYS = ("target_fingerprint", "backend", "device", "target", "generation", "rows", "this_run")

@@ -29,7 +29,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from eagleray.platform.shard_format import SHARD_SCHEMA, SHARDS_DIR, decode_bf16, encode_bf16, shard_files  # noqa: F401  (re-exported)
+from eagleray.platform.shard_format import (  # noqa: F401  (re-exported)
+    SHARD_SCHEMA,
+    SHARDS_DIR,
+    decode_bf16,
+    encode_bf16,
+    shard_files,
+)
 
 ERROR_FIELDS = ("prompt_id", "chunk_id", "stage", "kind", "message")
 ERRORS_DIR = "errors"

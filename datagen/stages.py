@@ -20,10 +20,10 @@ import torch
 
 from eagleray.datagen import shards
 from eagleray.datagen.backends import batch_seed, make_generator
-from eagleray.platform.prompts.template import RowError, Tokenized, prompt_ids, tokenize_with_mask
-from eagleray.platform.config.schemas import DatagenConfig
 from eagleray.platform.checkpoints.target import resolve_target
+from eagleray.platform.config.schemas import DatagenConfig
 from eagleray.platform.host import pick_device
+from eagleray.platform.prompts.template import RowError, Tokenized, prompt_ids, tokenize_with_mask
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import torch
 
-from eagleray.platform.checkpoints.target import resolve_target
-from eagleray.platform.checkpoints.target import TargetSpec
+from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
 from eagleray.platform.errors import EaglerayError
 
 

@@ -12,7 +12,7 @@ import logging
 import sys
 from typing import Callable
 
-from eagleray.platform.errors import EaglerayError
+from eagleray.jobs.entry import run_reporting_errors
 
 # command -> (module with `add_arguments(parser)` and `run(args) -> int`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -51,25 +51,8 @@ def _load(module: str, attr: str) -> Callable:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return int(_load(args._module, "run")(args) or 0)
-    except EaglerayError as err:
-        print(f"eagleray {args.command}: error: {err}", file=sys.stderr)
-        return 2
-
-
-def run_job(prog: str, add_arguments: Callable, run: Callable, argv: list[str] | None = None) -> int:
-    """``python -m eagleray.jobs.X``: the same arguments, errors and exit codes as ``eagleray X``."""
-    parser = argparse.ArgumentParser(prog=prog)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return int(run(args) or 0)
-    except EaglerayError as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return 2
+    return run_reporting_errors(f"eagleray {args.command}", _load(args._module, "run"), args,
+                                logging.INFO if args.verbose else logging.WARNING)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eagleray.jobs.cli import run_job
+from eagleray.jobs.entry import run_job
 from eagleray.platform.config.load import load_yaml_config
 from eagleray.platform.config.schemas import DatagenConfig
 

@@ -7,8 +7,7 @@ import sys
 
 from eagleray.platform import registry
 from eagleray.platform.checkpoints.guard import GuardReport, check_compatibility
-from eagleray.platform.checkpoints.target import resolve_target
-from eagleray.platform.checkpoints.target import TargetSpec
+from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 
 from eagleray.platform.checkpoints.draft_factory import make_random_draft
-from eagleray.platform.checkpoints.target import resolve_target
-from eagleray.platform.checkpoints.target import TargetSpec
+from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

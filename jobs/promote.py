@@ -13,11 +13,11 @@ import json
 import logging
 import sys
 
-from eagleray.jobs.cli import run_job
+from eagleray.jobs.entry import run_job
 from eagleray.platform import registry
 from eagleray.platform.config.load import load_yaml_config
-from eagleray.platform.errors import EaglerayError
 from eagleray.platform.config.schemas import PromotionConfig
+from eagleray.platform.errors import EaglerayError
 
 logger = logging.getLogger(__name__)
 
@@ -52,22 +52,22 @@ def tags_of(result: dict) -> dict[str, str]:
 
 def promote(cfg: PromotionConfig) -> dict:
     """Measure, decide, record; returns everything measured and decided."""
-    from eagleray.serve.promotion import Bench, decide
+    from eagleray.serve.promotion import DraftTrial, decide
 
     registry.configure(cfg.mlflow.tracking_uri)
     cand = registry.resolve_draft(cfg.candidate, tracking_uri=cfg.mlflow.tracking_uri)
     cand_name, cand_version = cand.version.split("/", 1) if registry.is_registry_uri(cfg.candidate) else (None, None)
     champ = champion_of(cfg, cand_version if cand_name == cfg.mlflow.registered_model else None)
-    bench = Bench(cfg)
-    plain = bench.measure("plain", None, None)
+    trial = DraftTrial(cfg)
+    plain = trial.measure("plain", None, None)
     champion = None
     if champ is not None:
-        champion = bench.measure("champion", registry.resolve_draft(champ.uri, tracking_uri=cfg.mlflow.tracking_uri).path, champ.version)
-    candidate = bench.measure("candidate", cand.path, cand.version)
+        champion = trial.measure("champion", registry.resolve_draft(champ.uri, tracking_uri=cfg.mlflow.tracking_uri).path, champ.version)
+    candidate = trial.measure("candidate", cand.path, cand.version)
     decision = decide(candidate, champion, plain, cfg)
     result = {"candidate": candidate.to_dict(), "champion": champion.to_dict() if champion else None,
               "plain": plain.to_dict(), "decision": decision.__dict__, "prompts": cfg.prompts,
-              "num_prompts": len(bench.prompts), "alias_set": False}
+              "num_prompts": len(trial.prompts), "alias_set": False}
     if cfg.dry_run:
         return result
     if cand_version is None:

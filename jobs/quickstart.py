@@ -22,13 +22,21 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from eagleray.jobs.cli import run_job
+from eagleray.jobs.entry import run_job
 from eagleray.platform.checkpoints.guard import check_compatibility
-from eagleray.platform.paths import eagleray_home
-from eagleray.platform.config.schemas import (DatagenConfig, DraftConfig, GenerationConfig, MlflowConfig, PromotionConfig,
-                                       ServingConfig, TargetConfig, TrainingConfig)
 from eagleray.platform.checkpoints.smollm2 import smollm2_dir
 from eagleray.platform.checkpoints.target import TargetSpec
+from eagleray.platform.config.schemas import (
+    DatagenConfig,
+    DraftConfig,
+    GenerationConfig,
+    MlflowConfig,
+    PromotionConfig,
+    ServingConfig,
+    TargetConfig,
+    TrainingConfig,
+)
+from eagleray.platform.paths import eagleray_home
 
 MODEL_NAME = "quickstart-smollm2-eagle3"
 STEPS = 6

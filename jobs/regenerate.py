@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from eagleray.jobs.cli import run_job
+from eagleray.jobs.entry import run_job
 from eagleray.platform.config.load import load_yaml_config
 from eagleray.platform.config.schemas import DatagenConfig
 

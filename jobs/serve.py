@@ -16,10 +16,10 @@ from pathlib import Path
 
 import yaml
 
-from eagleray.jobs.cli import run_job
+from eagleray.jobs.entry import run_job
 from eagleray.platform.config.load import load_yaml_config, parse_config
-from eagleray.platform.errors import ConfigError, Problem
 from eagleray.platform.config.schemas import ServingConfig
+from eagleray.platform.errors import ConfigError, Problem
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -26,8 +26,17 @@ import triton.language as tl
 
 from eagleray.kernels.rng import ACCEPT_IDX, rng_base, rng_bits, torch_uniform
 from eagleray.kernels.verify_common import (
-    LOG2E, Q_FULL, Q_NONE, Q_REDUCED, LaunchConfig, _fold_partials,
-    check_common, check_tensor, launch_recover, launch_row_partials, pick_config,
+    LOG2E,
+    Q_FULL,
+    Q_NONE,
+    Q_REDUCED,
+    LaunchConfig,
+    _fold_partials,
+    check_common,
+    check_tensor,
+    launch_recover,
+    launch_row_partials,
+    pick_config,
 )
 
 

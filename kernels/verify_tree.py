@@ -29,8 +29,14 @@ import triton.language as tl
 
 from eagleray.kernels.rng import ACCEPT_IDX, rng_base, rng_bits, torch_uniform
 from eagleray.kernels.verify_common import (
-    LOG2E, LaunchConfig, _fold_partials, _recover_final_kernel, check_common, check_tensor,
-    launch_row_partials, pick_config,
+    LOG2E,
+    LaunchConfig,
+    _fold_partials,
+    _recover_final_kernel,
+    check_common,
+    check_tensor,
+    launch_row_partials,
+    pick_config,
 )
 
 

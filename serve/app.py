@@ -15,22 +15,21 @@ actors in bundles 1..N-1 (:mod:`eagleray.serve.engine.tp_ray`).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field, model_validator
 from ray import serve
 from ray.serve import Application
 
-from pathlib import Path
-
-from eagleray.platform.config.load import StrictModel, load_yaml_config, parse_config
 from eagleray.platform.checkpoints.guard import ensure_compatible
-from eagleray.platform.registry import is_registry_uri
+from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
+from eagleray.platform.config.load import StrictModel, load_yaml_config, parse_config
 from eagleray.platform.config.schemas import ServingConfig
-from eagleray.platform.checkpoints.target import resolve_target
-from eagleray.platform.checkpoints.target import TargetSpec
+from eagleray.platform.registry import is_registry_uri
 from eagleray.serve.engine_server import EngineServer
-from eagleray.serve.ingress import OpenAIIngress, app as fastapi_app
+from eagleray.serve.ingress import OpenAIIngress
+from eagleray.serve.ingress import app as fastapi_app
 
 
 class AppArgs(StrictModel):

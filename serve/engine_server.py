@@ -13,18 +13,13 @@ from typing import Any, AsyncIterator
 
 from pydantic import Field
 
+from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
 from eagleray.platform.config.load import StrictModel, parse_config
+from eagleray.platform.config.schemas import ServingConfig
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.registry import ResolvedDraft, registry_version, resolve_draft
-from eagleray.platform.config.schemas import ServingConfig
-from eagleray.platform.checkpoints.target import resolve_target
-from eagleray.platform.checkpoints.target import TargetSpec
-from eagleray.serve.engine.config import EngineConfig
-from eagleray.serve.engine.engine import LLMEngine
-from eagleray.serve.engine.sampling import SamplingParams
-from eagleray.serve.engine.tp_workers import TPLaunch
+from eagleray.serve.engine import AsyncEngine, EngineConfig, LLMEngine, RequestFailed, SamplingParams, TPLaunch
 from eagleray.serve.hotswap import DraftManager
-from eagleray.serve.engine.async_engine import AsyncEngine, RequestFailed
 from eagleray.serve.metrics import ServeMetrics
 from eagleray.serve.protocol import APIError
 from eagleray.serve.responses import Delta
@@ -153,7 +148,7 @@ class EngineServer:
 
     async def check_health(self) -> None:
         """Ray Serve's health check: the step loop must be alive once started."""
-        if self.loop._task is not None and not self.loop.alive:
+        if self.loop.died:
             raise RuntimeError(f"engine step loop died: {self.loop.last_error}")
 
     def __del__(self) -> None:

@@ -20,15 +20,13 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from eagleray.platform.errors import EaglerayError, Problem
-from eagleray.platform.registry import ResolvedDraft, resolve_draft
 from eagleray.platform.checkpoints.guard import check_compatibility
-from eagleray.platform.models.eagle3 import Eagle3Draft
-from eagleray.platform.config.schemas import ServingConfig
 from eagleray.platform.checkpoints.target import TargetSpec
-from eagleray.serve.engine.engine import LLMEngine
-from eagleray.serve.engine.loader import load_draft
-from eagleray.serve.engine.async_engine import AsyncEngine
+from eagleray.platform.config.schemas import ServingConfig
+from eagleray.platform.errors import EaglerayError, Problem
+from eagleray.platform.models.eagle3 import Eagle3Draft
+from eagleray.platform.registry import ResolvedDraft, resolve_draft
+from eagleray.serve.engine import AsyncEngine, LLMEngine, load_draft
 from eagleray.serve.metrics import ServeMetrics
 from eagleray.serve.smoke import smoke_verify
 
@@ -78,15 +76,16 @@ class DraftManager:
         self._versions: dict[int, tuple[ResolvedDraft, list[int]]] = {}  # id(draft) -> (version, aux ids)
         self.history: list[SwapRecord] = []
         self._swap_lock = asyncio.Lock()
-        if initial is not None and engine.spec is not None:
-            self._versions[id(engine.spec.draft.draft)] = (initial, list(engine.target.model.aux_layer_ids))
+        if initial is not None and engine.current_draft is not None:
+            self._versions[id(engine.current_draft)] = (initial, list(engine.target.model.aux_layer_ids))
         metrics.set_draft(self.version)
 
     @property
     def current(self) -> ResolvedDraft | None:
-        if self.engine.spec is None:
+        draft = self.engine.current_draft
+        if draft is None:
             return None
-        entry = self._versions.get(id(self.engine.spec.draft.draft))
+        entry = self._versions.get(id(draft))
         return entry[0] if entry else None
 
     @property
@@ -132,7 +131,7 @@ class DraftManager:
         """Swap to ``source``; refusals are recorded (and returned), never raised to the caller."""
         async with self._swap_lock:
             t0 = time.perf_counter()
-            if self.engine.spec is None:
+            if self.engine.current_draft is None:
                 return self._record(source, "refused_config", None, "this deployment serves without a draft "
                                     "(draft: null); start it with a draft to enable hot-swap", t0)
             try:

@@ -12,21 +12,18 @@ moves only on "promote". All three runs share one loaded target (same weights, s
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagleray.platform.prompts import load_prompts
-from eagleray.platform.errors import CompatibilityError, EaglerayError
 from eagleray.platform.checkpoints.guard import check_compatibility
-from eagleray.platform.models.eagle3 import Eagle3Draft
-from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, PromotionConfig
 from eagleray.platform.checkpoints.target import TargetSpec
-from eagleray.serve.engine.config import EngineConfig
-from eagleray.serve.engine.engine import LLMEngine
-from eagleray.serve.engine.loader import load_models
-from eagleray.serve.engine.sampling import SamplingParams
+from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, PromotionConfig
+from eagleray.platform.errors import CompatibilityError, EaglerayError
+from eagleray.platform.models.eagle3 import Eagle3Draft
+from eagleray.platform.prompts import load_prompts
+from eagleray.serve.engine import EngineConfig, LLMEngine, SamplingParams, load_models
+from eagleray.serve.measure import timed_generate
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +80,8 @@ def held_out_prompts(cfg: PromotionConfig) -> list[list[dict[str, str]]]:
     return out
 
 
-class Bench:
-    """One loaded target; runs the prompts plain or with a draft directory."""
+class DraftTrial:
+    """One loaded target that runs the held-out prompts plain or with a draft directory (one trial each)."""
 
     def __init__(self, cfg: PromotionConfig):
         self.cfg = cfg
@@ -114,11 +111,7 @@ class Bench:
 
     def measure(self, label: str, draft_dir: Path | None, version: str | None) -> Measurement:
         engine = self._engine(draft_dir)
-        engine.generate(self.prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
-        engine.metrics = type(engine.metrics)()
-        t0 = time.perf_counter()
-        outs = engine.generate(self.prompts, self.params)
-        seconds = time.perf_counter() - t0
+        outs, seconds = timed_generate(engine, self.prompts, self.params)
         m = Measurement(label, version, sum(len(o.token_ids) for o in outs), seconds)
         if draft_dir is not None:
             spec = engine.metrics.spec

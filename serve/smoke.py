@@ -8,12 +8,10 @@ decode step really speculates). A draft that makes greedy output differ breaks l
 
 from __future__ import annotations
 
+from eagleray.platform.config.schemas import DraftConfig, PolicyConfig
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.eagle3 import Eagle3Draft
-from eagleray.platform.config.schemas import DraftConfig, PolicyConfig
-from eagleray.serve.engine.config import EngineConfig
-from eagleray.serve.engine.engine import LLMEngine
-from eagleray.serve.engine.sampling import SamplingParams
+from eagleray.serve.engine import EngineConfig, LLMEngine, SamplingParams
 
 SMOKE_PROMPTS = ("Explain speculative decoding in one sentence.", "def fibonacci(n):")
 SMOKE_TOKENS = 8

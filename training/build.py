@@ -19,10 +19,10 @@ from safetensors import safe_open
 
 from eagleray.platform.checkpoints.draft import DraftCheckpoint, DraftMetadata, save_draft
 from eagleray.platform.checkpoints.draft_factory import eagle3_config, random_eagle3_tensors, vocab_map
+from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.models.tp import TPInfo
-from eagleray.platform.checkpoints.target import TargetSpec
 
 EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight")
 HEAD_NAMES = ("lm_head.weight",)

@@ -26,7 +26,13 @@ import pyarrow.parquet as pq
 import torch
 
 from eagleray.platform.errors import DataError
-from eagleray.platform.shard_format import count_loss_tokens, decode_bf16, read_manifest, read_vocab_counts, shard_files  # noqa: F401
+from eagleray.platform.shard_format import (  # noqa: F401
+    count_loss_tokens,
+    decode_bf16,
+    read_manifest,
+    read_vocab_counts,
+    shard_files,
+)
 from eagleray.training.ttt import TTTBatch
 
 COLUMNS = ["prompt_id", "num_tokens", "input_ids", "loss_mask", "aux_hidden", "final_hidden"]

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from eagleray.platform.prompts.sources import iter_prompts
-from eagleray.platform.prompts.template import RowError, tokenize_with_mask
+from eagleray.platform.config.schemas import TrainingConfig
 from eagleray.platform.errors import DataError
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.llama import LlamaModel
-from eagleray.platform.config.schemas import TrainingConfig
+from eagleray.platform.prompts.sources import iter_prompts
+from eagleray.platform.prompts.template import RowError, tokenize_with_mask
 from eagleray.training.data import Row, group, is_eval, pad_hidden, pad_tokens
 from eagleray.training.ttt import TTTBatch
 

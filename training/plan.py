@@ -11,11 +11,10 @@ from typing import Any, Iterator
 import torch
 
 from eagleray.platform.checkpoints.draft import DraftMetadata
-from eagleray.platform.errors import ConfigError, Problem
+from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
 from eagleray.platform.config.schemas import TrainingConfig
+from eagleray.platform.errors import ConfigError, Problem
 from eagleray.platform.shard_format import SHARDS_GLOB
-from eagleray.platform.checkpoints.target import resolve_target
-from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.training import data
 from eagleray.training.build import DraftInit, from_checkpoint, new_draft, target_embed_and_head
 from eagleray.training.ttt import TTTBatch

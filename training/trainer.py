@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from eagleray.platform.registry import DraftVersion
 from eagleray.platform.config.schemas import TrainingConfig
+from eagleray.platform.registry import DraftVersion
 from eagleray.training.loop import DRAFT, train_worker
 from eagleray.training.session import LocalSession
 

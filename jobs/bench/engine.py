@@ -23,14 +23,13 @@ from pathlib import Path
 import torch
 
 from eagleray.jobs.bench.common import LLAMA_8B, log, run_suite, write_json
-from eagleray.jobs.bench.spec import plain_run, spec_run
-from eagleray.platform.prompts import load_prompts
+from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TargetConfig
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.models.llama import LlamaModel
-from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TargetConfig
-from eagleray.serve.engine import SamplingParams
-from eagleray.serve.engine.loader import load_models
+from eagleray.platform.prompts import load_prompts
+from eagleray.serve.engine import SamplingParams, load_models
+from eagleray.serve.measure import plain_run, spec_run
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -123,7 +122,7 @@ def _record(name, b, mode, k, adaptive, outs, seconds, eng, predicted, lossless)
 def _predicted(r: dict, batch: int, k: int, plain_step_ms: float) -> float | None:
     """The cost model at ``batch``: τ t_plain / (t_verify + k t_draft), t_plain from the plain run's decode steps,
     t_verify and t_draft (per draft token) from the spec run's policy measurements."""
-    from eagleray.serve.engine.policy import bucket
+    from eagleray.serve.engine import bucket
 
     costs = r["policy"]["buckets"].get(bucket(batch))
     if not costs or costs["verify_ms"] is None or costs["draft_ms"] is None or not plain_step_ms:

@@ -53,7 +53,7 @@ def ceilings(device) -> dict:
     x = torch.randn(1 << 29, device=device)  # 2 GiB fp32
     y = torch.empty_like(x)
     bw = 2 * x.numel() * 4 / timed(lambda: y.copy_(x), 10, device)
-    del x, y
+    x = y = None  # free the 4 GiB before the runs
     a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(2))
     flops = 2 * 8192 ** 3 / timed(lambda: a @ b, 10, device)
     return dict(copy_GBps=round(bw / 1e9, 1), matmul_TFLOPs=round(flops / 1e12, 1))
@@ -140,7 +140,7 @@ def decode_case(model: LlamaModel, name: str, batch: int, args, ceil: dict, devi
         steps = args.steps if variant != "engine_eager" else max(4, args.steps // 8)
         fn = engine if variant == "engine_eager" else runners[variant].run
         with torch.inference_mode():
-            def once():
+            def once(fn=fn, steps=steps):
                 engine.step = 0
                 return greedy(fn, first, args.prompt, tables, steps)
             sec = timed(once, 2, device)
@@ -209,18 +209,17 @@ def hf_generate(name: str, args, device) -> list[dict]:
 
     cfg = LlamaConfig(**{k: v for k, v in CONFIGS[name].items() if k != "model_type"})
     with torch.device(device):
-        hf = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, "bfloat16")).eval()
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     ids = torch.randint(0, cfg.vocab_size, (1, args.prompt), device=device)
     out = []
     for cache in (["dynamic", "static"] if args.hf_static else ["dynamic"]):
         kw = dict(do_sample=False, pad_token_id=0, cache_implementation=None if cache == "dynamic" else "static")
         with torch.inference_mode():
             hf.generate(ids, max_new_tokens=8, min_new_tokens=8, **kw)
-            sec = timed(lambda: hf.generate(ids, max_new_tokens=args.steps, min_new_tokens=args.steps, **kw), 1, device)
+            sec = timed(lambda kw=kw: hf.generate(ids, max_new_tokens=args.steps, min_new_tokens=args.steps, **kw), 1, device)
         out.append(dict(model=name, batch=1, variant=f"transformers_generate_{cache}", steps=args.steps,
                         prompt=args.prompt, tok_per_s=round(args.steps / sec, 1), note="includes the prefill"))
         log(f"  transformers generate ({cache} cache): {args.steps / sec:.1f} tok/s")
-    del hf
     return out
 
 

@@ -19,7 +19,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from eagleray.jobs.bench.common import LLAMA_8B, SMOLLM2, log
+from eagleray.jobs.bench.common import SMOLLM2, log
 from eagleray.kernels.invariant_linear import invariant_linear, invariant_linear_reference, plan
 
 SHAPES = {"8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)],
@@ -67,12 +67,12 @@ def linear_records() -> list[dict]:
             gbytes = n * k * 2 / 1e9
             for m in (1, 5, 64, 320):
                 xm = x[:m].contiguous()
-                t_inv = _graph_time(lambda: invariant_linear(xm, w))
-                t_cub = _graph_time(lambda: F.linear(xm, w))
+                t_inv = _graph_time(lambda xm=xm, w=w: invariant_linear(xm, w))
+                t_cub = _graph_time(lambda xm=xm, w=w: F.linear(xm, w))
                 rec[f"us_invariant_m{m}"], rec[f"us_cublas_m{m}"] = round(t_inv, 2), round(t_cub, 2)
                 rec[f"tbs_invariant_m{m}"] = round(gbytes / (t_inv * 1e-6) / 1e3, 3)
             x1 = x[:1].contiguous()
-            rec["us_gemv_m1"] = round(_graph_time(lambda: gemv(x1, w)), 2)
+            rec["us_gemv_m1"] = round(_graph_time(lambda x1=x1, w=w: gemv(x1, w)), 2)
             out.append(rec)
             log(json.dumps(rec))
     return out
@@ -139,8 +139,8 @@ def sweep_records() -> list[dict]:
                 rec[f"{model}_invariant"] = all(bool(torch.equal(invariant_linear(x[:m, :k0].contiguous(), ws[0])[:1],
                                                                   alone)) for m in (5, 64, 320))
                 for m in (1, 5, 64, 320):
-                    per = [_graph_time(lambda w=w, xm=x[:m, :w.shape[1]].contiguous(): invariant_linear(xm, w))
-                           for w in ws]
+                    inputs = [(x[:m, :w.shape[1]].contiguous(), w) for w in ws]
+                    per = [_graph_time(lambda xm=xm, w=w: invariant_linear(xm, w)) for xm, w in inputs]
                     rec[f"{model}_step_us_m{m}"] = round(layers[model] * sum(per[:4]) + per[4], 1)
             out.append(rec)
             log(json.dumps(rec))
@@ -149,8 +149,8 @@ def sweep_records() -> list[dict]:
     rec = {"tiles": "cublas"}
     for model, ws in weights.items():
         for m in (1, 5, 64, 320):
-            per = [_graph_time(lambda w=w, xm=torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16):
-                               F.linear(xm, w)) for w in ws]
+            inputs = [(torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16), w) for w in ws]
+            per = [_graph_time(lambda xm=xm, w=w: F.linear(xm, w)) for xm, w in inputs]
             rec[f"{model}_step_us_m{m}"] = round(layers[model] * sum(per[:4]) + per[4], 1)
     out.append(rec)
     log(json.dumps(rec))

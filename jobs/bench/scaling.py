@@ -23,16 +23,14 @@ from pathlib import Path
 import torch
 
 from eagleray.jobs.bench.common import run_suite
-from eagleray.jobs.bench.spec import plain_run, spec_run
-from eagleray.platform.prompts import load_prompts
 from eagleray.platform.checkpoints.draft import DraftCheckpoint
-from eagleray.platform.errors import EaglerayError
 from eagleray.platform.checkpoints.guard import ensure_compatible
+from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
 from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TargetConfig
-from eagleray.platform.checkpoints.target import resolve_target
-from eagleray.platform.checkpoints.target import TargetSpec
-from eagleray.serve.engine import SamplingParams
-from eagleray.serve.engine.loader import close_target, load_draft, load_models
+from eagleray.platform.errors import EaglerayError
+from eagleray.platform.prompts import load_prompts
+from eagleray.serve.engine import SamplingParams, close_target, load_draft, load_models
+from eagleray.serve.measure import plain_run, spec_run
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

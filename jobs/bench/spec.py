@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 from eagleray.jobs.bench.common import run_suite
-from eagleray.platform.prompts import load_prompts
-from eagleray.platform.errors import EaglerayError
 from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TargetConfig, TreeConfig
-from eagleray.serve.engine import EngineConfig, LLMEngine, SamplingParams
-from eagleray.serve.engine.loader import close_target, load_models
+from eagleray.platform.errors import EaglerayError
+from eagleray.platform.prompts import load_prompts
+from eagleray.serve.engine import SamplingParams, close_target, load_models
+from eagleray.serve.measure import compare_engines
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,17 +49,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write the results here (default: print only)")
 
 
-def _timed_generate(engine: LLMEngine, prompts, params: SamplingParams) -> tuple[list, float]:
-    # warm-up: on CUDA a full batch, so the timed run's prefill shapes have their kernels chosen already
-    n = engine.config.max_num_seqs if engine.device.type == "cuda" else 1
-    engine.generate(prompts[:n], params.model_copy(update={"max_tokens": 4}))
-    engine.metrics = type(engine.metrics)()  # counters (τ, acceptance) cover the timed run only
-    engine.prof.reset()
-    t0 = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    return outs, time.perf_counter() - t0
-
-
 def _hf_baseline(target_dir: Path, tokenizer, token_prompts: list[list[int]], args, device) -> tuple[list[list[int]], float]:
     from transformers import AutoModelForCausalLM
 
@@ -77,84 +66,6 @@ def _hf_baseline(target_dir: Path, tokenizer, token_prompts: list[list[int]], ar
 def _draft_config(args) -> DraftConfig:
     tree = TreeConfig(depth=args.depth, topk=args.topk, num_draft_tokens=args.num_draft_tokens) if args.tree else None
     return DraftConfig(source=args.draft, num_speculative_tokens=args.k, tree=tree, policy=PolicyConfig(adaptive=args.adaptive))
-
-
-def plain_run(target, tok, tcfg: TargetConfig, prompts: list, params: SamplingParams, batch: int = 1,
-              profile: bool = True, kv_cache_gib: float = 1.0):
-    """Plain decoding of ``prompts`` (messages or token ids) -> (token prompts, outputs, seconds, engine);
-    the target captures nothing. ``profile``: time each step's phases (on CUDA a sync per phase)."""
-    aux_ids = target.aux_layer_ids
-    target.set_aux_layers([])
-    try:
-        engine = LLMEngine(target, tok, EngineConfig(target=tcfg, max_num_seqs=batch, profile_steps=profile,
-                                                     kv_cache_gib=kv_cache_gib))
-        token_prompts = [engine._tokenize(m) for m in prompts]
-        outs, seconds = _timed_generate(engine, token_prompts, params)
-    finally:
-        target.set_aux_layers(aux_ids)
-    return token_prompts, outs, seconds, engine
-
-
-def spec_run(target, draft, tok, tcfg: TargetConfig, dcfg: DraftConfig, token_prompts: list, params: SamplingParams,
-             plain: list, t_plain: float, batch: int = 1, profile: bool = True, kv_cache_gib: float = 1.0) -> dict:
-    """Speculative decoding of the same token prompts, compared with the plain run (outputs and speed)."""
-    engine = LLMEngine(target, tok, EngineConfig(target=tcfg, draft=dcfg, max_num_seqs=batch, profile_steps=profile,
-                                         kv_cache_gib=kv_cache_gib),
-                       draft)
-    spec, t_spec = _timed_generate(engine, token_prompts, params)
-    stats = engine.metrics.spec
-    n_plain, n_spec = sum(len(o.token_ids) for o in plain), sum(len(o.token_ids) for o in spec)
-    return {
-        "plain": {"tokens": n_plain, "seconds": round(t_plain, 3), "tokens_per_s": round(n_plain / t_plain, 2)},
-        "spec": {"tokens": n_spec, "seconds": round(t_spec, 3), "tokens_per_s": round(n_spec / t_spec, 2), **stats.to_dict()},
-        "speedup": round((n_spec / t_spec) / (n_plain / t_plain), 3),
-        "tau": round(stats.mean_acceptance_length, 3),
-        "acceptance_per_pos": [round(a / max(stats.num_drafts, 1), 4) for a in stats.accepted_per_pos],
-        "lossless": all(a.token_ids == b.token_ids for a, b in zip(plain, spec)) if params.temperature == 0 else None,
-        "watchdog_fired": engine.metrics.watchdog_fired,
-        "spec_profile": engine.prof.table(),
-        "policy": engine.policy.snapshot(),
-        "spec_steps": engine.metrics.speculative.steps, "plain_steps_in_spec_run": engine.metrics.plain.steps,
-        "spec_decode_tokens_per_s": round(engine.metrics.speculative.tokens_per_s, 3),
-        "spec_step_ms": round(1e3 * engine.metrics.speculative.seconds / max(engine.metrics.speculative.steps, 1), 4),
-        "decode_tokens_per_s": round(_decode_rate(engine.metrics), 3),  # plain and speculative steps together
-    }
-
-
-def _decode_rate(metrics) -> float:
-    tokens = metrics.plain.tokens + metrics.speculative.tokens
-    seconds = metrics.plain.seconds + metrics.speculative.seconds
-    return tokens / seconds if seconds > 0 else 0.0
-
-
-def compare_engines(target, draft, tok, tcfg: TargetConfig, dcfg: DraftConfig, prompts: list, params: SamplingParams,
-                    batch: int = 1) -> tuple[dict, list]:
-    """Plain then speculative decoding of the same prompts on one target -> (metrics, (token prompts, plain outputs))."""
-    token_prompts, plain, t_plain, plain_engine = plain_run(target, tok, tcfg, prompts, params, batch)
-    result = spec_run(target, draft, tok, tcfg, dcfg, token_prompts, params, plain, t_plain, batch)
-    result["plain_profile"] = plain_engine.prof.table()
-    result.update(decode_speedups(result, plain_engine.metrics.plain, batch, dcfg))
-    return result, (token_prompts, plain)
-
-
-def decode_speedups(result: dict, plain_steps, batch: int, dcfg: DraftConfig) -> dict:
-    """Decode-only speedup (speculative vs plain decode steps, tokens/s) and the cost model's prediction at
-    ``batch``: τ * t_plain(B) / (t_verify(B) + k * t_draft(B)), with t_plain from the plain run's steps of
-    ``batch`` sequences and t_verify, t_draft the spec run's measured costs (its policy, bucket of ``batch``)."""
-    from eagleray.serve.engine.policy import bucket
-
-    measured = None
-    if plain_steps.tokens and result["spec_decode_tokens_per_s"]:
-        measured = round(result["spec_decode_tokens_per_s"] / plain_steps.tokens_per_s, 3)
-    plain_row = result["plain_profile"].get("plain", {}).get(batch)
-    costs = result["policy"]["buckets"].get(bucket(batch))
-    predicted = None
-    if plain_row and costs and costs["verify_ms"] is not None and costs["draft_ms"] is not None:
-        k = 1 if dcfg.tree is not None else dcfg.num_speculative_tokens
-        predicted = round(result["tau"] * plain_row["step_ms"] / (costs["verify_ms"] + k * costs["draft_ms"]), 3)
-    spec_row = result["spec_profile"].get("spec", {}).get(batch)
-    return {"plain_step_ms": plain_row["step_ms"] if plain_row else None, "spec_step_ms": spec_row["step_ms"] if spec_row else None,
-            "decode_speedup": measured, "predicted_speedup": predicted}
 
 
 def measure_args(args) -> dict:
@@ -191,36 +102,6 @@ def measure_args(args) -> dict:
     return result
 
 
-def measure(cfg, draft_dir, *, suites: tuple[str, ...] = ("mtbench", "humaneval"), k: int | None = None,
-            limit: int = 8, max_tokens: int = 64) -> dict[str, float]:
-    """Training hook (jobs/train.py, ``evaluate_with_engine``): real τ and speed of a trained draft.
-
-    ``cfg`` is the TrainingConfig (its ``target``); chain drafting with ``k`` tokens (default: the
-    config's ``num_speculative_tokens`` if it has one, else 4), T=0. Returns flat MLflow metrics per
-    suite: ``engine/<suite>/tau``, ``.../acc_pos_<i>``, ``.../plain_tokens_per_s``,
-    ``.../spec_tokens_per_s``, ``.../speedup``, ``.../lossless`` (1.0 = every output equal to plain).
-    """
-    k = k or getattr(cfg, "num_speculative_tokens", None) or 4
-    dcfg = DraftConfig(source=str(draft_dir), num_speculative_tokens=k, policy=PolicyConfig(adaptive=False))
-    target, draft, tok, _ = load_models(cfg.target, dcfg)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    out: dict[str, float] = {}
-    try:
-        for suite in suites:
-            prompts = [[m.to_dict() for m in r.messages] for r in load_prompts(suite, limit=limit)]
-            if not prompts:
-                raise EaglerayError(f"bench suite {suite!r} gave no prompts\n    fix: pass suites with prompts (mtbench, humaneval)")
-            r, _ = compare_engines(target, draft, tok, cfg.target, dcfg, prompts, params)
-            pre = f"engine/{suite}"
-            out.update({f"{pre}/tau": r["tau"], f"{pre}/plain_tokens_per_s": r["plain"]["tokens_per_s"],
-                        f"{pre}/spec_tokens_per_s": r["spec"]["tokens_per_s"], f"{pre}/speedup": r["speedup"],
-                        f"{pre}/lossless": float(r["lossless"])})
-            out.update({f"{pre}/acc_pos_{i}": a for i, a in enumerate(r["acceptance_per_pos"])})
-    finally:
-        close_target(target)
-    return out
-
-
 def target_dir_of(args) -> Path:
     from eagleray.platform.checkpoints.target import resolve_target
 
@@ -253,7 +134,7 @@ def print_table(r: dict) -> None:
 
 def print_profile(r: dict) -> None:
     """Per-phase milliseconds per decode step, plain and speculative, with the host-overhead share."""
-    from eagleray.serve.engine.profile import PHASES
+    from eagleray.serve.engine import PHASES
 
     rows = [(f"plain b{b}", row) for b, row in r.get("plain_profile", {}).get("plain", {}).items()]
     rows += [(f"spec b{b}", row) for b, row in r.get("spec_profile", {}).get("spec", {}).items()]

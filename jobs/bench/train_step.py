@@ -48,9 +48,9 @@ import time
 import torch
 
 from eagleray.jobs.bench.common import LLAMA_8B, SMOLLM2, log, step_times, write_json
+from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.platform.config.schemas import TrainingConfig
 from eagleray.platform.host import pick_device
-from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.training.build import draft_module, new_draft
 from eagleray.training.loop import make_optimizer, train_step, use_bf16
 from eagleray.training.ttt import TTTBatch, TTTModel

@@ -125,7 +125,7 @@ def copy_bandwidth(device) -> float:
     x = torch.empty(n, dtype=torch.float32, device=device)
     y = torch.empty_like(x)
     ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=5, rep=50)
-    del x, y
+    x = y = None  # free the buffers
     return 2 * n * 4 / (ms * 1e-3)
 
 

@@ -25,16 +25,14 @@ from pathlib import Path
 import torch
 
 from eagleray.jobs.bench.common import run_suite
-from eagleray.jobs.bench.spec import _timed_generate
 from eagleray.platform import registry
-from eagleray.platform.prompts import load_prompts
 from eagleray.platform.checkpoints.draft import DraftCheckpoint
-from eagleray.platform.errors import EaglerayError
+from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
 from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TargetConfig
-from eagleray.platform.checkpoints.target import resolve_target
-from eagleray.platform.checkpoints.target import TargetSpec
-from eagleray.serve.engine import EngineConfig, LLMEngine, SamplingParams
-from eagleray.serve.engine.loader import close_target, load_models
+from eagleray.platform.errors import EaglerayError
+from eagleray.platform.prompts import load_prompts
+from eagleray.serve.engine import EngineConfig, LLMEngine, SamplingParams, close_target, load_models
+from eagleray.serve.measure import timed_generate
 
 TAU_TOLERANCE = 0.05
 AUX_FIELD = "draft.config.eagle_config.eagle_aux_hidden_state_layer_ids"
@@ -115,7 +113,7 @@ def run_eagleray(args, token_prompts: list[list[int]], draft_dir: Path | None) -
         aux = list(target.aux_layer_ids)
         engine = LLMEngine(target, tok, EngineConfig(target=tcfg, draft=dcfg, max_num_seqs=args.batch), draft)
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-        outs, seconds = _timed_generate(engine, token_prompts, params)
+        outs, seconds = timed_generate(engine, token_prompts, params)
     finally:
         close_target(target)
     ids = [list(o.token_ids) for o in outs]

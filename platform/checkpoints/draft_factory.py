@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from eagleray.platform.checkpoints.draft import EAGLE3_ARCHITECTURES, DraftMetadata, save_draft
-from eagleray.platform.errors import EaglerayError
 from eagleray.platform.checkpoints.target import TargetSpec, rope_of
+from eagleray.platform.errors import EaglerayError
 
 
 def eagle3_config(target: TargetSpec, aux_layer_ids: list[int] | None = None,

@@ -14,9 +14,9 @@ from typing import Any, Callable
 import torch
 
 from eagleray.platform.checkpoints.draft import EAGLE, EAGLE3, DraftCheckpoint
-from eagleray.platform.errors import CompatibilityError, EaglerayError, Problem
 from eagleray.platform.checkpoints.target import TargetSpec, rope_of
 from eagleray.platform.checkpoints.vocab_check import check_vocab_map
+from eagleray.platform.errors import CompatibilityError, EaglerayError, Problem
 
 KNOWN_ALGORITHMS = (EAGLE3, EAGLE)
 MIDLAYER = ("input_layernorm", "hidden_norm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",

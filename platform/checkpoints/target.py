@@ -8,8 +8,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from eagleray.platform.errors import ConfigError, EaglerayError, Problem
 from eagleray.platform.checkpoints.fingerprint import target_fingerprint, tokenizer_fingerprint, weight_shapes
+from eagleray.platform.errors import ConfigError, EaglerayError, Problem
 
 SUPPORTED_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 

@@ -170,7 +170,7 @@ class TrainingConfig(StrictModel):
     ray_address: str | None = Field(None, description="Ray cluster address; default RAY_ADDRESS or a local instance.")
     register_model: bool = Field(True, description="Register the final draft as a model version in the MLflow registry.")
     alias: str | None = Field("candidate", description="Alias set on the registered version (promotion later moves 'champion').")
-    evaluate_with_engine: bool = Field(False, description="After training, jobs/train.py measures real τ with eagleray's engine bench and logs it to the same MLflow run (needs serve.engine).")
+    evaluate_with_engine: bool = Field(False, description="After training, jobs/train.py measures real τ and speed with eagleray's engine (serve.measure.measure_draft) and logs them to the same MLflow run.")
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="Tracking and registry.")
     testing: TrainTesting = Field(default_factory=TrainTesting, description="Fault-injection hooks used by eagleray's own tests; leave unset.")
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
+from eagleray.platform.checkpoints.target import SUPPORTED_TARGET_TYPES, rope_of
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.rope import SUPPORTED_ROPE_TYPES
-from eagleray.platform.checkpoints.target import SUPPORTED_TARGET_TYPES, rope_of
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

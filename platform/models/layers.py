@@ -10,7 +10,13 @@ from eagleray.platform.models.arch import LlamaArch
 from eagleray.platform.models.attention import AttentionMetadata, paged_attention
 from eagleray.platform.models.rope import RotaryEmbedding
 from eagleray.platform.models.tp import (
-    ColumnParallelLinear, FusedLinear, RowParallelLinear, TPInfo, default_weight_loader, new_param, split_sizes,
+    ColumnParallelLinear,
+    FusedLinear,
+    RowParallelLinear,
+    TPInfo,
+    default_weight_loader,
+    new_param,
+    split_sizes,
 )
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]  # one layer's K, V [num_blocks, block_size, Hkv_local, D]

@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.arch import LlamaArch, parse_dtype
 from eagleray.platform.models.attention import AttentionMetadata, KVCache
 from eagleray.platform.models.layers import DecoderLayer, RMSNorm
 from eagleray.platform.models.tp import ParallelLMHead, TPInfo, VocabParallelEmbedding
 from eagleray.platform.models.weights import iter_safetensors, load_weights
-from eagleray.platform.checkpoints.target import TargetSpec
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 

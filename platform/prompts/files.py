@@ -19,11 +19,11 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from eagleray.platform.errors import DataError
 from eagleray.platform.prompts.formats import check_columns, detect_form, record_of, require_object
 from eagleray.platform.prompts.json_stream import iter_json_array
 from eagleray.platform.prompts.records import PromptRecord
 from eagleray.platform.prompts.report import LoadReport
-from eagleray.platform.errors import DataError
 
 SUFFIXES = {
     ".jsonl": "jsonl",
@@ -95,7 +95,8 @@ def _checked_lines(lines: io.TextIOWrapper, name: str) -> Iterator[str]:
     """The lines of a text stream, with a decoding error turned into a DataError."""
     lineno = 0
     try:
-        for lineno, line in enumerate(lines, start=1):
+        for line in lines:
+            lineno += 1
             yield line
     except UnicodeDecodeError as err:
         raise DataError(

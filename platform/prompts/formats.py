@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from eagleray.platform.errors import DataError, Problem
 from eagleray.platform.prompts.records import ROLES, Message, PromptRecord, make_record
 from eagleray.platform.prompts.report import LoadReport
-from eagleray.platform.errors import DataError, Problem
 
 FORMS = ("messages", "conversations", "prompt")  # detection order when a row has several
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from eagleray.platform.prompts.report import LoadReport
 from eagleray.platform.errors import DataError
+from eagleray.platform.prompts.report import LoadReport
 
 logger = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from eagleray.platform.errors import DataError, MissingPackageError
 from eagleray.platform.prompts.files import iter_json_file
 from eagleray.platform.prompts.formats import data_error, require_object
 from eagleray.platform.prompts.records import Message, PromptRecord, make_record
 from eagleray.platform.prompts.report import LoadReport
-from eagleray.platform.errors import DataError, MissingPackageError
 
 HUMANEVAL_INSTRUCTION = (
     "Complete the following Python function. Keep its signature and docstring, and reply with the "

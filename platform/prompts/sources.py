@@ -7,11 +7,11 @@ import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 
+from eagleray.platform.errors import DataError
 from eagleray.platform.prompts.files import iter_file
 from eagleray.platform.prompts.packages import iter_humaneval, iter_mtbench, iter_sharegpt
 from eagleray.platform.prompts.records import PromptRecord, dedup
 from eagleray.platform.prompts.report import LoadReport
-from eagleray.platform.errors import DataError
 
 logger = logging.getLogger(__name__)
 

@@ -78,6 +78,11 @@ class AsyncEngine:
         return self._task is not None and not self._task.done()
 
     @property
+    def died(self) -> bool:
+        """The loop was started and has stopped (crashed or cancelled); ``ensure_started`` restarts it."""
+        return self._task is not None and self._task.done()
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._queues)
 
@@ -97,7 +102,7 @@ class AsyncEngine:
                 self._probation = collections.deque(e for e in self._probation if e[0] not in ids)
                 for i in ids:
                     self._unproven.pop(i, None)
-                await self.between_steps(lambda: [self.engine.abort(i) for i in ids])
+                await self.between_steps(lambda ids=ids: [self.engine.abort(i) for i in ids])
             if self._probation and not self._unproven:
                 await self._admit_next()
                 continue

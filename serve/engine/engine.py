@@ -348,6 +348,16 @@ class LLMEngine:
                     final[out.request_id] = out
         return [final[i] for i in ids]
 
+    # ----------------------------------------------------------------- accessors for callers outside the engine
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """The token ids the engine runs for ``prompt`` (messages -> chat template, text -> tokenizer, ids as given)."""
+        return self._tokenize(prompt)
+
+    @property
+    def current_draft(self) -> Eagle3Draft | None:
+        """The draft serving now; None when the engine decodes without speculation."""
+        return self.spec.draft.draft if self.spec is not None else None
+
 
 def use_rows(config: EngineConfig, target: LlamaModel, device: torch.device) -> bool:
     """Whether decode and verification run the fixed-shape row step (``engine.decode_path``)."""

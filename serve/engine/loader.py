@@ -7,17 +7,16 @@ from pathlib import Path
 
 import torch
 
-from eagleray.platform.errors import EaglerayError
 from eagleray.platform.checkpoints.guard import ensure_compatible
+from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
+from eagleray.platform.config.schemas import DraftConfig, TargetConfig
+from eagleray.platform.errors import EaglerayError
+from eagleray.platform.host import pick_device
 from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.models.llama import LlamaModel
 from eagleray.platform.models.tp import TPInfo, VocabParallelEmbedding
-from eagleray.platform.host import pick_device
 from eagleray.platform.models.weights import iter_safetensors
 from eagleray.platform.registry import resolve_draft
-from eagleray.platform.config.schemas import DraftConfig, TargetConfig
-from eagleray.platform.checkpoints.target import resolve_target
-from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.serve.engine.tp_workers import TPLaunch, rank_device, start_workers
 
 logger = logging.getLogger(__name__)

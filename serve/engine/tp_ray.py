@@ -19,8 +19,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.host import free_port
-from eagleray.serve.engine.tp_workers import (COLLECTIVE_TIMEOUT, Rank0Workers, RankWorker, TPWorkerError,
-                                              backend_for, move, rank_device)
+from eagleray.serve.engine.tp_workers import (
+    COLLECTIVE_TIMEOUT,
+    Rank0Workers,
+    RankWorker,
+    TPWorkerError,
+    backend_for,
+    move,
+    rank_device,
+)
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0  # actor placement + shard load

@@ -208,7 +208,7 @@ class TPWorkers(Rank0Workers):
         except queue_mod.Empty:
             dead = [p.name for p in self.procs if not p.is_alive()]
             if dead:
-                raise TPWorkerError(f"tensor-parallel workers {dead} exited\n    fix: see their log; restart the engine")
+                raise TPWorkerError(f"tensor-parallel workers {dead} exited\n    fix: see their log; restart the engine") from None
             return
         raise TPWorkerError(f"tensor-parallel rank {rank} failed:\n{tb}\n    fix: see the traceback; restart the engine")
 

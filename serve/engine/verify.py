@@ -10,8 +10,13 @@ from __future__ import annotations
 import torch
 
 from eagleray.kernels.verify import (
-    t2d_index, verify_chain, verify_chain_reduced, verify_chain_reduced_reference, verify_chain_reference,
-    verify_tree, verify_tree_reference,
+    t2d_index,
+    verify_chain,
+    verify_chain_reduced,
+    verify_chain_reduced_reference,
+    verify_chain_reference,
+    verify_tree,
+    verify_tree_reference,
 )
 from eagleray.serve.engine.tree import DraftTree
 

@@ -6,7 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 BIN = Path(sys.executable).parent / "eagleray"
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagleray.platform.prompts import load_prompts
 from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TargetConfig, TreeConfig
+from eagleray.platform.prompts import load_prompts
 from eagleray.serve.engine import EngineConfig, LLMEngine, SamplingParams
 
 PARAMS = SamplingParams(max_tokens=24)
@@ -16,7 +16,7 @@ POLICY = PolicyConfig(adaptive=False, watchdog_window=8)
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory, smollm2_fp32):
-    from eagleray.serve.engine.loader import load_models
+    from eagleray.serve.engine import load_models
 
     torch.set_num_threads(1)  # several threads thrash on the shared 2-core box
     target, draft, tok, _ = load_models(TargetConfig(), DraftConfig(source="random"), tmp_path_factory.mktemp("draft"))

@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from eagleray.platform.checkpoints.draft_factory import make_random_draft
-from eagleray.platform.config.schemas import ServingConfig
 from eagleray.platform.checkpoints.target import TargetSpec
+from eagleray.platform.config.schemas import ServingConfig
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -222,8 +222,11 @@ def test_every_openai_field_at_its_default_is_served(server):
 def test_vllm_benchmark_client(server, monkeypatch):
     """vLLM's own load generator (its default backend is completions; chat too) against eagleray."""
     import aiohttp
-    from vllm.benchmarks.lib.endpoint_request_func import (RequestFuncInput, async_request_openai_chat_completions,
-                                                           async_request_openai_completions)
+    from vllm.benchmarks.lib.endpoint_request_func import (
+        RequestFuncInput,
+        async_request_openai_chat_completions,
+        async_request_openai_completions,
+    )
 
     url, _ = server
     monkeypatch.setenv("OPENAI_API_KEY", KEY)

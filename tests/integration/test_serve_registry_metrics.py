@@ -20,7 +20,6 @@ import os
 import shutil
 import threading
 import time
-
 from pathlib import Path
 
 import httpx
@@ -29,8 +28,8 @@ import torch
 
 from eagleray.platform import registry
 from eagleray.platform.checkpoints.draft_factory import make_random_draft
-from eagleray.platform.config.schemas import ServingConfig
 from eagleray.platform.checkpoints.target import TargetSpec
+from eagleray.platform.config.schemas import ServingConfig
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -3,7 +3,6 @@ replica's STRICT_PACK placement group, and the greedy chat answer equals the eng
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -27,9 +26,7 @@ def peaked_target(tiny_target, tmp_path_factory):
 def tp1_answer(peaked_target) -> str:
     """The plain engine's greedy chat answer at TP=1, computed in-process."""
     from eagleray.platform.config.schemas import TargetConfig
-    from eagleray.serve.engine import SamplingParams
-    from eagleray.serve.engine.config import EngineConfig
-    from eagleray.serve.engine.engine import LLMEngine
+    from eagleray.serve.engine import EngineConfig, LLMEngine, SamplingParams
 
     torch.set_num_threads(1)
     engine = LLMEngine.from_config(EngineConfig(target=TargetConfig(model=str(peaked_target), device="cpu",

@@ -7,7 +7,6 @@ models:/name@alias and passes the compatibility guard.
 
 from __future__ import annotations
 
-
 import pytest
 
 from eagleray.tests.support.synth import write_synthetic
@@ -28,9 +27,9 @@ def test_ray_train_resumes_after_killed_worker_and_registers(tmp_path, ray_local
     import mlflow
 
     from eagleray.platform.checkpoints.guard import check_compatibility
-    from eagleray.platform.registry import download_draft, get_alias
-    from eagleray.platform.config.schemas import TrainingConfig
     from eagleray.platform.checkpoints.target import TargetSpec
+    from eagleray.platform.config.schemas import TrainingConfig
+    from eagleray.platform.registry import download_draft, get_alias
     from eagleray.tests.support.tiny import make_tiny_llama
     from eagleray.training.trainer import train
 

@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 from eagleray.jobs.bench import vllm as bench_vllm
 from eagleray.platform.checkpoints.draft import DraftCheckpoint
 from eagleray.platform.checkpoints.draft_factory import make_random_draft
-from eagleray.platform.errors import EaglerayError
 from eagleray.platform.checkpoints.target import TargetSpec
+from eagleray.platform.errors import EaglerayError
 
 K, MAX_TOKENS, PROMPTS = 3, 16, 2
 ENGINE_KEYS = {"tokens", "seconds", "tokens_per_s", "num_drafts", "num_draft_tokens", "num_accepted_tokens",

@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 from eagleray.datagen import shards
+from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.llama import LlamaModel
-from eagleray.platform.checkpoints.target import TargetSpec
 
 
 @torch.inference_mode()

@@ -3,10 +3,8 @@
 import pytest
 
 from eagleray.platform.config import schemas
-from eagleray.platform.config.load import load_yaml_config, parse_config
+from eagleray.platform.config.load import StrictModel, load_yaml_config, parse_config
 from eagleray.platform.errors import ConfigError
-
-from eagleray.platform.config.load import StrictModel
 
 MODELS = sorted({c for c in vars(schemas).values() if isinstance(c, type) and issubclass(c, StrictModel) and c is not StrictModel},
                 key=lambda c: c.__name__)

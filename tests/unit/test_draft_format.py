@@ -7,8 +7,8 @@ import torch
 
 from eagleray.platform.checkpoints.draft import EAGLE, EAGLE3, DraftCheckpoint, derive_algorithm
 from eagleray.platform.checkpoints.draft_factory import eagle3_config, make_random_draft, vocab_map
-from eagleray.platform.errors import EaglerayError
 from eagleray.platform.checkpoints.target import TargetSpec
+from eagleray.platform.errors import EaglerayError
 
 
 def test_vocab_map_picks_most_frequent_in_id_order():

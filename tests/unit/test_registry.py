@@ -7,9 +7,9 @@ import torch
 
 from eagleray.platform import registry
 from eagleray.platform.checkpoints.draft_factory import make_random_draft
-from eagleray.platform.errors import EaglerayError
 from eagleray.platform.checkpoints.guard import check_compatibility
 from eagleray.platform.checkpoints.target import TargetSpec
+from eagleray.platform.errors import EaglerayError
 
 
 def test_register_alias_and_resolve(tiny_target, tmp_path):

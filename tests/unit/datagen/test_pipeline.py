@@ -12,8 +12,8 @@ import torch
 from eagleray.datagen import manifest as mf
 from eagleray.datagen import shards
 from eagleray.datagen.pipeline import dry_run, run_datagen
-from eagleray.platform.errors import EaglerayError
 from eagleray.platform.config.schemas import DatagenConfig
+from eagleray.platform.errors import EaglerayError
 
 from .conftest import LONG_PROMPT, datagen_config, expected_ids  # noqa: TID252
 

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from eagleray.datagen.pipeline import ray_address, run_datagen
-from eagleray.platform.errors import EaglerayError
 from eagleray.platform.config.schemas import DatagenConfig
+from eagleray.platform.errors import EaglerayError
 from eagleray.platform.host import free_port
 
 from .conftest import datagen_config  # noqa: TID252

@@ -46,8 +46,8 @@ def target(tiny_dir):
 def random_draft(tiny_dir, target, tmp_path_factory):
     """An untrained EAGLE-3 draft (τ ≈ 1)."""
     from eagleray.platform.checkpoints.draft_factory import make_random_draft
-    from eagleray.platform.models.eagle3 import Eagle3Draft
     from eagleray.platform.checkpoints.target import TargetSpec
+    from eagleray.platform.models.eagle3 import Eagle3Draft
 
     path = make_random_draft(TargetSpec.from_dir(tiny_dir), tmp_path_factory.mktemp("draft") / "random",
                              aux_layer_ids=[1, 2, NUM_LAYERS])
@@ -60,8 +60,8 @@ def copy_draft(tiny_dir, target, tmp_path_factory):
     an identity (o_proj = down_proj = 0) and norm/lm_head are the target's. It is accepted often, which
     exercises acceptance, rollback and tree compaction."""
     from eagleray.platform.checkpoints.draft_factory import make_random_draft
-    from eagleray.platform.models.eagle3 import Eagle3Draft
     from eagleray.platform.checkpoints.target import TargetSpec
+    from eagleray.platform.models.eagle3 import Eagle3Draft
 
     path = make_random_draft(TargetSpec.from_dir(tiny_dir), tmp_path_factory.mktemp("draft") / "copy",
                              aux_layer_ids=[1, 2, NUM_LAYERS])

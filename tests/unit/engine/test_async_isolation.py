@@ -50,7 +50,7 @@ def test_poisoned_request_fails_alone_while_8_others_complete(target, tokenizer,
         bad = asyncio.create_task(_consume(engine, "poison", POISON, "poison"))
         results = await asyncio.gather(*good, bad)
         after = await _consume(engine, "after", GOOD, "after")  # the loop still serves new requests
-        assert engine.alive
+        assert engine.alive and not engine.died
         return results, after
 
     results, after = asyncio.run(main())
@@ -61,4 +61,23 @@ def test_poisoned_request_fails_alone_while_8_others_complete(target, tokenizer,
         assert stream[-1].finished and [t for o in stream for t in o.delta_token_ids] == ref.token_ids
     assert not isinstance(after, Exception) and after[-1].finished
     assert engine.step_errors >= 1 and engine.requests_failed == 1 and engine.last_error
+    engine.shutdown()
+
+
+def test_died_is_true_only_after_a_started_loop_stopped(target, tokenizer):
+    """``died`` (the Serve health check's question): never started -> False, running -> False, stopped -> True."""
+    engine = AsyncEngine(make_engine(target, tokenizer))
+
+    async def main():
+        assert not engine.died and not engine.alive
+        engine.ensure_started()
+        await asyncio.sleep(0)
+        assert engine.alive and not engine.died
+        engine._task.cancel()
+        await asyncio.sleep(0.05)
+        assert engine.died and not engine.alive
+        engine.ensure_started()  # restarts it
+        assert engine.alive and not engine.died
+
+    asyncio.run(main())
     engine.shutdown()

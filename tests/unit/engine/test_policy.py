@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 
-from eagleray.platform.config.schemas import PolicyConfig
-from eagleray.serve.engine import SamplingParams
 import pytest
 
+from eagleray.platform.config.schemas import PolicyConfig
+from eagleray.serve.engine import SamplingParams
 from eagleray.serve.engine.policy import AcceptanceWatchdog, AdaptivePolicy, bucket
 
 from .conftest import PROMPTS, make_engine

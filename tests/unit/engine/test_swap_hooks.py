@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from tests.unit.engine.conftest import NUM_LAYERS, PROMPTS, make_engine
-
 from eagleray.serve.engine import AsyncEngine, SamplingParams
+from tests.unit.engine.conftest import NUM_LAYERS, PROMPTS, make_engine
 
 PARAMS = SamplingParams(max_tokens=12)
 

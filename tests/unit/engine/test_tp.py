@@ -6,7 +6,6 @@ import pytest
 import torch.distributed as dist
 
 from eagleray.platform.errors import EaglerayError
-
 from tests.unit.engine.conftest import NUM_LAYERS, PROMPTS, make_engine
 
 MAX_TOKENS = 12

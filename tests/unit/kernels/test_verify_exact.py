@@ -9,8 +9,13 @@ import torch
 
 from eagleray.kernels.errors import VerifyInputError
 from eagleray.kernels.verify import (
-    LaunchConfig, verify_chain, verify_chain_reduced, verify_chain_reduced_reference,
-    verify_chain_reference, verify_tree, verify_tree_reference,
+    LaunchConfig,
+    verify_chain,
+    verify_chain_reduced,
+    verify_chain_reduced_reference,
+    verify_chain_reference,
+    verify_tree,
+    verify_tree_reference,
 )
 
 V = 24

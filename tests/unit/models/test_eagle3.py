@@ -13,11 +13,11 @@ import torch
 
 from eagleray.platform.checkpoints.draft import DraftCheckpoint, save_draft
 from eagleray.platform.checkpoints.draft_factory import eagle3_config, make_random_draft, random_eagle3_tensors, vocab_map
+from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.models.llama import LlamaModel
-from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.tests.support.tiny import make_tiny_llama
 
 AUX = [1, 2, 4]

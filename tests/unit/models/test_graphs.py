@@ -8,8 +8,14 @@ import torch
 
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.attention_gpu import decode_attention_torch, decode_attention_triton
-from eagleray.platform.models.decode_ops import (add_rmsnorm, add_rmsnorm_torch, rope_write_kv, rope_write_kv_torch,
-                                                 silu_mul, silu_mul_torch)
+from eagleray.platform.models.decode_ops import (
+    add_rmsnorm,
+    add_rmsnorm_torch,
+    rope_write_kv,
+    rope_write_kv_torch,
+    silu_mul,
+    silu_mul_torch,
+)
 from eagleray.platform.models.graphs import DecodeGraphRunner
 from eagleray.platform.models.llama import LlamaModel
 

@@ -11,7 +11,6 @@ from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.llama import LlamaModel
 
-
 ATOL = 1e-4
 VOCAB = 96  # conftest.SMALL
 VARIANTS = ["llama_tied", "llama_untied_mha", "llama3_rope", "llama_linear_rope_bias", "mistral_window", "qwen2", "qwen3"]

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eagleray.jobs.bench.tp_check import AUX_IDS, compare
 from eagleray.platform.checkpoints.draft_factory import make_random_draft
+from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.arch import LlamaArch
 from eagleray.platform.models.llama import LlamaModel
 from eagleray.platform.models.tp import TPInfo
-from eagleray.jobs.bench.tp_check import AUX_IDS, compare
-from eagleray.platform.checkpoints.target import TargetSpec
 
 
 def test_tp2_gloo_equals_single_process(tiny_dirs, tmp_path):

@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagleray.platform.prompts import Message, load_prompts, prompt_id_for
 from eagleray.platform.errors import DataError
+from eagleray.platform.prompts import Message, load_prompts, prompt_id_for
 
 CHAT = [
     {"role": "system", "content": "You are terse."},

@@ -8,9 +8,9 @@ import logging
 
 import pytest
 
+from eagleray.platform.errors import DataError
 from eagleray.platform.prompts.json_stream import iter_json_array
 from eagleray.platform.prompts.report import LoadReport
-from eagleray.platform.errors import DataError
 
 ITEMS = [
     {"id": "a", "conversations": [{"from": "human", "value": "héllo \"q\" \\ \u2603"}]},

@@ -7,10 +7,9 @@ import time
 
 import pytest
 
-from eagleray.platform.prompts import iter_prompts, load_prompts, prompt_turns
-from eagleray.platform.prompts import packages
-from eagleray.platform.prompts.report import LoadReport
 from eagleray.platform.errors import DataError, MissingPackageError
+from eagleray.platform.prompts import iter_prompts, load_prompts, packages, prompt_turns
+from eagleray.platform.prompts.report import LoadReport
 
 SHAREGPT_FILE_BYTES = 125_509_632  # the packaged file is cut here
 SHAREGPT_LAST_PARTIAL_AT = 125_506_645  # where the incomplete 17,672nd conversation starts

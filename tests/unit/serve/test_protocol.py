@@ -6,8 +6,15 @@ import pytest
 from starlette.requests import Request
 
 from eagleray.serve.ingress import check_auth, sampling_payload
-from eagleray.serve.protocol import (CHAT_DEFAULT_ONLY, COMPLETION_DEFAULT_ONLY, INT64_MAX, INT64_MIN, APIError,
-                                     ChatCompletionRequest, CompletionRequest)
+from eagleray.serve.protocol import (
+    CHAT_DEFAULT_ONLY,
+    COMPLETION_DEFAULT_ONLY,
+    INT64_MAX,
+    INT64_MIN,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from eagleray.serve.request_body import parse_body
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

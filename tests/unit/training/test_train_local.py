@@ -9,8 +9,8 @@ import torch
 
 from eagleray.platform.checkpoints.draft import DraftCheckpoint
 from eagleray.platform.checkpoints.guard import check_compatibility
-from eagleray.platform.config.schemas import TrainingConfig
 from eagleray.platform.checkpoints.target import TargetSpec
+from eagleray.platform.config.schemas import TrainingConfig
 from eagleray.training import data
 from eagleray.training.loop import DRAFT, lr_lambda, train_worker
 from eagleray.training.session import LocalSession

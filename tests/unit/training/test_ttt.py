@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.checkpoints.target import TargetSpec
+from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.training.build import draft_module, new_draft, target_embed_and_head
 from eagleray.training.ttt import TTTBatch, TTTModel, step_terms, summarize
 

@@ -1,4 +1,4 @@
-"""jobs/bench/spec.measure: the training hook measures τ and speed of a draft with the engine."""
+"""serve/measure.measure_draft: the training hook (evaluate_with_engine) measures τ and speed of a draft with the engine."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ def _one_thread():
 
 
 def test_measure_tiny_target_random_draft(tmp_path):
-    from eagleray.jobs.bench.spec import measure
     from eagleray.platform.checkpoints.draft_factory import make_random_draft
-    from eagleray.platform.config.schemas import TargetConfig, TrainingConfig
     from eagleray.platform.checkpoints.target import TargetSpec
+    from eagleray.platform.config.schemas import TargetConfig, TrainingConfig
+    from eagleray.serve.measure import measure_draft as measure
     from eagleray.tests.support.tiny import make_tiny_llama
 
     target_dir = make_tiny_llama(tmp_path / "target", num_layers=4, max_positions=4096)
