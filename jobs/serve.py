@@ -18,8 +18,8 @@ import yaml
 
 from eagleray.jobs.entry import run_job
 from eagleray.platform.config.load import load_yaml_config, parse_config
-from eagleray.platform.config.schemas import ServingConfig
 from eagleray.platform.errors import ConfigError, Problem
+from eagleray.serve.serving_config import ServingConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

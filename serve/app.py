@@ -25,11 +25,11 @@ from ray.serve import Application
 from eagleray.platform.checkpoints.guard import ensure_compatible
 from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
 from eagleray.platform.config.load import StrictModel, load_yaml_config, parse_config
-from eagleray.platform.config.schemas import ServingConfig
 from eagleray.platform.registry import is_registry_uri
 from eagleray.serve.engine_server import EngineServer
 from eagleray.serve.ingress import OpenAIIngress
 from eagleray.serve.ingress import app as fastapi_app
+from eagleray.serve.serving_config import ServingConfig
 
 
 class AppArgs(StrictModel):

@@ -15,14 +15,14 @@ from pydantic import Field
 
 from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
 from eagleray.platform.config.load import StrictModel, parse_config
-from eagleray.platform.config.schemas import ServingConfig
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.registry import ResolvedDraft, registry_version, resolve_draft
-from eagleray.serve.engine import AsyncEngine, EngineConfig, LLMEngine, RequestFailed, SamplingParams, TPLaunch
+from eagleray.serve.engine import AsyncEngine, LLMEngine, RequestFailed, SamplingParams, TPLaunch
 from eagleray.serve.hotswap import DraftManager
 from eagleray.serve.metrics import ServeMetrics
 from eagleray.serve.protocol import APIError
 from eagleray.serve.responses import Delta
+from eagleray.serve.serving_config import ServingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +60,7 @@ class EngineServer:
         self.spec = TargetSpec.from_dir(resolve_target(self.cfg.target.model, self.cfg.target.dtype))
         first = initial_draft(self.cfg, self.spec)
         draft_cfg = self.cfg.draft.model_copy(update={"source": str(first.path)}) if first else None
-        engine_cfg = EngineConfig(target=self.cfg.target.model_copy(update={"model": str(self.spec.path)}), draft=draft_cfg,
-                                  max_num_seqs=self.cfg.max_num_seqs)
+        engine_cfg = self.cfg.engine_config(target=self.cfg.target.model_copy(update={"model": str(self.spec.path)}), draft=draft_cfg)
         self.engine = LLMEngine.from_config(engine_cfg, tp_launch=replica_tp_launch(self.cfg.target.tensor_parallel_size))
         self.loop = AsyncEngine(self.engine)
         self.metrics = ServeMetrics(self.cfg.model_name)

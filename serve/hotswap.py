@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 
 from eagleray.platform.checkpoints.guard import check_compatibility
 from eagleray.platform.checkpoints.target import TargetSpec
-from eagleray.platform.config.schemas import ServingConfig
 from eagleray.platform.errors import EaglerayError, Problem
 from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.registry import ResolvedDraft, resolve_draft
 from eagleray.serve.engine import AsyncEngine, LLMEngine, load_draft
 from eagleray.serve.metrics import ServeMetrics
+from eagleray.serve.serving_config import ServingConfig
 from eagleray.serve.smoke import smoke_verify
 
 logger = logging.getLogger(__name__)

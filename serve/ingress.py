@@ -26,10 +26,10 @@ from pydantic import Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eagleray.platform.config.load import StrictModel, parse_config
-from eagleray.platform.config.schemas import ServingConfig
 from eagleray.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from eagleray.serve.request_body import parse_body
 from eagleray.serve.responses import SSE_DONE, Delta, ResponseBuilder, sse
+from eagleray.serve.serving_config import ServingConfig
 
 logger = logging.getLogger(__name__)
 HEALTH_WAIT_S = 0.5  # how long GET /health waits for a fresh engine status before answering from the last one

@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from eagleray.platform.config.schemas import ServingConfig
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.host import free_port
+from eagleray.serve.serving_config import ServingConfig
 
 APP_NAME = "eagleray"
 

@@ -54,18 +54,6 @@ class MlflowConfig(StrictModel):
     registered_model: str = Field("eagleray-draft", description="Registered model name for drafts.")
 
 
-class ServingConfig(StrictModel):
-    target: TargetConfig = Field(default_factory=TargetConfig, description="The target model.")
-    draft: DraftConfig | None = Field(None, description="The draft; none serves plain decoding.")
-    host: str = Field("127.0.0.1", description="HTTP bind address.")
-    port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
-    model_name: str = Field("eagleray", description="Model id reported by /v1/models and accepted in requests.")
-    max_num_seqs: int = Field(16, ge=1, description="Maximum sequences batched per engine step.")
-    api_key: str | None = Field(None, description="Bearer token required on every route when set (always required for admin routes).")
-    alias_poll_seconds: float | None = Field(None, gt=0, description="Poll the MLflow alias of draft.source this often and hot-swap on change.")
-    mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="Registry used to resolve models:/ URIs.")
-
-
 class GenerationConfig(StrictModel):
     max_tokens: int = Field(256, ge=1, description="Maximum response tokens per prompt.")
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")

@@ -21,7 +21,7 @@ import pytest
 
 from eagleray.platform.checkpoints.draft_factory import make_random_draft
 from eagleray.platform.checkpoints.target import TargetSpec
-from eagleray.platform.config.schemas import ServingConfig
+from eagleray.serve.serving_config import ServingConfig
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -29,7 +29,7 @@ import torch
 from eagleray.platform import registry
 from eagleray.platform.checkpoints.draft_factory import make_random_draft
 from eagleray.platform.checkpoints.target import TargetSpec
-from eagleray.platform.config.schemas import ServingConfig
+from eagleray.serve.serving_config import ServingConfig
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagleray.platform.config.schemas import ServingConfig
+from eagleray.serve.serving_config import ServingConfig
 
 KEY = "test-key"
 CTX = 128

@@ -5,9 +5,12 @@ import pytest
 from eagleray.platform.config import schemas
 from eagleray.platform.config.load import StrictModel, load_yaml_config, parse_config
 from eagleray.platform.errors import ConfigError
+from eagleray.serve import serving_config
+from eagleray.serve.engine import config as engine_config
+from eagleray.serve.serving_config import ServingConfig
 
-MODELS = sorted({c for c in vars(schemas).values() if isinstance(c, type) and issubclass(c, StrictModel) and c is not StrictModel},
-                key=lambda c: c.__name__)
+MODELS = sorted({c for m in (schemas, engine_config, serving_config) for c in vars(m).values()
+                 if isinstance(c, type) and issubclass(c, StrictModel) and c is not StrictModel}, key=lambda c: c.__name__)
 
 
 @pytest.mark.parametrize("cls", MODELS, ids=lambda c: c.__name__)
@@ -21,7 +24,7 @@ def test_unknown_nested_field_named_with_dotted_path(tmp_path):
     f = tmp_path / "serve.yaml"
     f.write_text("target:\n  model: smollm2\n  tensor_paralel_size: 2\ndraft:\n  source: x\n  num_speculative_tokens: 0\n")
     with pytest.raises(ConfigError) as err:
-        load_yaml_config(schemas.ServingConfig, f)
+        load_yaml_config(ServingConfig, f)
     text = str(err.value)
     assert "target.tensor_paralel_size" in text and "correct its spelling" in text
     assert "draft.num_speculative_tokens" in text and "2 problem(s)" in text
@@ -43,15 +46,15 @@ def test_yaml_syntax_and_missing_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("target: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
-        load_yaml_config(schemas.ServingConfig, bad)
+        load_yaml_config(ServingConfig, bad)
     with pytest.raises(ConfigError, match="does not exist"):
-        load_yaml_config(schemas.ServingConfig, tmp_path / "nope.yaml")
+        load_yaml_config(ServingConfig, tmp_path / "nope.yaml")
 
 
 def test_defaults_load_from_empty_yaml(tmp_path):
     f = tmp_path / "empty.yaml"
     f.write_text("")
-    cfg = load_yaml_config(schemas.ServingConfig, f)
+    cfg = load_yaml_config(ServingConfig, f)
     assert cfg.target.model == "smollm2" and cfg.draft is None
 
 
@@ -71,14 +74,14 @@ def test_set_overrides_apply_before_validation(tmp_path):
 def test_example_configs_validate(path):
     import yaml
     kind = path.name.split("-")[0]
-    cls = {"datagen": schemas.DatagenConfig, "train": schemas.TrainingConfig, "serve": schemas.ServingConfig,
+    cls = {"datagen": schemas.DatagenConfig, "train": schemas.TrainingConfig, "serve": ServingConfig,
            "promote": schemas.PromotionConfig}.get(kind)
     data = yaml.safe_load(path.read_text())
     if kind == "serve" and "applications" in data:  # a Ray Serve config with eagleray's ServingConfig inside
         from ray.serve.schema import ServeDeploySchema
         ServeDeploySchema.model_validate(data) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(data)
         for app in data["applications"]:
-            parse_config(schemas.ServingConfig, app["args"]["serving"], source=str(path))
+            parse_config(ServingConfig, app["args"]["serving"], source=str(path))
         return
     assert cls is not None, f"{path.name}: unknown config kind {kind!r}"
     load_yaml_config(cls, path)

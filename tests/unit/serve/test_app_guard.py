@@ -8,8 +8,8 @@ import yaml
 from eagleray.jobs.cli import main
 from eagleray.platform.checkpoints.draft_factory import make_random_draft
 from eagleray.platform.checkpoints.target import TargetSpec
-from eagleray.platform.config.schemas import ServingConfig
 from eagleray.platform.errors import CompatibilityError
+from eagleray.serve.serving_config import ServingConfig
 
 
 @pytest.fixture

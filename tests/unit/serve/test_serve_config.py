@@ -19,7 +19,7 @@ def test_serve_config_is_valid_for_ray_serve_and_eagleray():
     data = yaml.safe_load(CONFIG.read_text())
     ServeDeploySchema.model_validate(data) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(data)
     cfg = load_serving(str(CONFIG))
-    assert cfg.model_name == "smollm2" and cfg.port == 8000 and cfg.draft.source == "random"
+    assert cfg.model_name == "smollm2" and cfg.port == 8000 and cfg.draft.source == "random" and cfg.kv_cache_gib == 1.0
     assert build_app(data["applications"][0]["args"]) is not None
 
 
@@ -32,10 +32,25 @@ def test_build_app_rejects_bad_args(args):
 
 
 def test_tensor_parallel_gets_strict_pack_bundles():
-    from eagleray.platform.config.schemas import ServingConfig
     from eagleray.serve.app import engine_options
+    from eagleray.serve.serving_config import ServingConfig
 
     opts = engine_options(ServingConfig.model_validate({"target": {"tensor_parallel_size": 4, "device": "cuda"}}))
     assert opts["placement_group_strategy"] == "STRICT_PACK" and len(opts["placement_group_bundles"]) == 4
     assert opts["placement_group_bundles"][0] == {"CPU": 1, "GPU": 1}
     assert opts["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 1}
+
+
+def test_serving_config_carries_the_engine_settings():
+    """A deployment sets the KV cache, block size and verification backend; the engine gets them."""
+    from eagleray.platform.config.load import parse_config
+    from eagleray.serve.engine import EngineConfig
+    from eagleray.serve.serving_config import ServingConfig
+
+    cfg = parse_config(ServingConfig, {"model_name": "m", "max_num_seqs": 4, "block_size": 32, "kv_cache_gib": 0.25,
+                                       "verify_backend": "reference", "draft": {"source": "random"}}, prefix="serving")
+    eng = cfg.engine_config(draft=None)
+    assert type(eng) is EngineConfig and eng.draft is None and cfg.draft.source == "random"
+    assert (eng.max_num_seqs, eng.block_size, eng.kv_cache_gib, eng.verify_backend) == (4, 32, 0.25, "reference")
+    with pytest.raises(ConfigError, match=r"serving\.kv_cache_gb"):
+        parse_config(ServingConfig, {"kv_cache_gb": 1}, prefix="serving")
