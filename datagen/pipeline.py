@@ -20,9 +20,9 @@ from typing import Any
 
 from eagleray.datagen import manifest as mf
 from eagleray.datagen import shards
+from eagleray.datagen.answers_only import check_given_sources
+from eagleray.datagen.chunks import make_chunks, select_prompts
 from eagleray.datagen.estimate import check_space, estimate, human_bytes, human_seconds
-from eagleray.datagen.prompts import make_chunks, select_prompts
-from eagleray.datagen.regenerate import check_given_sources
 from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
 from eagleray.platform.config.schemas import DatagenConfig
 from eagleray.platform.errors import EaglerayError

@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eagleray.datagen.regenerate import regenerate, write_prompts
+    from eagleray.datagen.answers_only import regenerate, write_prompts
     from eagleray.platform.host import pick_device
 
     cfg = load_yaml_config(DatagenConfig, args.config, args.set)

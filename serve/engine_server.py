@@ -19,7 +19,7 @@ from eagleray.platform.errors import EaglerayError
 from eagleray.platform.registry import ResolvedDraft, registry_version, resolve_draft
 from eagleray.serve.engine import AsyncEngine, LLMEngine, RequestFailed, SamplingParams, TPLaunch
 from eagleray.serve.hotswap import DraftManager
-from eagleray.serve.metrics import ServeMetrics
+from eagleray.serve.prometheus import ServeMetrics
 from eagleray.serve.protocol import APIError
 from eagleray.serve.responses import Delta
 from eagleray.serve.serving_config import ServingConfig

@@ -26,7 +26,7 @@ from eagleray.platform.errors import EaglerayError, Problem
 from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.registry import ResolvedDraft, resolve_draft
 from eagleray.serve.engine import AsyncEngine, LLMEngine, load_draft
-from eagleray.serve.metrics import ServeMetrics
+from eagleray.serve.prometheus import ServeMetrics
 from eagleray.serve.serving_config import ServingConfig
 from eagleray.serve.smoke import smoke_verify
 

@@ -41,7 +41,7 @@ class GuardReport:
 
 def check_compatibility(target: TargetSpec, draft_dir: str | Path, *, algorithm: str | None = None,
                         max_model_len: int | None = None) -> GuardReport:
-    """Run every check of DESIGN.md's guard; never raises for a user error, returns the problems."""
+    """Run every check of the compatibility guard (docs/architecture.md); never raises for a user error, returns the problems."""
     report = GuardReport()
     try:
         draft = DraftCheckpoint.open(draft_dir)

@@ -32,7 +32,7 @@ def datagen_config(target: Path, prompts: Path, out: Path, **over) -> dict:
 
 
 def expected_ids(cfg_dict: dict) -> set[str]:
-    from eagleray.datagen.prompts import select_prompts
+    from eagleray.datagen.chunks import select_prompts
     from eagleray.platform.config.schemas import DatagenConfig
 
     return {r.prompt_id for r in select_prompts(DatagenConfig(**cfg_dict))[0]}

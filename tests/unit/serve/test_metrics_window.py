@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagleray.serve.metrics import ServeMetrics
+from eagleray.serve.prometheus import ServeMetrics
 
 
 class Clock:

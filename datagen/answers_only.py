@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from eagleray.datagen.backends import batch_seed, make_generator
-from eagleray.datagen.prompts import select_prompts
+from eagleray.datagen.chunks import select_prompts
 from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
 from eagleray.platform.config.schemas import DatagenConfig
 from eagleray.platform.errors import ConfigError, EaglerayError, Problem

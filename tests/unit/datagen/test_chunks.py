@@ -2,7 +2,7 @@
 
 import json
 
-from eagleray.datagen.prompts import HoldOut, chunk_id_for, make_chunks, normalise, select_prompts
+from eagleray.datagen.chunks import HoldOut, chunk_id_for, make_chunks, normalise, select_prompts
 from eagleray.platform.config.schemas import DatagenConfig
 from eagleray.platform.prompts import iter_prompts
 

@@ -8,8 +8,8 @@ import pytest
 
 from eagleray.datagen import manifest as mf
 from eagleray.datagen import shards
+from eagleray.datagen.answers_only import errors_path, manifest_path, regenerate, write_prompts
 from eagleray.datagen.pipeline import dry_run, run_datagen
-from eagleray.datagen.regenerate import errors_path, manifest_path, regenerate, write_prompts
 from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.platform.config.schemas import DatagenConfig
 from eagleray.platform.errors import ConfigError
