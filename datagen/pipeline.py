@@ -1,6 +1,6 @@
 """The datagen run: prompts -> resume filter -> estimate -> Ray Data stages -> manifest.
 
-Fault tolerance: each chunk is one shard named by its content (prompts.chunk_id_for) and written
+Fault tolerance: each chunk is one shard named by its content (chunks.chunk_id_for) and written
 atomically, the model stages are restartable actors whose tasks are retried (a killed worker's
 chunk is redone and rewrites the same file), and a rerun skips every prompt id already in a shard
 or in the errors table, so a killed driver resumes without redoing finished shards.
