@@ -15,7 +15,7 @@ surrogate such as ``"\\ud800"`` is valid JSON but not Unicode text). Errors foll
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -193,6 +193,13 @@ class StreamOptions(_Strict):
 
 
 class _Sampling(_Strict):
+    DEFAULT_ONLY: ClassVar[dict[str, tuple[tuple, str]]] = _COMMON_DEFAULT_ONLY  # each request type names its table
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, data: Any) -> Any:
+        return refuse_non_defaults(data, cls.DEFAULT_ONLY)
+
     model: str = Field(description="Model id; must be one listed by GET /v1/models.")
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description="Maximum generated tokens; default: what the context leaves.")
     temperature: float | None = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature in [0, 2]; 0 is greedy.")
@@ -272,6 +279,7 @@ class _Sampling(_Strict):
 
 
 class ChatCompletionRequest(_Sampling):
+    DEFAULT_ONLY: ClassVar[dict[str, tuple[tuple, str]]] = CHAT_DEFAULT_ONLY
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far (at least one message).")
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description="Newer name of max_tokens; wins when both are set.")
     logprobs: bool | None = None
@@ -295,11 +303,6 @@ class ChatCompletionRequest(_Sampling):
     mm_processor_kwargs: None = None
     parallel_tool_calls: bool | None = Field(None, description=_RECORDED["parallel_tool_calls"])
 
-    @model_validator(mode="before")
-    @classmethod
-    def _defaults(cls, data: Any) -> Any:
-        return refuse_non_defaults(data, CHAT_DEFAULT_ONLY)
-
     @field_validator("messages")
     @classmethod
     def _not_empty(cls, v: list[ChatMessage]):
@@ -315,16 +318,12 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
+    DEFAULT_ONLY: ClassVar[dict[str, tuple[tuple, str]]] = COMPLETION_DEFAULT_ONLY
     prompt: str | list[int] | list[str] = Field(description="One prompt: text, token ids, or a one-element list of text.")
     max_tokens: int | None = Field(16, ge=1, le=INT64_MAX, description="Maximum generated tokens (OpenAI's default is 16).")
     echo: Literal[False] | None = Field(False, description="Echoing the prompt is not supported.")
     logprobs: None = None
     suffix: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _defaults(cls, data: Any) -> Any:
-        return refuse_non_defaults(data, COMPLETION_DEFAULT_ONLY)
 
     @field_validator("prompt")
     @classmethod

@@ -24,6 +24,31 @@ SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermedia
                tie_word_embeddings=True, rope_theta=100000.0)
 
 
+def add_engine_arguments(p: argparse.ArgumentParser, *, limit: int = 8, batch: int = 1) -> None:
+    """The options every engine-measuring suite (spec, vllm, scaling) shares: target, prompts, lengths, batch, output."""
+    p.add_argument("--target", default="smollm2", help="target model directory or 'smollm2'")
+    p.add_argument("--prompts", default="mtbench", help="mtbench, humaneval or a JSONL/Parquet file")
+    p.add_argument("--limit", type=int, default=limit, help="number of prompts")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--k", type=int, default=4, help="chain draft length (vLLM: num_speculative_tokens)")
+    p.add_argument("--batch", type=int, default=batch, help="max concurrent sequences (1 = latency, as the EAGLE papers)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a shared box)")
+    p.add_argument("--json", default=None, help="write the results here (default: print only)")
+
+
+def prompt_messages(args: argparse.Namespace) -> list[list[dict]]:
+    """Apply ``--threads``, then load ``--prompts`` (at most ``--limit``) as chat messages; none is an error."""
+    from eagleray.platform.errors import EaglerayError
+    from eagleray.platform.prompts import load_prompts
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    messages = [[m.to_dict() for m in r.messages] for r in load_prompts(args.prompts, limit=args.limit)]
+    if not messages:
+        raise EaglerayError(f"--prompts {args.prompts!r} gave no prompts\n    fix: pass mtbench, humaneval or a non-empty file")
+    return messages
+
+
 def log(msg: str) -> None:
     print(msg, flush=True)
 

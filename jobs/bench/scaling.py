@@ -22,31 +22,23 @@ from pathlib import Path
 
 import torch
 
-from eagleray.jobs.bench.common import run_suite
+from eagleray.jobs.bench.common import add_engine_arguments, prompt_messages, run_suite
 from eagleray.platform.checkpoints.draft import DraftCheckpoint
 from eagleray.platform.checkpoints.guard import ensure_compatible
 from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
 from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TargetConfig
 from eagleray.platform.errors import EaglerayError
-from eagleray.platform.prompts import load_prompts
 from eagleray.serve.engine import SamplingParams, close_target, load_draft, load_models
 from eagleray.serve.measure import plain_run, spec_run
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafts", required=True, help="comma list of draft directories written by `eagleray train`")
-    p.add_argument("--target", default="smollm2", help="target model directory or 'smollm2'")
-    p.add_argument("--prompts", default="mtbench", help="mtbench, humaneval or a JSONL/Parquet file")
-    p.add_argument("--limit", type=int, default=80, help="number of prompts")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt")
-    p.add_argument("--k", type=int, default=4, help="chain draft length")
+    add_engine_arguments(p, limit=80, batch=8)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="model dtype")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
-    p.add_argument("--batch", type=int, default=8, help="max concurrent sequences")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--plot", type=Path, default=None, help="write the τ-against-data PNG here")
     p.add_argument("--mlflow-experiment", default=None, help="log JSON, PNG and metrics to a new run of this experiment")
-    p.add_argument("--json", default=None, help="write the results here (default: print only)")
 
 
 def draft_facts(path: Path) -> dict:
@@ -62,13 +54,9 @@ def draft_facts(path: Path) -> dict:
 
 
 def measure_args(args) -> dict:
-    if args.threads:
-        torch.set_num_threads(args.threads)
     paths = [Path(d) for d in args.drafts.split(",") if d]
     facts = sorted((draft_facts(p) for p in paths), key=lambda f: f["data_loss_tokens"])
-    messages = [[m.to_dict() for m in r.messages] for r in load_prompts(args.prompts, limit=args.limit)]
-    if not messages:
-        raise EaglerayError(f"--prompts {args.prompts!r} gave no prompts\n    fix: pass mtbench, humaneval or a non-empty file")
+    messages = prompt_messages(args)
     tcfg = TargetConfig(model=args.target, dtype=args.dtype, device=args.device)
     target, _, tok, device = load_models(tcfg, None)  # each draft is guarded and loaded below
     spec = TargetSpec.from_dir(resolve_target(tcfg.model, tcfg.dtype))

@@ -18,22 +18,16 @@ from pathlib import Path
 
 import torch
 
-from eagleray.jobs.bench.common import run_suite
+from eagleray.jobs.bench.common import add_engine_arguments, prompt_messages, run_suite
 from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TargetConfig, TreeConfig
-from eagleray.platform.errors import EaglerayError
-from eagleray.platform.prompts import load_prompts
 from eagleray.serve.engine import SamplingParams, close_target, load_models
 from eagleray.serve.measure import compare_engines
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="smollm2", help="target model directory or 'smollm2'")
+    add_engine_arguments(p)
     p.add_argument("--draft", default="random", help="draft checkpoint directory or 'random' (untrained)")
-    p.add_argument("--prompts", default="mtbench", help="mtbench, humaneval or a JSONL/Parquet file")
-    p.add_argument("--limit", type=int, default=8, help="number of prompts")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy, checks lossless)")
-    p.add_argument("--k", type=int, default=4, help="chain draft length")
     p.add_argument("--tree", action="store_true", help="draft an EAGLE top-k tree instead of a chain")
     p.add_argument("--depth", type=int, default=5, help="tree depth (with --tree)")
     p.add_argument("--topk", type=int, default=4, help="tree branching (with --tree)")
@@ -41,12 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the target")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="model dtype")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
-    p.add_argument("--batch", type=int, default=1, help="max concurrent sequences (1 = latency, as the EAGLE papers)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a shared box)")
     p.add_argument("--adaptive", action="store_true", help="let the adaptive policy change k / turn speculation off")
     p.add_argument("--ignore-eos", action="store_true", help="generate max_tokens for every prompt (equal work in every engine)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
-    p.add_argument("--json", default=None, help="write the results here (default: print only)")
 
 
 def _hf_baseline(target_dir: Path, tokenizer, token_prompts: list[list[int]], args, device) -> tuple[list[list[int]], float]:
@@ -70,12 +61,7 @@ def _draft_config(args) -> DraftConfig:
 
 def measure_args(args) -> dict:
     """The CLI bench (``eagleray bench spec``)."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    records = load_prompts(args.prompts, limit=args.limit)
-    messages = [[m.to_dict() for m in r.messages] for r in records]
-    if not messages:
-        raise EaglerayError(f"--prompts {args.prompts!r} gave no prompts\n    fix: pass mtbench, humaneval or a non-empty file")
+    messages = prompt_messages(args)
     tcfg = TargetConfig(model=args.target, dtype=args.dtype, tensor_parallel_size=args.tp, device=args.device)
     dcfg = _draft_config(args)
     target, draft, tok, device = load_models(tcfg, dcfg, tempfile.mkdtemp(prefix="eagleray-bench-"))

@@ -24,13 +24,12 @@ from pathlib import Path
 
 import torch
 
-from eagleray.jobs.bench.common import run_suite
+from eagleray.jobs.bench.common import add_engine_arguments, prompt_messages, run_suite
 from eagleray.platform import registry
 from eagleray.platform.checkpoints.draft import DraftCheckpoint
 from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
 from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TargetConfig
 from eagleray.platform.errors import EaglerayError
-from eagleray.platform.prompts import load_prompts
 from eagleray.serve.engine import EngineConfig, LLMEngine, SamplingParams, close_target, load_models
 from eagleray.serve.measure import timed_generate
 
@@ -42,16 +41,9 @@ VLLM_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="smollm2", help="target model directory or 'smollm2' (fp32)")
+    add_engine_arguments(p)  # fp32 targets; --max-tokens ignores EOS in both engines; --batch, --threads apply to both
     p.add_argument("--draft", default="random", help="draft directory, models:/<name>@<alias>, or 'random' (untrained)")
-    p.add_argument("--prompts", default="mtbench", help="mtbench, humaneval or a JSONL/Parquet file")
-    p.add_argument("--limit", type=int, default=8, help="number of prompts")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt (EOS ignored in both engines)")
-    p.add_argument("--k", type=int, default=4, help="chain draft length (vLLM num_speculative_tokens)")
-    p.add_argument("--batch", type=int, default=1, help="max concurrent sequences in both engines (1 = latency)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads for both engines (1 on a shared box)")
     p.add_argument("--plain", action="store_true", help="also run both engines without a draft (plain decoding), same prompts")
-    p.add_argument("--json", default=None, help="write the results here (default: print only)")
 
 
 def vllm_aux_layer_ids(ckpt: DraftCheckpoint, num_layers: int) -> list[int]:
@@ -194,12 +186,7 @@ def compare(ours: dict, theirs: dict, ours_ids: list[list[int]], theirs_ids: lis
 
 
 def measure(args) -> dict:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    records = load_prompts(args.prompts, limit=args.limit)
-    messages = [[m.to_dict() for m in r.messages] for r in records]
-    if not messages:
-        raise EaglerayError(f"--prompts {args.prompts!r} gave no prompts\n    fix: pass mtbench, humaneval or a non-empty file")
+    messages = prompt_messages(args)
     target_dir = resolve_target(args.target, "fp32")
     with tempfile.TemporaryDirectory(prefix="eagleray-bench-vllm-") as work:
         draft_dir = registry.resolve_draft(args.draft, TargetSpec.from_dir(target_dir), workdir=work).path

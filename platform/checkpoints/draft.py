@@ -91,12 +91,9 @@ class DraftCheckpoint:
     @classmethod
     def open(cls, path: str | Path) -> "DraftCheckpoint":
         """Read config.json and the safetensors headers; raise EaglerayError if unreadable."""
-        from eagleray.platform.checkpoints.target import read_json
+        from eagleray.platform.checkpoints.target import read_model_dir
 
-        p = Path(path)
-        if not p.is_dir():
-            raise EaglerayError(f"draft: {p} is not a directory\n    fix: pass a draft checkpoint directory (config.json + model.safetensors)")
-        config = read_json(p / "config.json", "draft")
+        p, config = read_model_dir(path, "draft", "pass a draft checkpoint directory (config.json + model.safetensors)")
         shapes, dtypes = read_headers(p)
         return cls(path=p, config=config, shapes=shapes, dtypes=dtypes)
 

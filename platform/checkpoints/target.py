@@ -14,6 +14,14 @@ from eagleray.platform.errors import ConfigError, EaglerayError, Problem
 SUPPORTED_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+def read_model_dir(path: str | Path, what: str, fix: str) -> tuple[Path, dict[str, Any]]:
+    """(directory, its config.json) of a model directory; not a directory or a bad config.json is a clear error."""
+    p = Path(path)
+    if not p.is_dir():
+        raise EaglerayError(f"{what}: {p} is not a directory\n    fix: {fix}")
+    return p, read_json(p / "config.json", what)
+
+
 def read_json(path: Path, what: str) -> dict[str, Any]:
     """Read a JSON object from ``path``; a missing or malformed file is a clear error."""
     if not path.is_file():
@@ -78,10 +86,7 @@ class TargetSpec:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "TargetSpec":
-        p = Path(path)
-        if not p.is_dir():
-            raise EaglerayError(f"target: {p} is not a directory\n    fix: pass a Hugging Face model directory (config.json + *.safetensors) or 'smollm2'")
-        config = read_json(p / "config.json", "target")
+        p, config = read_model_dir(path, "target", "pass a Hugging Face model directory (config.json + *.safetensors) or 'smollm2'")
         problems = check_target_config(config)
         if problems:
             raise ConfigError(problems, source=str(p / "config.json"))

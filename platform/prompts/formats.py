@@ -72,12 +72,19 @@ def _turn_list(turns: Any, where: str, field: str) -> list[Any]:
     return list(turns)
 
 
-def _openai_message(turn: Any, where: str, field: str) -> Message:
+def _object_with(turn: Any, where: str, field: str, keys: tuple[str, ...], what: str) -> Mapping:
+    """``turn`` as a mapping holding every one of ``keys``; a clear DataError naming the field otherwise."""
     if not isinstance(turn, Mapping):
-        raise data_error(where, field, f"expected an object, got {type(turn).__name__}", 'give {"role", "content"}')
-    for key in ("role", "content"):
+        shape = "{" + ", ".join(f'"{k}"' for k in keys) + "}"
+        raise data_error(where, field, f"expected an object, got {type(turn).__name__}", f"give {shape}")
+    for key in keys:
         if key not in turn:
-            raise data_error(where, f"{field}.{key}", "missing", f"add '{key}' to every message")
+            raise data_error(where, f"{field}.{key}", "missing", f"add '{key}' to every {what}")
+    return turn
+
+
+def _openai_message(turn: Any, where: str, field: str) -> Message:
+    _object_with(turn, where, field, ("role", "content"), "message")
     role = _text(turn["role"], where, f"{field}.role")
     if role not in ROLES:
         raise data_error(where, f"{field}.role", f"unknown role {role!r}", f"use one of {list(ROLES)}")
@@ -87,11 +94,7 @@ def _openai_message(turn: Any, where: str, field: str) -> Message:
 def _sharegpt_message(turn: Any, where: str, field: str, report: LoadReport) -> Message:
     if isinstance(turn, Mapping) and "from" not in turn and "role" in turn:
         return _openai_message(turn, where, field)
-    if not isinstance(turn, Mapping):
-        raise data_error(where, field, f"expected an object, got {type(turn).__name__}", 'give {"from", "value"}')
-    for key in ("from", "value"):
-        if key not in turn:
-            raise data_error(where, f"{field}.{key}", "missing", f"add '{key}' to every ShareGPT turn")
+    _object_with(turn, where, field, ("from", "value"), "ShareGPT turn")
     who = _text(turn["from"], where, f"{field}.from")
     if who in SHAREGPT_ROLES:
         role = SHAREGPT_ROLES[who]
