@@ -32,11 +32,11 @@ from eagleray.platform.config.schemas import (
     GenerationConfig,
     MlflowConfig,
     PromotionConfig,
-    ServingConfig,
     TargetConfig,
     TrainingConfig,
 )
 from eagleray.platform.paths import eagleray_home
+from eagleray.serve.serving_config import ServingConfig
 
 MODEL_NAME = "quickstart-smollm2-eagle3"
 STEPS = 6
