@@ -20,12 +20,9 @@ import yaml
 from eagleray.datagen import shards
 from eagleray.datagen.manifest import MANIFEST
 from eagleray.platform.host import free_port
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "datagen"))
-from conftest import datagen_config, expected_ids  # noqa: E402
+from eagleray.tests.support.datagen import FIXTURE, datagen_config, expected_ids
 
 BIN = Path(sys.executable).parent
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "datagen_prompts.jsonl"
 
 
 def _env() -> dict:

@@ -132,6 +132,15 @@ def test_import_rules_catch(tmp_path, monkeypatch, code, rel, want):
     assert (not bad) if want is None else (bad and want in bad[0]), bad
 
 
+def test_jobs_holds_entry_points_only():
+    """jobs/: one module per command of the CLI (plus the CLI and what entry points share); measurement lives in jobs/bench/."""
+    from eagleray.jobs.cli import COMMANDS
+
+    commands = {module for module, _ in COMMANDS.values()}
+    found = {_dotted(p) for p in (REPO / "jobs").glob("*.py")} | {"jobs.bench"}
+    assert found == {m.removeprefix("eagleray.") for m in commands} | {"jobs.cli", "jobs.entry"}, found
+
+
 def _ruff(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ruff", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
 

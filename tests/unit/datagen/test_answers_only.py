@@ -13,8 +13,7 @@ from eagleray.datagen.pipeline import dry_run, run_datagen
 from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.platform.config.schemas import DatagenConfig
 from eagleray.platform.errors import ConfigError
-
-from .conftest import datagen_config, expected_ids  # noqa: TID252
+from eagleray.tests.support.datagen import datagen_config, expected_ids
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 
 from eagleray.datagen.backends import EagleRayGenerator, TransformersGenerator, make_generator
 from eagleray.platform.config.schemas import DatagenConfig, GenerationConfig
-from tests.unit.datagen.conftest import FIXTURE, datagen_config
+from eagleray.tests.support.datagen import FIXTURE, datagen_config
 
 GEN = GenerationConfig(max_tokens=12)
 

@@ -14,8 +14,9 @@ from eagleray.datagen import shards
 from eagleray.datagen.pipeline import dry_run, run_datagen
 from eagleray.platform.config.schemas import DatagenConfig
 from eagleray.platform.errors import EaglerayError
+from eagleray.tests.support.datagen import datagen_config, expected_ids
 
-from .conftest import LONG_PROMPT, datagen_config, expected_ids  # noqa: TID252
+from .conftest import LONG_PROMPT  # noqa: TID252
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,7 @@ from eagleray.datagen.pipeline import ray_address, run_datagen
 from eagleray.platform.config.schemas import DatagenConfig
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.host import free_port
-
-from .conftest import datagen_config  # noqa: TID252
+from eagleray.tests.support.datagen import datagen_config
 
 
 def test_default_is_a_private_local_instance(monkeypatch, tiny_target, prompt_file, tmp_path):
