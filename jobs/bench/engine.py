@@ -25,6 +25,7 @@ import torch
 from eagleray.jobs.bench.common import LLAMA_8B, log, run_suite, write_json
 from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TargetConfig
 from eagleray.platform.errors import EaglerayError
+from eagleray.platform.host import pick_device
 from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.models.llama import LlamaModel
 from eagleray.platform.prompts import load_prompts
@@ -131,7 +132,7 @@ def _predicted(r: dict, batch: int, k: int, plain_step_ms: float) -> float | Non
 
 
 def measure(args: argparse.Namespace) -> dict:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device()
     if device.type != "cuda":
         log("bench engine: no CUDA device; running on CPU (slow, for checking the suite)")
     records = [r.to_dict() for r in load_prompts(args.prompts, limit=args.limit)]
