@@ -1,6 +1,6 @@
 """Public entry points of the verification kernels.
 
-`kernels/` is a namespace subpackage (no `__init__.py`, see DESIGN.md Layout), so the public
+`kernels/` is a namespace subpackage (no `__init__.py`, see docs/architecture.md), so the public
 import is::
 
     from eagleray.kernels.verify import verify_chain, verify_chain_reduced, verify_tree

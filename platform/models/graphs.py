@@ -85,9 +85,9 @@ class FusedDecodeStep:
         self.use_gemv = (use_triton if use_gemv is None else use_gemv) and model.tp.world == 1 and not invariant
         fused = getattr(model, "_decode_fused", None)  # fuse once per model; later steps share it
         if fused is None:
-            fused = ([_fused(l.self_attn.qkv, [l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj])
-                      for l in model.layers],
-                     [_fused(l.mlp.gate_up, [l.mlp.gate_proj, l.mlp.up_proj]) for l in model.layers])
+            fused = ([_fused(layer.self_attn.qkv, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+                      for layer in model.layers],
+                     [_fused(layer.mlp.gate_up, [layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in model.layers])
             model._decode_fused = fused
         self.qkv, self.gate_up = fused
         attn = model.layers[0].self_attn
@@ -359,7 +359,7 @@ class DraftGraphRunner:
         """Greedy drafting of ``steps`` tokens after the first, in one graph: each step's rows (position, slot)
         come from ``chain_first`` and ``chain_tables``, its token from the previous step's argmax."""
         def forward(b: int) -> torch.Tensor:
-            r, bs = self.rows, self.rows.block_size
+            bs = self.rows.block_size
             ids, hidden, out = self.chain_ids[:b], self.hidden_in[:b], []
             tables = self.chain_tables[:b]
             for j in range(steps):
