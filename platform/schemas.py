@@ -95,6 +95,7 @@ class DatagenConfig(StrictModel):
     num_workers: int = Field(1, ge=1, description="Actor-pool size of each model stage (regeneration and hidden states).")
     cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs reserved per model-stage actor.")
     gpus_per_worker: float = Field(0.0, ge=0.0, description="GPUs reserved per model-stage actor (0 on CPU).")
+    prefer_resource: str | None = Field(None, min_length=1, description="Place the model-stage actors on the first alive node that has this custom Ray resource (`ray start --resources`), softly: when that node dies or is full, Ray places them on any other node and Ray Data redoes the lost chunks there.")
     batch_size: int = Field(8, ge=1, description="Prompts per generate() call in the regeneration stage.")
     forward_tokens: int = Field(8192, ge=16, description="Token budget of one packed target forward in the hidden-state stage.")
     hold_out_eval: bool = Field(True, description="Drop prompts whose id or normalised user text occurs in MT-bench or HumanEval.")
