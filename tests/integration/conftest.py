@@ -138,6 +138,12 @@ class TwoNodeCluster:
         self.worker.record_pids()
         return self.worker
 
+    def ensure_worker(self) -> Node:
+        """The running worker node, or a fresh one when the last was killed."""
+        if self.worker is not None and self.worker.proc.poll() is None and self.alive_workers():
+            return self.worker
+        return self.start_worker()
+
     def kill_worker(self) -> float:
         """SIGKILL the worker node (its process group, then any recorded pid still alive); returns the time.monotonic() of the kill."""
         node = self.worker

@@ -165,3 +165,100 @@ def test_datagen_survives_losing_the_worker_node(two_nodes, tiny_target, tmp_pat
           f"after the kill; first shard after the kill {after_kill[0] - killed_at if after_kill else float('nan'):.1f} s after it; "
           f"{rate_before:.2f} shards/s before, {rate_after:.2f} shards/s after (kill to end); "
           f"job {finished_at - t0:.1f} s", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- training
+def _synth():
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "unit" / "training" / "synth.py"
+    spec = importlib.util.spec_from_file_location("eagleray_test_synth", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_training_resumes_from_its_checkpoint_after_losing_the_worker_node(two_nodes, tmp_path):
+    import threading
+
+    import mlflow
+    import ray
+
+    from eagleray.platform.schemas import TrainingConfig
+    from eagleray.platform.tiny import make_tiny_llama
+    from eagleray.training.trainer import train
+
+    two_nodes.ensure_worker()
+    target = make_tiny_llama(tmp_path / "target", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2,
+                             intermediate_size=96)
+    data = _synth().write_synthetic(target, tmp_path / "data", rows=16, gen_len=18)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    max_steps, every = 8, 2
+    cfg = TrainingConfig(
+        data_dir=str(data), target={"model": str(target)}, output_dir=str(tmp_path / "out"), draft_vocab_size=128,
+        learning_rate=3e-3, warmup_steps=1, max_steps=max_steps, batch_size=4, ttt_steps=3, log_every=1,
+        checkpoint_every=every, eval_fraction=0.2, eval_batches=2, backend="ray", num_workers=1, cpus_per_worker=1,
+        resources_per_worker={WORKER_RESOURCE: 1}, after_node_loss="anywhere", max_failures=1, alias="candidate",
+        ray_address=two_nodes.gcs, mlflow={"tracking_uri": uri, "experiment": "node-loss", "registered_model": "nl-draft"},
+        testing={"step_delay_s": 0.7})
+    ray.init(address=two_nodes.gcs, log_to_driver=False, configure_logging=False)
+    lines: list[str] = []
+    box: dict = {}
+
+    def run() -> None:
+        t = time.perf_counter()
+        try:
+            box["result"] = train(cfg, emit=lambda s: lines.append(f"[{time.perf_counter() - t:.1f}s] {s}"))
+        except BaseException as err:  # noqa: BLE001 - re-raised in the test thread below
+            box["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    try:
+        t0 = time.monotonic()
+        thread.start()
+        client = mlflow.MlflowClient(uri)
+
+        def steps() -> list[int]:
+            runs = client.search_runs([e.experiment_id for e in client.search_experiments()]) if "result" not in box else []
+            return [m.step for r in runs for m in client.get_metric_history(r.info.run_id, "lr")]
+
+        end = time.monotonic() + 240
+        while max(steps(), default=0) < every + 1:  # a checkpoint (step 2) is in storage, step 3 is done
+            assert thread.is_alive() and time.monotonic() < end, f"training did not reach step 3: {box} {lines}"
+            time.sleep(0.2)
+        workers = _worker_node_ids(two_nodes)
+        on = {a["node_id"] for a in _actors(two_nodes, "RayTrainWorker") if a["state"] == "ALIVE"}
+        assert on and on <= workers, f"the Ray Train worker is not on the worker node: {on} vs {workers}"
+        at_kill = max(steps())
+        killed_at = two_nodes.kill_worker()
+        killed_wall = time.time()
+        thread.join(timeout=300)
+        assert not thread.is_alive(), f"training did not finish after the node loss: {lines}"
+        done_at = time.monotonic()
+    finally:
+        ray.shutdown()
+    if "error" in box:
+        raise AssertionError(f"training failed after the node loss: {lines}") from box["error"]
+    result = box["result"]
+
+    resumed = int(result.metrics["resumed_from_step"])
+    assert result.metrics["step"] == max_steps
+    assert resumed % every == 0 and at_kill - every <= resumed <= at_kill, (resumed, at_kill)  # <= one interval lost
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["eagleray.restarts"] == "1" and run.data.tags["eagleray.restart.1.resumed_from_step"] == str(resumed)
+    assert "after_node_loss=anywhere" in run.data.tags["eagleray.restart_reasons"], run.data.tags
+    restarts = client.get_metric_history(result.run_id, "resumed_from_step")
+    assert [(m.step, m.value) for m in restarts] == [(resumed, float(resumed))]
+    logged = client.get_metric_history(result.run_id, "lr")
+    assert sorted({m.step for m in logged}) == list(range(1, max_steps + 1)), "the step count is not continuous"
+    # The restarted worker ran on the node that is left.
+    later = [a for a in _actors(two_nodes, "RayTrainWorker") if a["node_id"] not in workers]
+    assert later, "no Ray Train worker ran outside the lost node"
+    first_after = min((m.timestamp for m in logged if m.timestamp / 1000 > killed_wall and m.step > resumed), default=None)
+    resume_s = restarts[0].timestamp / 1000 - killed_wall
+    step_s = first_after / 1000 - killed_wall if first_after else float("nan")
+    print(f"\nnode-loss training: killed after step {at_kill}; resumed from the step-{resumed} checkpoint on the head "
+          f"{resume_s:.1f} s after the kill (first new step {step_s:.1f} s after it); {at_kill - resumed} step(s) redone; "
+          f"steps 1..{max_steps} continuous; run {done_at - t0:.1f} s (kill to end {done_at - killed_at:.1f} s)\n"
+          + "\n".join(lines), flush=True)
