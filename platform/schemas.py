@@ -13,6 +13,20 @@ from pydantic import Field, model_validator
 from eagleray.platform.config import StrictModel
 
 
+RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def check_custom_resources(field: str, resources: dict[str, float], instead: str) -> None:
+    """Custom Ray resources only: CPU/GPU/memory have their own fields; amounts must be > 0."""
+    reserved = sorted(set(resources) & set(RESERVED_RESOURCES))
+    if reserved:
+        raise ValueError(f"{field}: {reserved} are not custom resources ({instead}); {field} takes only resources "
+                         f"given to nodes with `ray start --resources`")
+    bad = {k: v for k, v in resources.items() if not v > 0 or not k}
+    if bad:
+        raise ValueError(f"{field}: every amount must be > 0 and every name non-empty (got {bad})")
+
+
 class TargetConfig(StrictModel):
     model: str = Field("smollm2", description="Target model: a Hugging Face directory, or 'smollm2' for the packaged SmolLM2-135M-Instruct.")
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="Weight/activation dtype. fp32 on CPU for exact comparisons.")
@@ -64,6 +78,14 @@ class ServingConfig(StrictModel):
     api_key: str | None = Field(None, description="Bearer token required on every route when set (always required for admin routes).")
     alias_poll_seconds: float | None = Field(None, gt=0, description="Poll the MLflow alias of draft.source this often and hot-swap on change.")
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="Registry used to resolve models:/ URIs.")
+    engine_resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources the engine replica needs (e.g. {'engine': 1} for nodes started with `ray start --resources '{\"engine\": 1}'`): Serve places it, and any replacement after a lost node, only on nodes that have them; until one does, /health says 'restarting'.")
+    ingress_resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources of the HTTP ingress replica, e.g. {'node:__internal_head__': 0.01} keeps it on the head node, so that losing a worker node never drops the entry point.")
+
+    @model_validator(mode="after")
+    def _custom_resources(self) -> "ServingConfig":
+        check_custom_resources("engine_resources", self.engine_resources, "set target.device / target.tensor_parallel_size")
+        check_custom_resources("ingress_resources", self.ingress_resources, "the ingress reserves no CPU or GPU")
+        return self
 
 
 class GenerationConfig(StrictModel):
@@ -137,20 +159,6 @@ class TrainTesting(StrictModel):
     step_delay_s: float = Field(0.0, ge=0.0, description="Testing only: sleep this long after each optimizer step (slows a run so a test can kill a node mid-run).")
 
 
-RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
-
-
-def check_custom_resources(field: str, resources: dict[str, float], instead: str) -> None:
-    """Custom Ray resources only: CPU/GPU/memory have their own fields; amounts must be > 0."""
-    reserved = sorted(set(resources) & set(RESERVED_RESOURCES))
-    if reserved:
-        raise ValueError(f"{field}: {reserved} are not custom resources; set {instead} instead and keep {field} "
-                         f"for resources given to `ray start --resources`")
-    bad = {k: v for k, v in resources.items() if not v > 0 or not k}
-    if bad:
-        raise ValueError(f"{field}: every amount must be > 0 and every name non-empty (got {bad})")
-
-
 class TrainingConfig(StrictModel):
     data_dir: str = Field(description="Datagen output directory (shards + manifest.json + vocab_counts.npy), or 'online' (see `online`).")
     online: OnlineDataConfig | None = Field(None, description="Online data: required when data_dir is 'online'.")
@@ -194,7 +202,7 @@ class TrainingConfig(StrictModel):
 
     @model_validator(mode="after")
     def _online_needs_prompts(self) -> "TrainingConfig":
-        check_custom_resources("resources_per_worker", self.resources_per_worker, "cpus_per_worker / use_gpu")
+        check_custom_resources("resources_per_worker", self.resources_per_worker, "set cpus_per_worker / use_gpu")
         if self.resources_per_worker and self.backend != "ray":
             raise ValueError("resources_per_worker places Ray Train workers but backend is 'local'; set backend: ray or remove resources_per_worker")
         if self.data_dir == "online" and self.online is None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -262,3 +263,158 @@ def test_training_resumes_from_its_checkpoint_after_losing_the_worker_node(two_n
           f"{resume_s:.1f} s after the kill (first new step {step_s:.1f} s after it); {at_kill - resumed} step(s) redone; "
           f"steps 1..{max_steps} continuous; run {done_at - t0:.1f} s (kill to end {done_at - killed_at:.1f} s)\n"
           + "\n".join(lines), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------- serving
+INTERNALS = re.compile(r"Traceback|RayTaskError|RayActorError|ActorDiedError|NodeDiedError|/site-packages/|\x1b\[|"
+                       r"\bpid[=:]|File \"|actor_id|node_id|namespace|\b\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}\b")
+
+
+def _clean_error(err: dict) -> dict:
+    """An OpenAI error object that carries no internals, and says the request may be retried."""
+    text = json.dumps(err)
+    assert INTERNALS.search(text) is None, f"internal detail in an error: {text}"
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["code"] == "engine_unavailable" and err["type"] == "server_error" and "retry" in err["message"], err
+    return err
+
+
+def _stream(url: str, body: dict, timeout: float = 180) -> tuple[int, list]:
+    """(status, events) of a streamed completion; a non-200 answer is returned as its one JSON body."""
+    import httpx
+
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
+        raw = r.read().decode()
+    if r.status_code != 200:
+        return r.status_code, [json.loads(raw)]
+    return 200, [e[6:] if e[6:] == "[DONE]" else json.loads(e[6:]) for e in raw.split("\n\n") if e]
+
+
+def test_serving_survives_losing_the_engine_node(two_nodes, tiny_target):
+    import threading
+
+    import httpx
+    import ray
+    from ray import serve
+
+    from eagleray.platform.schemas import ServingConfig
+    from eagleray.serve.app import build
+    from eagleray.serve.local import APP_NAME, free_port, wait_ready
+
+    two_nodes.ensure_worker()
+    cfg = ServingConfig.model_validate({
+        "target": {"model": str(tiny_target), "device": "cpu", "max_model_len": 128}, "model_name": "tiny",
+        "max_num_seqs": 8, "engine_resources": {WORKER_RESOURCE: 1}, "ingress_resources": {"node:__internal_head__": 0.01}})
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    ray.init(address=two_nodes.gcs, log_to_driver=False, configure_logging=False)
+    try:
+        # One HTTP proxy, on the head (both nodes share this machine's 127.0.0.1).
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build(cfg), name=APP_NAME, route_prefix="/", blocking=False)
+        wait_ready(url, None, 240)
+        workers = _worker_node_ids(two_nodes)
+        engine = [a for a in _actors(two_nodes, "EagleRayEngine") if a["state"] == "ALIVE"]
+        ingress = [a for a in _actors(two_nodes, "EagleRayIngress") if a["state"] == "ALIVE"]
+        assert len(engine) == 1 and engine[0]["node_id"] in workers, (engine, workers)
+        assert len(ingress) == 1 and ingress[0]["node_id"] not in workers, ingress
+
+        body = {"model": "tiny", "prompt": "stream me", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        results: list = [None] * 6
+        started = [threading.Event() for _ in results]
+
+        def one(i: int) -> None:
+            import httpx
+
+            events: list = []
+            try:
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=180) as r:
+                    buf = ""
+                    for chunk in r.iter_text():
+                        buf += chunk
+                        started[i].set()
+                    status = r.status_code
+                events = [e[6:] if e[6:] == "[DONE]" else json.loads(e[6:]) for e in buf.split("\n\n") if e] \
+                    if status == 200 else [json.loads(buf)]
+                results[i] = (status, events)
+            finally:
+                started[i].set()
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(results))]
+        for t in threads:
+            t.start()
+        for e in started:
+            assert e.wait(60), "a stream did not start"
+        killed_at = two_nodes.kill_worker()
+        states: list[tuple[float, str]] = []
+
+        def health() -> str:
+            try:
+                r = httpx.get(url + "/health", timeout=10)
+            except httpx.HTTPError as err:
+                return f"no answer ({type(err).__name__})"
+            state = r.json().get("status", f"HTTP {r.status_code}")
+            if not states or states[-1][1] != state:
+                states.append((round(time.monotonic() - killed_at, 1), state))
+            return state
+
+        for t in threads:
+            t.join(timeout=120)
+        streams_done = time.monotonic() - killed_at
+        assert all(r is not None for r in results), results
+        errors = [e["error"] for _, ev in results for e in ev if isinstance(e, dict) and "error" in e]
+        failed = sum(1 for status, ev in results if status != 200 or any(isinstance(e, dict) and "error" in e for e in ev))
+        assert errors and failed == len(errors), results
+        for err in errors:
+            _clean_error(err)
+        wait_for_restarting = time.monotonic() + 60
+        while health() != "restarting":
+            assert time.monotonic() < wait_for_restarting, states
+            time.sleep(0.3)
+        restarting_s = time.monotonic() - killed_at
+
+        # While no node has the engine's resource, a new request waits or gets the same clean 503; a
+        # replacement node joins and Serve places the new replica on it.
+        during: dict = {}
+
+        def early() -> None:
+            t = time.monotonic()
+            r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                             "max_tokens": 4}, timeout=240)
+            during.update(status=r.status_code, body=r.json(), seconds=time.monotonic() - t)
+
+        early_thread = threading.Thread(target=early, daemon=True)
+        early_thread.start()
+        time.sleep(1.0)
+        health()
+        joined_t0 = time.monotonic()
+        two_nodes.start_worker()
+        joined_s, join_took = time.monotonic() - killed_at, time.monotonic() - joined_t0
+        first_ok = None
+        deadline = time.monotonic() + 180
+        while first_ok is None:
+            assert time.monotonic() < deadline, states
+            health()
+            r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                             "max_tokens": 4}, timeout=120)
+            if r.status_code == 200:
+                first_ok = time.monotonic() - killed_at
+            else:
+                _clean_error(r.json()["error"])
+                time.sleep(0.5)
+        health()
+        early_thread.join(timeout=240)
+        assert during, "the request sent during the outage got no answer"
+        assert during["status"] == 200 or (during["status"] == 503 and _clean_error(during["body"]["error"])), during
+        engine = [a for a in _actors(two_nodes, "EagleRayEngine") if a["state"] == "ALIVE"]
+        assert len(engine) == 1 and engine[0]["node_id"] in _worker_node_ids(two_nodes) - workers, engine
+        assert [s for _, s in states][-1] == "ok" and "restarting" in [s for _, s in states], states
+        print(f"\nnode-loss serving: {len(results)} streams in flight at the kill, {failed} ended with a clean "
+              f"engine_unavailable ({len(results) - failed} finished) within {streams_done:.1f} s; /health 'restarting' "
+              f"{restarting_s:.1f} s after the kill; a request sent during the outage: HTTP {during['status']} after "
+              f"{during['seconds']:.1f} s; replacement node joined {joined_s:.1f} s after the kill "
+              f"(`ray start` to joined {join_took:.1f} s); first "
+              f"successful request {first_ok:.1f} s after the kill; /health states {states}", flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
