@@ -57,6 +57,13 @@ def _actors(cluster, name_part: str) -> list[dict]:
     return [a for a in body["data"]["result"]["result"] if name_part in (a.get("class_name") or "")]
 
 
+def _pending_groups(cluster, resource: str) -> list[dict]:
+    """Placement groups waiting for a node (state PENDING/RESCHEDULING) with a bundle that needs ``resource``."""
+    body = _get(f"{cluster.dashboard}/api/v0/placement_groups?limit=1000&detail=1")
+    return [g for g in body["data"]["result"]["result"] if g.get("state") in ("PENDING", "RESCHEDULING")
+            and any(resource in (b.get("unit_resources") or {}) for b in g.get("bundles") or [])]
+
+
 def _worker_node_ids(cluster) -> set[str]:
     return {n["node_id"] for n in cluster.nodes() if WORKER_RESOURCE in (n.get("resources_total") or {})}
 
@@ -179,7 +186,10 @@ def _synth():
     return mod
 
 
-def test_training_resumes_from_its_checkpoint_after_losing_the_worker_node(two_nodes, tmp_path):
+@pytest.mark.parametrize("after", ["anywhere", "wait"])
+def test_training_resumes_from_its_checkpoint_after_losing_the_worker_node(two_nodes, tmp_path, after):
+    """``anywhere``: the run goes on on the head; ``wait``: it waits for a replacement worker node (started
+    by the test once the loss is detected) and goes on there."""
     import threading
 
     import mlflow
@@ -199,7 +209,7 @@ def test_training_resumes_from_its_checkpoint_after_losing_the_worker_node(two_n
         data_dir=str(data), target={"model": str(target)}, output_dir=str(tmp_path / "out"), draft_vocab_size=128,
         learning_rate=3e-3, warmup_steps=1, max_steps=max_steps, batch_size=4, ttt_steps=3, log_every=1,
         checkpoint_every=every, eval_fraction=0.2, eval_batches=2, backend="ray", num_workers=1, cpus_per_worker=1,
-        resources_per_worker={WORKER_RESOURCE: 1}, after_node_loss="anywhere", max_failures=1, alias="candidate",
+        resources_per_worker={WORKER_RESOURCE: 1}, after_node_loss=after, max_failures=1, alias="candidate",
         ray_address=two_nodes.gcs, mlflow={"tracking_uri": uri, "experiment": "node-loss", "registered_model": "nl-draft"},
         testing={"step_delay_s": 0.7})
     ray.init(address=two_nodes.gcs, log_to_driver=False, configure_logging=False)
@@ -233,6 +243,20 @@ def test_training_resumes_from_its_checkpoint_after_losing_the_worker_node(two_n
         at_kill = max(steps())
         killed_at = two_nodes.kill_worker()
         killed_wall = time.time()
+        joined_s = None
+        waited_s = None
+        if after == "wait":
+            # Ray Train restarts the group with the same resources: its new placement group waits, unplaceable,
+            # for a node that has them. Only then does the replacement node join.
+            end = time.monotonic() + 120
+            while not _pending_groups(two_nodes, WORKER_RESOURCE):
+                assert thread.is_alive() and time.monotonic() < end, f"Ray Train did not restart the group: {box} {lines}"
+                time.sleep(0.5)
+            waited_s = time.monotonic() - killed_at
+            time.sleep(3.0)
+            assert thread.is_alive() and not two_nodes.alive_workers(), f"training ended without a node that has {WORKER_RESOURCE}: {box} {lines}"
+            two_nodes.start_worker()
+            joined_s = time.monotonic() - killed_at
         thread.join(timeout=300)
         assert not thread.is_alive(), f"training did not finish after the node loss: {lines}"
         done_at = time.monotonic()
@@ -248,18 +272,25 @@ def test_training_resumes_from_its_checkpoint_after_losing_the_worker_node(two_n
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.tags["eagleray.restarts"] == "1" and run.data.tags["eagleray.restart.1.resumed_from_step"] == str(resumed)
-    assert "after_node_loss=anywhere" in run.data.tags["eagleray.restart_reasons"], run.data.tags
+    if after == "anywhere":  # the driver refitted without the custom resources, and said why
+        assert "after_node_loss=anywhere" in run.data.tags["eagleray.restart_reasons"], run.data.tags
+    else:  # Ray Train restarted the group itself
+        assert "eagleray.restart_reasons" not in run.data.tags, run.data.tags
     restarts = client.get_metric_history(result.run_id, "resumed_from_step")
     assert [(m.step, m.value) for m in restarts] == [(resumed, float(resumed))]
     logged = client.get_metric_history(result.run_id, "lr")
     assert sorted({m.step for m in logged}) == list(range(1, max_steps + 1)), "the step count is not continuous"
-    # The restarted worker ran on the node that is left.
-    later = [a for a in _actors(two_nodes, "RayTrainWorker") if a["node_id"] not in workers]
-    assert later, "no Ray Train worker ran outside the lost node"
+    # The restarted worker ran on the node that is left (anywhere) or on the replacement node (wait).
+    later = {a["node_id"] for a in _actors(two_nodes, "RayTrainWorker") if a["node_id"] not in workers}
+    replacement = _worker_node_ids(two_nodes) - workers
+    assert later and (later <= replacement if after == "wait" else not later & replacement), (later, replacement)
     first_after = min((m.timestamp for m in logged if m.timestamp / 1000 > killed_wall and m.step > resumed), default=None)
     resume_s = restarts[0].timestamp / 1000 - killed_wall
     step_s = first_after / 1000 - killed_wall if first_after else float("nan")
-    print(f"\nnode-loss training: killed after step {at_kill}; resumed from the step-{resumed} checkpoint on the head "
+    where = "on the head" if after == "anywhere" else (
+        f"on the replacement node (the group's placement group waited for a node with {WORKER_RESOURCE} from "
+        f"{waited_s:.1f} s after the kill; the replacement, started 3 s later, joined {joined_s:.1f} s after the kill)")
+    print(f"\nnode-loss training ({after}): killed after step {at_kill}; resumed from the step-{resumed} checkpoint {where} "
           f"{resume_s:.1f} s after the kill (first new step {step_s:.1f} s after it); {at_kill - resumed} step(s) redone; "
           f"steps 1..{max_steps} continuous; run {done_at - t0:.1f} s (kill to end {done_at - killed_at:.1f} s)\n"
           + "\n".join(lines), flush=True)
