@@ -5,7 +5,9 @@ final draft (vLLM format) -> MLflow artifacts + registered version.
     result = train(cfg)            # TrainResult(run_id, draft_dir, metrics, version)
 
 Fault tolerance (backend "ray"): ``FailureConfig(max_failures)``; a killed worker restarts the
-worker group, which resumes from the latest checkpoint reported through ``ray.train.report``.
+worker group, which resumes from the latest checkpoint reported through ``ray.train.report``. Workers
+placed by ``resources_per_worker`` restart with them (``after_node_loss: wait``: a lost node's share
+waits for a replacement) or, with ``anywhere``, the run is fitted again without them on the nodes left.
 """
 
 from __future__ import annotations
@@ -61,12 +63,11 @@ def _fit_ray(cfg: TrainingConfig, run_id: str, emit: Callable[[str], None] = pri
     except TrainingFailedError as err:
         if cfg.max_failures < 1:
             raise
-        reason = type(getattr(err, "__cause__", None) or err).__name__
         emit(f"train: the worker group failed ({type(err).__name__}); after_node_loss=anywhere: restarting from the "
              f"last checkpoint without resources_per_worker {cfg.resources_per_worker}")
         from eagleray.training.tracking import record_restart_reason
 
-        record_restart_reason(cfg, run_id, f"worker group failed ({type(err).__name__}/{reason}); restarted from the "
+        record_restart_reason(cfg, run_id, f"worker group failed ({type(err).__name__}); restarted from the "
                                            f"last checkpoint without resources_per_worker (after_node_loss=anywhere)")
         return _fit_ray_once(cfg, run_id, {}, cfg.max_failures - 1)
 
