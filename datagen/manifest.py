@@ -36,7 +36,7 @@ def compat_settings(cfg: DatagenConfig, target_fp: str, tokenizer_fp: str, aux_i
 def config_hash(cfg: DatagenConfig) -> str:
     """Hash of the whole config except how it runs (workers, batch sizes, progress, testing hooks)."""
     skip = {"num_workers", "cpus_per_worker", "gpus_per_worker", "batch_size", "forward_tokens", "progress_seconds",
-            "est_tokens_per_second", "disk_headroom", "ray_address", "testing", "retry_failed"}
+            "est_tokens_per_second", "disk_headroom", "ray_address", "testing", "retry_failed", "prefer_resource"}
     return _sha(cfg.model_dump(exclude=skip))
 
 

@@ -113,8 +113,26 @@ def _model_stage_args(cfg: DatagenConfig) -> dict[str, Any]:
     # Ray Data gives actor-pool workers max_restarts=-1 and max_task_retries=-1 by default (Ray 2.60,
     # actor_pool_map_operator.py): a killed worker is restarted and its chunk redone. The
     # killed-worker test (tests/unit/datagen/test_pipeline.py) guards that default.
-    return {"batch_size": 1, "batch_format": "pyarrow", "compute": ray.data.ActorPoolStrategy(size=cfg.num_workers),
+    args = {"batch_size": 1, "batch_format": "pyarrow", "compute": ray.data.ActorPoolStrategy(size=cfg.num_workers),
             "num_cpus": cfg.cpus_per_worker, "num_gpus": cfg.gpus_per_worker or None}
+    if cfg.prefer_resource:
+        args["scheduling_strategy"] = preferred_node(cfg.prefer_resource)
+    return args
+
+
+def preferred_node(resource: str):
+    """Soft node affinity to the first alive node with ``resource`` (a lost node's actors restart elsewhere)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    having = [n for n in nodes if resource in n.get("Resources", {})]
+    if not having:
+        known = sorted({r for n in nodes for r in n.get("Resources", {}) if not r.startswith("node:")})
+        raise EaglerayError(f"prefer_resource: no alive node of the cluster has the resource {resource!r} "
+                            f"(the {len(nodes)} alive node(s) have {known})\n"
+                            f"    fix: start a node with `ray start --resources '{{\"{resource}\": 1}}'` or unset prefer_resource")
+    return NodeAffinitySchedulingStrategy(having[0]["NodeID"], soft=True)
 
 
 def build_dataset(cfg: DatagenConfig, chunks: list[dict], model_dir: str, meta: dict[str, str]):

@@ -61,6 +61,10 @@ def engine_options(cfg: ServingConfig) -> dict[str, Any]:
         opts["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1 if gpu else 0}  # fits in the first bundle
     else:
         opts["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1 if cfg.target.device == "cuda" else 0}
+    if cfg.engine_resources:  # rank 0 (the replica) needs them: in the actor options and, with TP, in bundle 0
+        opts["ray_actor_options"]["resources"] = dict(cfg.engine_resources)
+        if tp > 1:
+            opts["placement_group_bundles"][0].update(cfg.engine_resources)
     return opts
 
 
@@ -91,7 +95,8 @@ def ingress_deployment(cfg: ServingConfig):
     """The ingress deployment (bind it to an engine deployment or handle and the serving dict)."""
     ingress_cls = serve.ingress(fastapi_app)(OpenAIIngress)
     return serve.deployment(ingress_cls, name="EagleRayIngress", num_replicas=1,
-                            max_ongoing_requests=max(128, 8 * cfg.max_num_seqs), ray_actor_options={"num_cpus": 0})
+                            max_ongoing_requests=max(128, 8 * cfg.max_num_seqs),
+                            ray_actor_options={"num_cpus": 0, **({"resources": dict(cfg.ingress_resources)} if cfg.ingress_resources else {})})
 
 
 def build(cfg: ServingConfig) -> Application:

@@ -150,6 +150,8 @@ def train_worker(cfg: TrainingConfig, session: Session, run_id: str | None = Non
         net = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None, broadcast_buffers=False)
     train, eval_factory = batch_streams(plan, session.rank, session.world, dev, skip=step)
     logger = _step_logger(cfg, run_id) if session.rank == 0 else None
+    if logger is not None and resumed_from > 0:
+        logger.restarted(resumed_from)
     meter, amp, metrics = Meter(cfg.ttt_steps, dev), use_bf16(cfg, dev), {}
     while step < cfg.max_steps:
         batch = next(train).to(dev)
@@ -163,6 +165,8 @@ def train_worker(cfg: TrainingConfig, session: Session, run_id: str | None = Non
         if step % cfg.checkpoint_every == 0 or step == cfg.max_steps:
             metrics = _checkpoint(cfg, session, plan, model, opt, sched, step, metrics, eval_factory, amp, logger, resumed_from)
         _maybe_die(cfg, session, step)
+        if cfg.testing.step_delay_s:
+            time.sleep(cfg.testing.step_delay_s)
     return metrics
 
 

@@ -62,6 +62,26 @@ class StepLogger:
         for i in range(0, len(batch), 900):
             self.client.log_batch(self.run_id, metrics=batch[i:i + 900])
 
+    def restarted(self, step: int) -> int:
+        """Record a resume from the checkpoint of ``step``: metric ``resumed_from_step`` (at that step) and
+        tag ``eagleray.restarts`` (how many resumes so far, this one included). Returns that count."""
+        tags = self.client.get_run(self.run_id).data.tags
+        count = int(tags.get("eagleray.restarts", "0")) + 1
+        self.client.log_metric(self.run_id, "resumed_from_step", float(step), int(time.time() * 1000), step)
+        self.client.set_tag(self.run_id, "eagleray.restarts", str(count))
+        self.client.set_tag(self.run_id, f"eagleray.restart.{count}.resumed_from_step", str(step))
+        return count
+
+
+def record_restart_reason(cfg: TrainingConfig, run_id: str, reason: str) -> None:
+    """Driver side: why the run is about to be restarted (tag ``eagleray.restart_reasons``, newest last)."""
+    import mlflow
+
+    registry.configure(cfg.mlflow.tracking_uri)
+    client = mlflow.MlflowClient()
+    old = client.get_run(run_id).data.tags.get("eagleray.restart_reasons")
+    client.set_tag(run_id, "eagleray.restart_reasons", f"{old}; {reason}" if old else reason)
+
 
 def acceptance_plot(metrics: dict[str, float], path: Path) -> Path | None:
     """Bar chart of per-position acceptance (train acc_i and eval/acc_i); matplotlib (Agg)."""

@@ -5,7 +5,9 @@ final draft (vLLM format) -> MLflow artifacts + registered version.
     result = train(cfg)            # TrainResult(run_id, draft_dir, metrics, version)
 
 Fault tolerance (backend "ray"): ``FailureConfig(max_failures)``; a killed worker restarts the
-worker group, which resumes from the latest checkpoint reported through ``ray.train.report``.
+worker group, which resumes from the latest checkpoint reported through ``ray.train.report``. Workers
+placed by ``resources_per_worker`` restart with them (``after_node_loss: wait``: a lost node's share
+waits for a replacement) or, with ``anywhere``, the run is fitted again without them on the nodes left.
 """
 
 from __future__ import annotations
@@ -45,21 +47,43 @@ def ray_worker_entry(config: dict[str, Any]) -> None:
     train_worker(cfg, RaySession(config.get("storage_dir"), is_complete), config.get("run_id"))
 
 
-def _fit_ray(cfg: TrainingConfig, run_id: str) -> tuple[Path, dict[str, float]]:
+def _fit_ray(cfg: TrainingConfig, run_id: str, emit: Callable[[str], None] = print) -> tuple[Path, dict[str, float]]:
+    """``trainer.fit()``; with ``after_node_loss: anywhere`` a failed run is fitted again without
+    ``resources_per_worker`` (same storage, so it resumes from the last checkpoint) on the nodes left."""
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train import TrainingFailedError
 
     if not ray.is_initialized():
         ray.init(address=cfg.ray_address or os.environ.get("RAY_ADDRESS") or "local", ignore_reinit_error=True)
+    anywhere = cfg.after_node_loss == "anywhere" and bool(cfg.resources_per_worker)
+    if not anywhere:  # Ray Train restarts the group itself, with the same resources (waiting for them)
+        return _fit_ray_once(cfg, run_id, cfg.resources_per_worker, cfg.max_failures)
+    try:
+        return _fit_ray_once(cfg, run_id, cfg.resources_per_worker, 0)
+    except TrainingFailedError as err:
+        if cfg.max_failures < 1:
+            raise
+        emit(f"train: the worker group failed ({type(err).__name__}); after_node_loss=anywhere: restarting from the "
+             f"last checkpoint without resources_per_worker {cfg.resources_per_worker}")
+        from eagleray.training.tracking import record_restart_reason
+
+        record_restart_reason(cfg, run_id, f"worker group failed ({type(err).__name__}); restarted from the "
+                                           f"last checkpoint without resources_per_worker (after_node_loss=anywhere)")
+        return _fit_ray_once(cfg, run_id, {}, cfg.max_failures - 1)
+
+
+def _fit_ray_once(cfg: TrainingConfig, run_id: str, custom: dict[str, float], max_failures: int) -> tuple[Path, dict[str, float]]:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
     storage, name = Path(cfg.output_dir).resolve() / "ray", f"train-{run_id[:12]}"
     trainer = TorchTrainer(
         ray_worker_entry,
         train_loop_config={"cfg": cfg.model_dump_json(), "run_id": run_id, "storage_dir": str(storage / name)},
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
-                                     resources_per_worker={"CPU": cfg.cpus_per_worker}),
+                                     resources_per_worker={"CPU": cfg.cpus_per_worker, **custom}),
         run_config=RunConfig(name=name, storage_path=str(storage),
-                             failure_config=FailureConfig(max_failures=cfg.max_failures),
+                             failure_config=FailureConfig(max_failures=max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=2)),
     )
     result = trainer.fit()
@@ -107,7 +131,7 @@ def train(cfg: TrainingConfig, emit: Callable[[str], None] = print, run_name: st
              **plan.data_facts}
     run_id = start_run(cfg, facts, run_name)
     emit(f"train: MLflow run {run_id} ({cfg.mlflow.tracking_uri}), backend={cfg.backend}, workers={cfg.num_workers}")
-    ckpt, metrics = (_fit_ray if cfg.backend == "ray" else _fit_local)(cfg, run_id)
+    ckpt, metrics = _fit_ray(cfg, run_id, emit) if cfg.backend == "ray" else _fit_local(cfg, run_id)
     final = Path(cfg.output_dir) / "final-draft"
     if final.exists():
         shutil.rmtree(final)

@@ -12,6 +12,19 @@ from pydantic import Field, model_validator
 
 from eagleray.platform.config.load import StrictModel
 
+RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def check_custom_resources(field: str, resources: dict[str, float], instead: str) -> None:
+    """Custom Ray resources only: CPU/GPU/memory have their own fields; amounts must be > 0."""
+    reserved = sorted(set(resources) & set(RESERVED_RESOURCES))
+    if reserved:
+        raise ValueError(f"{field}: {reserved} are not custom resources ({instead}); {field} takes only resources "
+                         f"given to nodes with `ray start --resources`")
+    bad = {k: v for k, v in resources.items() if not v > 0 or not k}
+    if bad:
+        raise ValueError(f"{field}: every amount must be > 0 and every name non-empty (got {bad})")
+
 
 class TargetConfig(StrictModel):
     model: str = Field("smollm2", description="Target model: a Hugging Face directory, or 'smollm2' for the packaged SmolLM2-135M-Instruct.")
@@ -83,6 +96,7 @@ class DatagenConfig(StrictModel):
     num_workers: int = Field(1, ge=1, description="Actor-pool size of each model stage (regeneration and hidden states).")
     cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs reserved per model-stage actor.")
     gpus_per_worker: float = Field(0.0, ge=0.0, description="GPUs reserved per model-stage actor (0 on CPU).")
+    prefer_resource: str | None = Field(None, min_length=1, description="Place the model-stage actors on the first alive node that has this custom Ray resource (`ray start --resources`), softly: when that node dies or is full, Ray places them on any other node and Ray Data redoes the lost chunks there.")
     batch_size: int = Field(8, ge=1, description="Prompts per generate() call in the regeneration stage.")
     forward_tokens: int = Field(8192, ge=16, description="Token budget of one packed target forward in the hidden-state stage.")
     hold_out_eval: bool = Field(True, description="Drop prompts whose id or normalised user text occurs in MT-bench or HumanEval.")
@@ -121,6 +135,7 @@ class OnlineDataConfig(StrictModel):
 
 class TrainTesting(StrictModel):
     kill_worker_at_step: int | None = Field(None, ge=1, description="Testing only: rank 0 SIGKILLs itself once (marker file in output_dir) after this optimizer step, to prove a run resumes from its last checkpoint.")
+    step_delay_s: float = Field(0.0, ge=0.0, description="Testing only: sleep this long after each optimizer step (slows a run so a test can kill a node mid-run).")
 
 
 class TrainingConfig(StrictModel):
@@ -155,6 +170,8 @@ class TrainingConfig(StrictModel):
     use_gpu: bool = Field(False, description="Train on GPUs (one per worker).")
     cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs reserved per Ray Train worker.")
     max_failures: int = Field(1, ge=0, description="Worker-group restarts (from the latest checkpoint) before the run fails.")
+    resources_per_worker: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources each worker needs besides cpus_per_worker/use_gpu, e.g. {'trainer': 1} for nodes started with `ray start --resources '{\"trainer\": 1}'`: places the workers on those nodes.")
+    after_node_loss: Literal["wait", "anywhere"] = Field("wait", description="With resources_per_worker, when a worker (or its node) is lost: 'wait' restarts from the last checkpoint with the same resources, so the run waits until a node that has them (a replacement) joins; 'anywhere' restarts from the last checkpoint without resources_per_worker, on the nodes that are left. Each restart counts against max_failures.")
     ray_address: str | None = Field(None, description="Ray cluster address; default RAY_ADDRESS or a local instance.")
     register_model: bool = Field(True, description="Register the final draft as a model version in the MLflow registry.")
     alias: str | None = Field("candidate", description="Alias set on the registered version (promotion later moves 'champion').")
@@ -164,6 +181,9 @@ class TrainingConfig(StrictModel):
 
     @model_validator(mode="after")
     def _online_needs_prompts(self) -> "TrainingConfig":
+        check_custom_resources("resources_per_worker", self.resources_per_worker, "set cpus_per_worker / use_gpu")
+        if self.resources_per_worker and self.backend != "ray":
+            raise ValueError("resources_per_worker places Ray Train workers but backend is 'local'; set backend: ray or remove resources_per_worker")
         if self.data_dir == "online" and self.online is None:
             raise ValueError("data_dir is 'online' but `online` is not set; add online.prompts (conversations ending with the assistant answer)")
         if self.data_dir == "online" and self.max_shards is not None:
