@@ -72,9 +72,11 @@ def _read_ids(path: Path) -> set[str]:
             try:
                 ids.add(json.loads(line)["prompt_id"])
             except (json.JSONDecodeError, KeyError) as err:
-                raise EaglerayError(f"{path}:{n}: not a regenerate output line ({err})\n"
-                                    f"    fix: remove the broken line (a run killed mid-write leaves at most the last one) "
-                                    f"or write to a new --out") from err
+                raise EaglerayError(
+                    f"{path}:{n}: not a regenerate output line ({err})\n"
+                    f"    fix: remove the broken line (a run killed mid-write leaves at most the last one) "
+                    f"or write to a new --out"
+                ) from err
     return ids
 
 
@@ -109,8 +111,17 @@ def write_prompts(cfg: DatagenConfig, out: Path, emit: Callable[[str], None] = p
 def _append_too_long(cfg: DatagenConfig, out: Path, rows: list[tuple[PromptRecord, int]]) -> None:
     with errors_path(out).open("a", encoding="utf-8") as fh:
         for rec, n in rows:
-            fh.write(json.dumps({"prompt_id": rec.prompt_id, "source": rec.source, "kind": "prompt_too_long",
-                                 "message": cfg.prompt_too_long(n)}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "prompt_id": rec.prompt_id,
+                        "source": rec.source,
+                        "kind": "prompt_too_long",
+                        "message": cfg.prompt_too_long(n),
+                    }
+                )
+                + "\n"
+            )
 
 
 def regenerate(cfg: DatagenConfig, out: Path, device: str, emit: Callable[[str], None] = print) -> dict[str, Any]:
@@ -118,28 +129,40 @@ def regenerate(cfg: DatagenConfig, out: Path, device: str, emit: Callable[[str],
     from tqdm import tqdm
 
     if cfg.backend not in ("eagleray", "transformers"):
-        raise EaglerayError(f"backend: {cfg.backend!r} cannot regenerate in one process\n"
-                            f"    fix: use backend 'transformers' or 'eagleray' (vLLM runs inside `eagleray datagen`)")
+        raise EaglerayError(
+            f"backend: {cfg.backend!r} cannot regenerate in one process\n"
+            f"    fix: use backend 'transformers' or 'eagleray' (vLLM runs inside `eagleray datagen`)"
+        )
     model_dir = str(resolve_target(cfg.target.model, cfg.target.dtype))
     spec = TargetSpec.from_dir(model_dir)
     gen = make_generator(cfg, model_dir, device)
     sel = select(cfg, gen.tokenizer, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     _append_too_long(cfg, out, sel.too_long)
-    emit(f"regenerate: {len(sel.todo)} prompts to run, {sel.done} already done, {len(sel.too_long)} too long "
-         f"(recorded in {errors_path(out).name}); backend {cfg.backend} on {device}")
+    emit(
+        f"regenerate: {len(sel.todo)} prompts to run, {sel.done} already done, {len(sel.too_long)} too long "
+        f"(recorded in {errors_path(out).name}); backend {cfg.backend} on {device}"
+    )
     order = sorted(sel.todo, key=lambda x: x[1])  # similar lengths together: less padding per batch
     started, tokens, rows = time.perf_counter(), 0, 0
     bar = tqdm(total=len(order), unit="prompt", desc="regenerate", mininterval=cfg.progress_seconds)
     with out.open("a", encoding="utf-8") as fh:
         for b in range(0, len(order), cfg.batch_size):
-            batch = [rec for rec, _ in order[b:b + cfg.batch_size]]
-            outs = gen.generate([[m.to_dict() for m in r.messages] for r in batch], cfg.generation,
-                                batch_seed(cfg.generation.seed, batch[0].prompt_id))
+            batch = [rec for rec, _ in order[b : b + cfg.batch_size]]
+            outs = gen.generate(
+                [[m.to_dict() for m in r.messages] for r in batch],
+                cfg.generation,
+                batch_seed(cfg.generation.seed, batch[0].prompt_id),
+            )
             for rec, g in zip(batch, outs):
                 msgs = [m.to_dict() for m in rec.messages] + [{"role": "assistant", "content": g.text}]
-                fh.write(json.dumps({"prompt_id": rec.prompt_id, "source": rec.source, "messages": msgs,
-                                     "num_tokens": g.num_tokens}, ensure_ascii=False) + "\n")
+                fh.write(
+                    json.dumps(
+                        {"prompt_id": rec.prompt_id, "source": rec.source, "messages": msgs, "num_tokens": g.num_tokens},
+                        ensure_ascii=False,
+                    )
+                    + "\n"
+                )
                 tokens += g.num_tokens
             fh.flush()
             rows += len(batch)
@@ -147,15 +170,23 @@ def regenerate(cfg: DatagenConfig, out: Path, device: str, emit: Callable[[str],
             bar.set_postfix(tok_s=f"{tokens / max(1e-9, time.perf_counter() - started):.0f}")
     bar.close()
     seconds = time.perf_counter() - started
-    manifest = {"target_fingerprint": spec.fingerprint, "tokenizer_fingerprint": spec.tokenizer_fingerprint,
-                "target": cfg.target.model_dump(), "backend": cfg.backend, "device": device,
-                "generation": cfg.generation.model_dump(), "max_prompt_tokens": cfg.prompt_token_cap,
-                "rows": len(sel.written) + rows, "errors": len(sel.failed) + len(sel.too_long),
-                "this_run": {"rows": rows, "generated_tokens": tokens, "seconds": seconds,
-                             "tokens_per_s": tokens / max(1e-9, seconds)}}
+    manifest = {
+        "target_fingerprint": spec.fingerprint,
+        "tokenizer_fingerprint": spec.tokenizer_fingerprint,
+        "target": cfg.target.model_dump(),
+        "backend": cfg.backend,
+        "device": device,
+        "generation": cfg.generation.model_dump(),
+        "max_prompt_tokens": cfg.prompt_token_cap,
+        "rows": len(sel.written) + rows,
+        "errors": len(sel.failed) + len(sel.too_long),
+        "this_run": {"rows": rows, "generated_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(1e-9, seconds)},
+    }
     manifest_path(out).write_text(json.dumps(manifest, indent=2))
-    emit(f"regenerate: {rows} answers, {tokens} tokens in {seconds:.1f} s ({manifest['this_run']['tokens_per_s']:.0f} tokens/s); "
-         f"{manifest['rows']} rows and {manifest['errors']} errors in {out}")
+    emit(
+        f"regenerate: {rows} answers, {tokens} tokens in {seconds:.1f} s ({manifest['this_run']['tokens_per_s']:.0f} tokens/s); "
+        f"{manifest['rows']} rows and {manifest['errors']} errors in {out}"
+    )
     return manifest
 
 
@@ -172,16 +203,23 @@ def check_given_sources(cfg: DatagenConfig, spec: TargetSpec, emit: Callable[[st
         path = manifest_path(src)
         if not path.is_file():
             found.append({"source": src, "manifest": None})
-            emit(f"warning: prompts[{i}] {src} has no {path.name}: cannot check that its answers were generated by "
-                 f"this target ({spec.fingerprint}); write them with `eagleray regenerate` to have them checked")
+            emit(
+                f"warning: prompts[{i}] {src} has no {path.name}: cannot check that its answers were generated by "
+                f"this target ({spec.fingerprint}); write them with `eagleray regenerate` to have them checked"
+            )
             continue
         m = json.loads(path.read_text())
         found.append({"source": src, "manifest": str(path), **{k: m.get(k) for k in PROVENANCE_KEYS}})
         for key, want in (("target_fingerprint", spec.fingerprint), ("tokenizer_fingerprint", spec.tokenizer_fingerprint)):
             if m.get(key) != want:
-                problems.append(Problem(f"prompts[{i}]", f"{src}: its answers were generated with {key} {m.get(key)} "
-                                        f"but target.model {cfg.target.model!r} has {want}",
-                                        "regenerate the answers with this target, or set target.model to the one that wrote them"))
+                problems.append(
+                    Problem(
+                        f"prompts[{i}]",
+                        f"{src}: its answers were generated with {key} {m.get(key)} "
+                        f"but target.model {cfg.target.model!r} has {want}",
+                        "regenerate the answers with this target, or set target.model to the one that wrote them",
+                    )
+                )
     if problems:
         raise ConfigError(problems)
     emit(f"given answers: {len(cfg.prompts)} source(s); every manifest present matches target {spec.fingerprint}")

@@ -30,8 +30,7 @@ class Generator(Protocol):
 
     tokenizer: object
 
-    def generate(self, conversations: list[list[dict]], params: GenerationConfig, seed: int) -> list[Generated]:
-        ...
+    def generate(self, conversations: list[list[dict]], params: GenerationConfig, seed: int) -> list[Generated]: ...
 
 
 def batch_seed(base: int, key: str) -> int:
@@ -65,7 +64,7 @@ class TransformersGenerator:
             kwargs.update(temperature=params.temperature, top_p=params.top_p)
         else:
             kwargs.update(temperature=None, top_p=None, top_k=None)
-        out = self.model.generate(**enc, **kwargs)[:, enc["input_ids"].shape[1]:]  # [B, N]
+        out = self.model.generate(**enc, **kwargs)[:, enc["input_ids"].shape[1] :]  # [B, N]
         results = []
         for row in out.tolist():
             n = len(row)
@@ -82,16 +81,19 @@ class EagleRayGenerator:
         from eagleray.serve.engine import EngineConfig, LLMEngine
 
         target = cfg.target.model_copy(update={"model": model_dir, "device": device})
-        engine_cfg = EngineConfig(target=target, draft=cfg.draft, max_num_seqs=cfg.batch_size,
-                                  seed=cfg.generation.seed)
+        engine_cfg = EngineConfig(target=target, draft=cfg.draft, max_num_seqs=cfg.batch_size, seed=cfg.generation.seed)
         self.engine = LLMEngine.from_config(engine_cfg)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, conversations: list[list[dict]], params: GenerationConfig, seed: int) -> list[Generated]:
         from eagleray.serve.engine import SamplingParams
 
-        sp = [SamplingParams(temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
-                             seed=batch_seed(seed, str(i))) for i in range(len(conversations))]
+        sp = [
+            SamplingParams(
+                temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens, seed=batch_seed(seed, str(i))
+            )
+            for i in range(len(conversations))
+        ]
         outs = self.engine.generate(conversations, sp)
         tok = self.tokenizer
         return [Generated(tok.decode(o.token_ids, skip_special_tokens=True).strip(), len(o.token_ids)) for o in outs]
@@ -103,8 +105,10 @@ class EagleRayGenerator:
 def make_generator(cfg: DatagenConfig, model_dir: str, device: str) -> Generator:
     """The per-actor generator for ``cfg.backend`` (``vllm`` runs as a dataset-level stage instead)."""
     if cfg.draft is not None and cfg.backend != "eagleray":
-        raise EaglerayError(f"draft is set but backend is {cfg.backend!r}; only the eagleray engine drafts\n"
-                            f"    fix: set `backend: eagleray` or remove `draft`")
+        raise EaglerayError(
+            f"draft is set but backend is {cfg.backend!r}; only the eagleray engine drafts\n"
+            f"    fix: set `backend: eagleray` or remove `draft`"
+        )
     if cfg.backend == "transformers":
         return TransformersGenerator(model_dir, cfg.target.dtype, device)
     if cfg.backend == "eagleray":
@@ -121,13 +125,22 @@ def vllm_processor_config(cfg: DatagenConfig, model_dir: str):
     from ray.data.llm import vLLMEngineProcessorConfig
 
     on_cpu = cfg.gpus_per_worker == 0
-    engine_kwargs = {"max_model_len": cfg.max_seq_len, "dtype": "bfloat16" if cfg.target.dtype == "bf16" else "float32",
-                     "tensor_parallel_size": cfg.target.tensor_parallel_size, "enforce_eager": on_cpu}
+    engine_kwargs = {
+        "max_model_len": cfg.max_seq_len,
+        "dtype": "bfloat16" if cfg.target.dtype == "bf16" else "float32",
+        "tensor_parallel_size": cfg.target.tensor_parallel_size,
+        "enforce_eager": on_cpu,
+    }
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"} if on_cpu else {}
     return vLLMEngineProcessorConfig(
-        model_source=model_dir, engine_kwargs=engine_kwargs, concurrency=cfg.num_workers,
-        batch_size=cfg.batch_size, runtime_env={"env_vars": env} if env else None,
-        accelerator_type=None, should_continue_on_error=True)
+        model_source=model_dir,
+        engine_kwargs=engine_kwargs,
+        concurrency=cfg.num_workers,
+        batch_size=cfg.batch_size,
+        runtime_env={"env_vars": env} if env else None,
+        accelerator_type=None,
+        should_continue_on_error=True,
+    )
 
 
 def vllm_regenerate(rows, cfg: DatagenConfig, model_dir: str):
@@ -139,13 +152,27 @@ def vllm_regenerate(rows, cfg: DatagenConfig, model_dir: str):
     g = cfg.generation
 
     def pre(row: dict) -> dict:
-        return {**row, "messages": json.loads(row["conversation"]),
-                "sampling_params": {"temperature": g.temperature, "top_p": g.top_p, "max_tokens": g.max_tokens,
-                                    "seed": batch_seed(g.seed, row["prompt_id"])}}
+        return {
+            **row,
+            "messages": json.loads(row["conversation"]),
+            "sampling_params": {
+                "temperature": g.temperature,
+                "top_p": g.top_p,
+                "max_tokens": g.max_tokens,
+                "seed": batch_seed(g.seed, row["prompt_id"]),
+            },
+        }
 
     def post(row: dict) -> dict:
         err = row.get("__inference_error__") or ""
-        return {"chunk_id": row["chunk_id"], "prompt_id": row["prompt_id"], "conversation": row["conversation"],
-                "source": row["source"], "order": row["order"], "response": row.get("generated_text") or "", "error": str(err)}
+        return {
+            "chunk_id": row["chunk_id"],
+            "prompt_id": row["prompt_id"],
+            "conversation": row["conversation"],
+            "source": row["source"],
+            "order": row["order"],
+            "response": row.get("generated_text") or "",
+            "error": str(err),
+        }
 
     return build_processor(vllm_processor_config(cfg, model_dir), preprocess=pre, postprocess=post)(rows)

@@ -74,7 +74,7 @@ def select_prompts(cfg: DatagenConfig, holdout: HoldOut | None = None) -> tuple[
     for src in cfg.prompts:
         for rec in iter_prompts(src):
             stats.records += 1
-            for turn in (prompt_turns(rec) if cfg.split_turns else [rec]):
+            for turn in prompt_turns(rec) if cfg.split_turns else [rec]:
                 stats.turns += 1
                 if turn.prompt_id in seen:
                     stats.duplicates += 1
@@ -109,12 +109,14 @@ def make_chunks(records: list[PromptRecord], rows_per_shard: int, compat_hash: s
     """
     chunks = []
     for start in range(0, len(records), rows_per_shard):
-        part = records[start:start + rows_per_shard]
+        part = records[start : start + rows_per_shard]
         ids = [r.prompt_id for r in part]
-        chunks.append({
-            "chunk_id": chunk_id_for(compat_hash, ids),
-            "prompt_ids": ids,
-            "conversations": [json.dumps([m.to_dict() for m in r.messages], ensure_ascii=False) for r in part],
-            "sources": [r.source for r in part],
-        })
+        chunks.append(
+            {
+                "chunk_id": chunk_id_for(compat_hash, ids),
+                "prompt_ids": ids,
+                "conversations": [json.dumps([m.to_dict() for m in r.messages], ensure_ascii=False) for r in part],
+                "sources": [r.source for r in part],
+            }
+        )
     return chunks

@@ -79,8 +79,15 @@ def _seconds(cfg: DatagenConfig, spec: TargetSpec, rows: int, tokens_per_row: fl
     return (gen_s + fwd_s) / cfg.num_workers
 
 
-def estimate(cfg: DatagenConfig, spec: TargetSpec, tokenizer, conversations: list[list[dict]],
-             n_aux: int, device: str, already_bytes: int = 0) -> Estimate:
+def estimate(
+    cfg: DatagenConfig,
+    spec: TargetSpec,
+    tokenizer,
+    conversations: list[list[dict]],
+    n_aux: int,
+    device: str,
+    already_bytes: int = 0,
+) -> Estimate:
     """Size and time of writing ``conversations`` (a sample of <= 256 is tokenized for the prompt length)."""
     sample = conversations[:256]
     avg = sum(len(prompt_ids(tokenizer, c)) for c in sample) / max(1, len(sample))
@@ -99,4 +106,5 @@ def check_space(est: Estimate, output_dir: str) -> None:
         raise EaglerayError(
             f"not enough space for datagen output in {output_dir}: estimated {human_bytes(est.total_bytes)} "
             f"(x headroom = {human_bytes(est.required_bytes)}) but only {human_bytes(est.free_bytes)} free\n"
-            f"    fix: free space, choose another output_dir, or lower limit / max_tokens / max_seq_len")
+            f"    fix: free space, choose another output_dir, or lower limit / max_tokens / max_seq_len"
+        )

@@ -28,15 +28,34 @@ def _sha(obj: Any) -> str:
 
 def compat_settings(cfg: DatagenConfig, target_fp: str, tokenizer_fp: str, aux_ids: list[int]) -> dict[str, Any]:
     """What decides the content of a row: rows written under other settings must not be mixed in."""
-    return {"format": FORMAT_VERSION, "target_fingerprint": target_fp, "tokenizer_fingerprint": tokenizer_fp,
-            "target_dtype": cfg.target.dtype, "aux_layer_ids": aux_ids, "backend": cfg.backend,
-            "generation": cfg.generation.model_dump(), "max_seq_len": cfg.max_seq_len}
+    return {
+        "format": FORMAT_VERSION,
+        "target_fingerprint": target_fp,
+        "tokenizer_fingerprint": tokenizer_fp,
+        "target_dtype": cfg.target.dtype,
+        "aux_layer_ids": aux_ids,
+        "backend": cfg.backend,
+        "generation": cfg.generation.model_dump(),
+        "max_seq_len": cfg.max_seq_len,
+    }
 
 
 def config_hash(cfg: DatagenConfig) -> str:
     """Hash of the whole config except how it runs (workers, batch sizes, progress, testing hooks)."""
-    skip = {"num_workers", "cpus_per_worker", "gpus_per_worker", "batch_size", "forward_tokens", "progress_seconds",
-            "est_tokens_per_second", "disk_headroom", "ray_address", "testing", "retry_failed", "prefer_resource"}
+    skip = {
+        "num_workers",
+        "cpus_per_worker",
+        "gpus_per_worker",
+        "batch_size",
+        "forward_tokens",
+        "progress_seconds",
+        "est_tokens_per_second",
+        "disk_headroom",
+        "ray_address",
+        "testing",
+        "retry_failed",
+        "prefer_resource",
+    }
     return _sha(cfg.model_dump(exclude=skip))
 
 
@@ -50,7 +69,8 @@ def check_or_write_run(output_dir: str, settings: dict[str, Any], write: bool = 
             diff = sorted(k for k in settings if old.get("settings", {}).get(k) != settings[k])
             raise EaglerayError(
                 f"{output_dir} holds data generated with other settings (differs in: {', '.join(diff)})\n"
-                f"    fix: use a new output_dir, or restore the settings of run.json to resume")
+                f"    fix: use a new output_dir, or restore the settings of run.json to resume"
+            )
         return compat
     if not write:
         return compat
@@ -84,8 +104,16 @@ def scan_shards(output_dir: str, vocab_size: int) -> dict[str, Any]:
         tokens += int(ids.size)
         loss_tokens += int(mask.sum())
         nbytes += p.stat().st_size
-    return {"rows": rows, "tokens": tokens, "loss_tokens": loss_tokens, "bytes": nbytes, "shards": len(files),
-            "counts": counts, "ids": set(seen), "duplicates": dups}
+    return {
+        "rows": rows,
+        "tokens": tokens,
+        "loss_tokens": loss_tokens,
+        "bytes": nbytes,
+        "shards": len(files),
+        "counts": counts,
+        "ids": set(seen),
+        "duplicates": dups,
+    }
 
 
 def write_errors_table(output_dir: str) -> int:
@@ -95,8 +123,15 @@ def write_errors_table(output_dir: str) -> int:
     return len(errors)
 
 
-def finalize(output_dir: str, cfg: DatagenConfig, settings: dict[str, Any], compat: str, vocab_size: int,
-             hidden_size: int, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
+def finalize(
+    output_dir: str,
+    cfg: DatagenConfig,
+    settings: dict[str, Any],
+    compat: str,
+    vocab_size: int,
+    hidden_size: int,
+    provenance: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Scan every shard, write vocab_counts.npy, errors.parquet and manifest.json; return the manifest.
 
     ``provenance``: facts about where the answers came from that do not decide row content
@@ -106,19 +141,33 @@ def finalize(output_dir: str, cfg: DatagenConfig, settings: dict[str, Any], comp
     scan = scan_shards(output_dir, vocab_size)
     if scan["duplicates"]:
         pid, a, b = scan["duplicates"][0]
-        raise DataError(f"{len(scan['duplicates'])} prompt id(s) occur in two shards (e.g. {pid} in {a} and {b})\n"
-                        f"    fix: delete the newer of each pair of shards and rerun (it resumes)")
+        raise DataError(
+            f"{len(scan['duplicates'])} prompt id(s) occur in two shards (e.g. {pid} in {a} and {b})\n"
+            f"    fix: delete the newer of each pair of shards and rerun (it resumes)"
+        )
     np.save(Path(output_dir) / VOCAB_COUNTS, scan["counts"])
     n_errors = write_errors_table(output_dir)
     manifest = {
-        **settings, "compat_hash": compat, "config_hash": config_hash(cfg),
+        **settings,
+        "compat_hash": compat,
+        "config_hash": config_hash(cfg),
         "dataset_id": _sha([compat, sorted(scan["ids"])]),
-        "hidden_size": hidden_size, "num_aux_layers": len(settings["aux_layer_ids"]), "dtype": "bf16",
+        "hidden_size": hidden_size,
+        "num_aux_layers": len(settings["aux_layer_ids"]),
+        "dtype": "bf16",
         "encoding": "aux_hidden/final_hidden: large_binary of little-endian bf16, row-major [T, n_aux*H] / [T, H]; "
-                    "final_hidden is after the target's final norm (apply lm_head only)",
-        "rows": scan["rows"], "tokens": scan["tokens"], "loss_tokens": scan["loss_tokens"], "bytes": scan["bytes"],
-        "shards": scan["shards"], "errors": n_errors, "vocab_size": vocab_size, "vocab_counts": VOCAB_COUNTS,
-        "errors_table": ERRORS_TABLE, "prompts": cfg.prompts, "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "final_hidden is after the target's final norm (apply lm_head only)",
+        "rows": scan["rows"],
+        "tokens": scan["tokens"],
+        "loss_tokens": scan["loss_tokens"],
+        "bytes": scan["bytes"],
+        "shards": scan["shards"],
+        "errors": n_errors,
+        "vocab_size": vocab_size,
+        "vocab_counts": VOCAB_COUNTS,
+        "errors_table": ERRORS_TABLE,
+        "prompts": cfg.prompts,
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **(provenance or {}),
     }
     _atomic_text(Path(output_dir) / MANIFEST, json.dumps(manifest, indent=2))

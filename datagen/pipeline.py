@@ -62,8 +62,10 @@ class Progress:
         rate = done / el
         eta = (self.total_rows - done) / rate if rate > 0 else float("inf")
         eta_s = human_seconds(eta) if eta != float("inf") else "?"
-        return (f"progress: {done}/{self.total_rows} prompts ({self.errors} errors), {rate:.2f} rows/s, "
-                f"{self.tokens / el:.0f} tokens/s, {human_bytes(self.bytes)} written, ETA {eta_s}")
+        return (
+            f"progress: {done}/{self.total_rows} prompts ({self.errors} errors), {rate:.2f} rows/s, "
+            f"{self.tokens / el:.0f} tokens/s, {human_bytes(self.bytes)} written, ETA {eta_s}"
+        )
 
 
 def ray_address(cfg: DatagenConfig) -> tuple[str, str]:
@@ -88,9 +90,11 @@ def check_reachable(address: str, source: str, timeout_s: float = 5.0) -> None:
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as err:
-        raise EaglerayError(f"{source}: the Ray cluster at {address} does not answer ({err.strerror or err})\n"
-                            f"    fix: start it (ray start --head) or point {source} at a live cluster; unset ray_address "
-                            f"and RAY_ADDRESS to run on a private local instance") from None
+        raise EaglerayError(
+            f"{source}: the Ray cluster at {address} does not answer ({err.strerror or err})\n"
+            f"    fix: start it (ray start --head) or point {source} at a live cluster; unset ray_address "
+            f"and RAY_ADDRESS to run on a private local instance"
+        ) from None
 
 
 def _ray_init(cfg: DatagenConfig, emit: Callable[[str], None] = print) -> None:
@@ -103,8 +107,10 @@ def _ray_init(cfg: DatagenConfig, emit: Callable[[str], None] = print) -> None:
     ray.init(address=address, log_to_driver=True)
     if address != "local":
         res = ray.cluster_resources()
-        emit(f"ray: joined the cluster at {address} (from {source}): {len(ray.nodes())} node(s), "
-             f"{res.get('CPU', 0):.0f} CPUs, {res.get('GPU', 0):.0f} GPUs")
+        emit(
+            f"ray: joined the cluster at {address} (from {source}): {len(ray.nodes())} node(s), "
+            f"{res.get('CPU', 0):.0f} CPUs, {res.get('GPU', 0):.0f} GPUs"
+        )
 
 
 def _model_stage_args(cfg: DatagenConfig) -> dict[str, Any]:
@@ -113,8 +119,13 @@ def _model_stage_args(cfg: DatagenConfig) -> dict[str, Any]:
     # Ray Data gives actor-pool workers max_restarts=-1 and max_task_retries=-1 by default (Ray 2.60,
     # actor_pool_map_operator.py): a killed worker is restarted and its chunk redone. The
     # killed-worker test (tests/unit/datagen/test_pipeline.py) guards that default.
-    args = {"batch_size": 1, "batch_format": "pyarrow", "compute": ray.data.ActorPoolStrategy(size=cfg.num_workers),
-            "num_cpus": cfg.cpus_per_worker, "num_gpus": cfg.gpus_per_worker or None}
+    args = {
+        "batch_size": 1,
+        "batch_format": "pyarrow",
+        "compute": ray.data.ActorPoolStrategy(size=cfg.num_workers),
+        "num_cpus": cfg.cpus_per_worker,
+        "num_gpus": cfg.gpus_per_worker or None,
+    }
     if cfg.prefer_resource:
         args["scheduling_strategy"] = preferred_node(cfg.prefer_resource)
     return args
@@ -129,9 +140,11 @@ def preferred_node(resource: str):
     having = [n for n in nodes if resource in n.get("Resources", {})]
     if not having:
         known = sorted({r for n in nodes for r in n.get("Resources", {}) if not r.startswith("node:")})
-        raise EaglerayError(f"prefer_resource: no alive node of the cluster has the resource {resource!r} "
-                            f"(the {len(nodes)} alive node(s) have {known})\n"
-                            f"    fix: start a node with `ray start --resources '{{\"{resource}\": 1}}'` or unset prefer_resource")
+        raise EaglerayError(
+            f"prefer_resource: no alive node of the cluster has the resource {resource!r} "
+            f"(the {len(nodes)} alive node(s) have {known})\n"
+            f"    fix: start a node with `ray start --resources '{{\"{resource}\": 1}}'` or unset prefer_resource"
+        )
     return NodeAffinitySchedulingStrategy(having[0]["NodeID"], soft=True)
 
 
@@ -151,8 +164,14 @@ def build_dataset(cfg: DatagenConfig, chunks: list[dict], model_dir: str, meta: 
         import ray.data
 
         # One tokenizer-only actor with no CPU reserved: the hidden-state actors keep every core.
-        ds = ds.map_batches(GivenAnswersStage, fn_constructor_args=(cfg_json,), batch_size=1, batch_format="pyarrow",
-                            compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0)
+        ds = ds.map_batches(
+            GivenAnswersStage,
+            fn_constructor_args=(cfg_json,),
+            batch_size=1,
+            batch_format="pyarrow",
+            compute=ray.data.ActorPoolStrategy(size=1),
+            num_cpus=0,
+        )
     else:
         ds = ds.map_batches(RegenerateStage, fn_constructor_args=(cfg_json,), **_model_stage_args(cfg))
     return ds.map_batches(ExtractStage, fn_constructor_args=(cfg_json, json.dumps(meta)), **_model_stage_args(cfg))
@@ -203,9 +222,11 @@ def plan(cfg: DatagenConfig, emit: Callable[[str], None], write: bool = True) ->
     records, pstats = select_prompts(cfg)
     done = _done_ids(cfg, clean=write)
     todo = [r for r in records if r.prompt_id not in done]
-    emit(f"prompts: {pstats.records} conversations -> {pstats.turns} turns, {pstats.duplicates} duplicates, "
-         f"{pstats.held_out} held out (MT-bench/HumanEval), {pstats.kept} selected; "
-         f"{len(records) - len(todo)} already done, {len(todo)} to run")
+    emit(
+        f"prompts: {pstats.records} conversations -> {pstats.turns} turns, {pstats.duplicates} duplicates, "
+        f"{pstats.held_out} held out (MT-bench/HumanEval), {pstats.kept} selected; "
+        f"{len(records) - len(todo)} already done, {len(todo)} to run"
+    )
     tok = AutoTokenizer.from_pretrained(model_dir)
     device = "cuda" if cfg.gpus_per_worker > 0 else "cpu"
     est = estimate(cfg, spec, tok, [[m.to_dict() for m in r.messages] for r in todo], len(aux_ids), device)
@@ -226,17 +247,28 @@ def run_datagen(cfg: DatagenConfig, emit: Callable[[str], None] = print) -> dict
     started = time.perf_counter()
     progress = Progress(len(p.todo), cfg.progress_seconds, emit)
     if p.todo:
-        meta = {"compat_hash": p.compat, "aux_layer_ids": json.dumps(p.aux_ids),
-                "target_fingerprint": p.spec.fingerprint, "tokenizer_fingerprint": p.spec.tokenizer_fingerprint,
-                "hidden_size": str(p.spec.hidden_size), "encoding": "bf16-le-rowmajor"}
+        meta = {
+            "compat_hash": p.compat,
+            "aux_layer_ids": json.dumps(p.aux_ids),
+            "target_fingerprint": p.spec.fingerprint,
+            "tokenizer_fingerprint": p.spec.tokenizer_fingerprint,
+            "hidden_size": str(p.spec.hidden_size),
+            "encoding": "bf16-le-rowmajor",
+        }
         _ray_init(cfg, emit)
         ds = build_dataset(cfg, make_chunks(p.todo, cfg.rows_per_shard, p.compat), p.model_dir, meta)
         for summary in ds.iter_rows():
             progress.add(summary)
         emit(progress.line())
     manifest = mf.finalize(cfg.output_dir, cfg, p.settings, p.compat, p.spec.vocab_size, p.spec.hidden_size, p.provenance)
-    manifest["run"] = {"seconds": time.perf_counter() - started, "rows": progress.rows, "errors": progress.errors,
-                       "tokens": progress.tokens, "chunks": progress.chunks, "estimate": json.loads(p.estimate.to_json())}
+    manifest["run"] = {
+        "seconds": time.perf_counter() - started,
+        "rows": progress.rows,
+        "errors": progress.errors,
+        "tokens": progress.tokens,
+        "chunks": progress.chunks,
+        "estimate": json.loads(p.estimate.to_json()),
+    }
     emit(summary_table(manifest))
     return manifest
 
@@ -244,11 +276,19 @@ def run_datagen(cfg: DatagenConfig, emit: Callable[[str], None] = print) -> dict
 def summary_table(m: dict[str, Any]) -> str:
     run = m.get("run", {})
     secs = run.get("seconds", 0.0) or 1e-9
-    rows = [("rows (total)", m["rows"]), ("errors (total)", m["errors"]), ("shards", m["shards"]),
-            ("tokens", m["tokens"]), ("loss tokens", m["loss_tokens"]), ("bytes", human_bytes(m["bytes"])),
-            ("this run: rows", run.get("rows", 0)), ("this run: seconds", f"{secs:.1f}"),
-            ("this run: rows/s", f"{run.get('rows', 0) / secs:.2f}"),
-            ("this run: tokens/s", f"{run.get('tokens', 0) / secs:.0f}"),
-            ("aux layers", m["aux_layer_ids"]), ("dataset id", m["dataset_id"])]
+    rows = [
+        ("rows (total)", m["rows"]),
+        ("errors (total)", m["errors"]),
+        ("shards", m["shards"]),
+        ("tokens", m["tokens"]),
+        ("loss tokens", m["loss_tokens"]),
+        ("bytes", human_bytes(m["bytes"])),
+        ("this run: rows", run.get("rows", 0)),
+        ("this run: seconds", f"{secs:.1f}"),
+        ("this run: rows/s", f"{run.get('rows', 0) / secs:.2f}"),
+        ("this run: tokens/s", f"{run.get('tokens', 0) / secs:.0f}"),
+        ("aux layers", m["aux_layer_ids"]),
+        ("dataset id", m["dataset_id"]),
+    ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(["datagen summary", "-" * (width + 24)] + [f"{k:<{width}}  {v}" for k, v in rows])

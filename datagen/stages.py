@@ -27,14 +27,28 @@ from eagleray.platform.prompts.template import RowError, Tokenized, prompt_ids, 
 
 log = logging.getLogger(__name__)
 
-REGEN_SCHEMA = pa.schema([
-    ("chunk_id", pa.string()), ("prompt_ids", pa.list_(pa.string())), ("conversations", pa.list_(pa.string())),
-    ("sources", pa.list_(pa.string())), ("responses", pa.list_(pa.string())), ("errors", pa.list_(pa.string())),
-])
-SUMMARY_SCHEMA = pa.schema([
-    ("chunk_id", pa.string()), ("shard", pa.string()), ("rows", pa.int64()), ("errors", pa.int64()),
-    ("tokens", pa.int64()), ("loss_tokens", pa.int64()), ("bytes", pa.int64()), ("seconds", pa.float64()),
-])
+REGEN_SCHEMA = pa.schema(
+    [
+        ("chunk_id", pa.string()),
+        ("prompt_ids", pa.list_(pa.string())),
+        ("conversations", pa.list_(pa.string())),
+        ("sources", pa.list_(pa.string())),
+        ("responses", pa.list_(pa.string())),
+        ("errors", pa.list_(pa.string())),
+    ]
+)
+SUMMARY_SCHEMA = pa.schema(
+    [
+        ("chunk_id", pa.string()),
+        ("shard", pa.string()),
+        ("rows", pa.int64()),
+        ("errors", pa.int64()),
+        ("tokens", pa.int64()),
+        ("loss_tokens", pa.int64()),
+        ("bytes", pa.int64()),
+        ("seconds", pa.float64()),
+    ]
+)
 
 
 def _error(pid: str, chunk: str, stage: str, kind: str, message: str) -> str:
@@ -74,7 +88,7 @@ class RegenerateStage:
                 ok.append(i)
         bs = self.cfg.batch_size
         for b in range(0, len(ok), bs):
-            idx = ok[b:b + bs]
+            idx = ok[b : b + bs]
             self._generate(chunk, b // bs, idx, ids, convs, responses, errors)
         return {**row, "responses": responses, "errors": errors}
 
@@ -117,8 +131,13 @@ class GivenAnswersStage:
         for i, conv in enumerate(row["conversations"]):
             msgs = json.loads(conv)
             if len(msgs) < 2 or msgs[-1]["role"] != "assistant":
-                errors[i] = _error(ids[i], chunk, "given", "no_answer", "the record does not end with an assistant message "
-                                   "(backend 'given' reads the answer from there)")
+                errors[i] = _error(
+                    ids[i],
+                    chunk,
+                    "given",
+                    "no_answer",
+                    "the record does not end with an assistant message (backend 'given' reads the answer from there)",
+                )
                 continue
             too_long = self.cfg.prompt_too_long(len(prompt_ids(self.tok, msgs[:-1])))
             if too_long:
@@ -141,8 +160,9 @@ class ExtractStage:
         _set_threads(self.cfg)
         model_dir = str(resolve_target(self.cfg.target.model, self.cfg.target.dtype))
         self.tok = AutoTokenizer.from_pretrained(model_dir)
-        self.model = LlamaModel.from_dir(model_dir, dtype=self.cfg.target.dtype, device=_device(self.cfg),
-                                         aux_layer_ids=json.loads(self.meta["aux_layer_ids"]))
+        self.model = LlamaModel.from_dir(
+            model_dir, dtype=self.cfg.target.dtype, device=_device(self.cfg), aux_layer_ids=json.loads(self.meta["aux_layer_ids"])
+        )
         self.written = 0  # shards written by this actor (fault-injection hook)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -173,8 +193,16 @@ class ExtractStage:
             self.written += 1
         tokens = sum(r["num_tokens"] for r in rows)
         loss = sum(sum(r["loss_mask"]) for r in rows)
-        return {"chunk_id": chunk, "shard": shard, "rows": len(rows), "errors": len(errors), "tokens": tokens,
-                "loss_tokens": loss, "bytes": nbytes, "seconds": time.perf_counter() - started}
+        return {
+            "chunk_id": chunk,
+            "shard": shard,
+            "rows": len(rows),
+            "errors": len(errors),
+            "tokens": tokens,
+            "loss_tokens": loss,
+            "bytes": nbytes,
+            "seconds": time.perf_counter() - started,
+        }
 
     def _forward_rows(self, row: dict, todo: list[tuple[int, Tokenized]], errors: list[dict]) -> list[dict]:
         """Pack rows into forwards of <= forward_tokens tokens; a failing pack is retried row by row."""
@@ -191,8 +219,17 @@ class ExtractStage:
                     try:
                         out.extend(self._rows_of(row, [one]))
                     except Exception as row_err:  # noqa: BLE001 - recorded, not dropped
-                        errors.append(json.loads(_error(row["prompt_ids"][one[0]], row["chunk_id"], "hidden_states",
-                                                        type(row_err).__name__, str(row_err))))
+                        errors.append(
+                            json.loads(
+                                _error(
+                                    row["prompt_ids"][one[0]],
+                                    row["chunk_id"],
+                                    "hidden_states",
+                                    type(row_err).__name__,
+                                    str(row_err),
+                                )
+                            )
+                        )
             pack = [item] if item is not None else []
         return out
 
@@ -209,10 +246,19 @@ class ExtractStage:
         final, aux = self.model(ids, pos, AttentionMetadata.build(lens), None)  # [sum T, H], [sum T, n_aux*H]
         out, start = [], 0
         for (i, t), n in zip(pack, lens):
-            out.append({"prompt_id": row["prompt_ids"][i], "source": row["sources"][i], "response": row["responses"][i],
-                        "num_tokens": n, "truncated": t.truncated, "input_ids": t.input_ids, "loss_mask": t.loss_mask,
-                        "aux_hidden": shards.encode_bf16(aux[start:start + n]),
-                        "final_hidden": shards.encode_bf16(final[start:start + n])})
+            out.append(
+                {
+                    "prompt_id": row["prompt_ids"][i],
+                    "source": row["sources"][i],
+                    "response": row["responses"][i],
+                    "num_tokens": n,
+                    "truncated": t.truncated,
+                    "input_ids": t.input_ids,
+                    "loss_mask": t.loss_mask,
+                    "aux_hidden": shards.encode_bf16(aux[start : start + n]),
+                    "final_hidden": shards.encode_bf16(final[start : start + n]),
+                }
+            )
             start += n
         return out
 

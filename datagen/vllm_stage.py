@@ -15,8 +15,10 @@ from eagleray.platform.config.schemas import DatagenConfig
 
 
 def _flatten(chunk: dict) -> list[dict]:
-    return [{"chunk_id": chunk["chunk_id"], "prompt_id": pid, "conversation": conv, "source": src, "order": i}
-            for i, (pid, conv, src) in enumerate(zip(chunk["prompt_ids"], chunk["conversations"], chunk["sources"]))]
+    return [
+        {"chunk_id": chunk["chunk_id"], "prompt_id": pid, "conversation": conv, "source": src, "order": i}
+        for i, (pid, conv, src) in enumerate(zip(chunk["prompt_ids"], chunk["conversations"], chunk["sources"]))
+    ]
 
 
 def _regroup(group: pa.Table) -> pa.Table:
@@ -24,12 +26,27 @@ def _regroup(group: pa.Table) -> pa.Table:
 
     rows = sorted(group.to_pylist(), key=lambda r: r["order"])
     chunk = rows[0]["chunk_id"]
-    errors = [json.dumps({"prompt_id": r["prompt_id"], "chunk_id": chunk, "stage": "regenerate", "kind": "vllm",
-                          "message": r["error"][:2000]}) if r["error"] else "" for r in rows]
-    return pa.Table.from_pylist([{
-        "chunk_id": chunk, "prompt_ids": [r["prompt_id"] for r in rows],
-        "conversations": [r["conversation"] for r in rows], "sources": [r["source"] for r in rows],
-        "responses": [r["response"] for r in rows], "errors": errors}], schema=REGEN_SCHEMA)
+    errors = [
+        json.dumps(
+            {"prompt_id": r["prompt_id"], "chunk_id": chunk, "stage": "regenerate", "kind": "vllm", "message": r["error"][:2000]}
+        )
+        if r["error"]
+        else ""
+        for r in rows
+    ]
+    return pa.Table.from_pylist(
+        [
+            {
+                "chunk_id": chunk,
+                "prompt_ids": [r["prompt_id"] for r in rows],
+                "conversations": [r["conversation"] for r in rows],
+                "sources": [r["source"] for r in rows],
+                "responses": [r["response"] for r in rows],
+                "errors": errors,
+            }
+        ],
+        schema=REGEN_SCHEMA,
+    )
 
 
 def regenerate_with_vllm(ds, cfg: DatagenConfig, model_dir: str):

@@ -42,4 +42,4 @@ def chat_once(model_dir: Path, prompt: str, *, max_tokens: int = 128, system: st
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.inference_mode():
         out = model.generate(**ids, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-    return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    return tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True).strip()

@@ -24,7 +24,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "regenerate": ("eagleray.jobs.regenerate", "regenerate the target's answers in one process (no Ray) to a JSONL, resumable"),
     "train": ("eagleray.jobs.train", "train an EAGLE-3 draft (Ray Train) with MLflow tracking and registry"),
     "serve": ("eagleray.jobs.serve", "serve the target + draft behind OpenAI-compatible HTTP on Ray Serve"),
-    "promote": ("eagleray.jobs.promote", "measure a candidate draft against the champion and plain decoding; set the alias if it wins"),
+    "promote": (
+        "eagleray.jobs.promote",
+        "measure a candidate draft against the champion and plain decoding; set the alias if it wins",
+    ),
     "bench": ("eagleray.jobs.bench", "benchmarks (verify, spec, gpu) that print a table and write JSON"),
     "quickstart": ("eagleray.jobs.quickstart", "the whole loop on this machine with defaults"),
 }
@@ -51,8 +54,9 @@ def _load(module: str, attr: str) -> Callable:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
-    return run_reporting_errors(f"eagleray {args.command}", _load(args._module, "run"), args,
-                                logging.INFO if args.verbose else logging.WARNING)
+    return run_reporting_errors(
+        f"eagleray {args.command}", _load(args._module, "run"), args, logging.INFO if args.verbose else logging.WARNING
+    )
 
 
 if __name__ == "__main__":

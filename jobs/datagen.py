@@ -16,8 +16,13 @@ from eagleray.platform.config.schemas import DatagenConfig
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="datagen YAML config (see jobs/configs/datagen-*.yaml)")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
-                   help="override a config field, dotted, value as JSON or a bare string (e.g. --set limit=100)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=JSON",
+        help="override a config field, dotted, value as JSON or a bare string (e.g. --set limit=100)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the prompt counts and the estimate, write nothing")
 
 

@@ -12,10 +12,18 @@ from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target model directory, or 'smollm2' for the packaged model")
-    p.add_argument("--draft", required=True, help="draft checkpoint directory, or models:/<name>@<alias> | models:/<name>/<version> "
-                   "(MLflow registry at MLFLOW_TRACKING_URI, default the sqlite store under $EAGLERAY_HOME)")
-    p.add_argument("--algorithm", default=None, help="the speculative algorithm you intend to serve with (eagle3, eagle); "
-                   "checked against the draft. Default: derived from the draft")
+    p.add_argument(
+        "--draft",
+        required=True,
+        help="draft checkpoint directory, or models:/<name>@<alias> | models:/<name>/<version> "
+        "(MLflow registry at MLFLOW_TRACKING_URI, default the sqlite store under $EAGLERAY_HOME)",
+    )
+    p.add_argument(
+        "--algorithm",
+        default=None,
+        help="the speculative algorithm you intend to serve with (eagle3, eagle); "
+        "checked against the draft. Default: derived from the draft",
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="serving context length (default: the target's)")
 
 
@@ -37,10 +45,12 @@ def run(args: argparse.Namespace) -> int:
 def summary(report: GuardReport, target: TargetSpec, draft: str) -> str:
     f = report.facts
     fp = "checked" if f.get("fingerprints_recorded") else "not recorded by the draft (not checked)"
-    return "\n".join([
-        f"compatible: {draft} can serve {target.path}",
-        f"  algorithm       {f['algorithm']} (derived from the draft)",
-        f"  aux layers      {f['aux_layer_ids']} of {f['target_layers']} -> fc input {len(f['aux_layer_ids'])} x {f['hidden_size']}",
-        f"  vocab           draft {f['draft_vocab_size']} of target {f['vocab_size']}",
-        f"  fingerprints    {fp}",
-    ])
+    return "\n".join(
+        [
+            f"compatible: {draft} can serve {target.path}",
+            f"  algorithm       {f['algorithm']} (derived from the draft)",
+            f"  aux layers      {f['aux_layer_ids']} of {f['target_layers']} -> fc input {len(f['aux_layer_ids'])} x {f['hidden_size']}",
+            f"  vocab           draft {f['draft_vocab_size']} of target {f['vocab_size']}",
+            f"  fingerprints    {fp}",
+        ]
+    )

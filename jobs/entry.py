@@ -14,8 +14,9 @@ from typing import Callable
 from eagleray.platform.errors import EaglerayError
 
 
-def run_reporting_errors(prog: str, run: Callable[[argparse.Namespace], int | None], args: argparse.Namespace,
-                         level: int = logging.WARNING) -> int:
+def run_reporting_errors(
+    prog: str, run: Callable[[argparse.Namespace], int | None], args: argparse.Namespace, level: int = logging.WARNING
+) -> int:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(run(args) or 0)

@@ -19,6 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     target = TargetSpec.from_dir(resolve_target(args.target))
-    print(make_random_draft(target, args.out, aux_layer_ids=args.aux_layers,
-                            draft_vocab_size=args.draft_vocab_size, seed=args.seed))
+    print(
+        make_random_draft(target, args.out, aux_layer_ids=args.aux_layers, draft_vocab_size=args.draft_vocab_size, seed=args.seed)
+    )
     return 0

@@ -42,12 +42,19 @@ def champion_of(cfg: PromotionConfig, candidate_version: str | None) -> registry
 def tags_of(result: dict) -> dict[str, str]:
     d, cand, plain = result["decision"], result["candidate"], result["plain"]
     champ = result.get("champion") or {}
-    return {"promotion.decision": "promote" if d["promote"] else "reject", "promotion.reason": d["reason"][:4000],
-            "promotion.tau": str(cand["tau"]), "promotion.accept_rate_per_pos": json.dumps(cand["accept_rate_per_pos"]),
-            "promotion.tokens_per_s": str(cand["tokens_per_s"]), "promotion.plain_tokens_per_s": str(plain["tokens_per_s"]),
-            "promotion.speedup": f"{d['speedup']:.4f}", "promotion.champion_version": str(champ.get("version")),
-            "promotion.champion_tau": str(champ.get("tau")), "promotion.prompts": ",".join(result["prompts"]),
-            "promotion.num_prompts": str(result["num_prompts"])}
+    return {
+        "promotion.decision": "promote" if d["promote"] else "reject",
+        "promotion.reason": d["reason"][:4000],
+        "promotion.tau": str(cand["tau"]),
+        "promotion.accept_rate_per_pos": json.dumps(cand["accept_rate_per_pos"]),
+        "promotion.tokens_per_s": str(cand["tokens_per_s"]),
+        "promotion.plain_tokens_per_s": str(plain["tokens_per_s"]),
+        "promotion.speedup": f"{d['speedup']:.4f}",
+        "promotion.champion_version": str(champ.get("version")),
+        "promotion.champion_tau": str(champ.get("tau")),
+        "promotion.prompts": ",".join(result["prompts"]),
+        "promotion.num_prompts": str(result["num_prompts"]),
+    }
 
 
 def promote(cfg: PromotionConfig) -> dict:
@@ -62,12 +69,20 @@ def promote(cfg: PromotionConfig) -> dict:
     plain = trial.measure("plain", None, None)
     champion = None
     if champ is not None:
-        champion = trial.measure("champion", registry.resolve_draft(champ.uri, tracking_uri=cfg.mlflow.tracking_uri).path, champ.version)
+        champion = trial.measure(
+            "champion", registry.resolve_draft(champ.uri, tracking_uri=cfg.mlflow.tracking_uri).path, champ.version
+        )
     candidate = trial.measure("candidate", cand.path, cand.version)
     decision = decide(candidate, champion, plain, cfg)
-    result = {"candidate": candidate.to_dict(), "champion": champion.to_dict() if champion else None,
-              "plain": plain.to_dict(), "decision": decision.__dict__, "prompts": cfg.prompts,
-              "num_prompts": len(trial.prompts), "alias_set": False}
+    result = {
+        "candidate": candidate.to_dict(),
+        "champion": champion.to_dict() if champion else None,
+        "plain": plain.to_dict(),
+        "decision": decision.__dict__,
+        "prompts": cfg.prompts,
+        "num_prompts": len(trial.prompts),
+        "alias_set": False,
+    }
     if cfg.dry_run:
         return result
     if cand_version is None:

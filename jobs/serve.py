@@ -36,8 +36,16 @@ def load_serving(path: str) -> ServingConfig:
         return load_yaml_config(ServingConfig, p)
     apps = [a for a in data["applications"] if str(a.get("import_path", "")).startswith("eagleray.serve.app:")]
     if not apps:
-        raise ConfigError([Problem("applications", "no application with import_path eagleray.serve.app:build_app",
-                                   "add one (see jobs/configs/serve-smollm2-cpu.yaml)")], source=str(p))
+        raise ConfigError(
+            [
+                Problem(
+                    "applications",
+                    "no application with import_path eagleray.serve.app:build_app",
+                    "add one (see jobs/configs/serve-smollm2-cpu.yaml)",
+                )
+            ],
+            source=str(p),
+        )
     from eagleray.serve.app import AppArgs
 
     cfg = parse_config(AppArgs, apps[0].get("args") or {}, source=str(p), prefix="applications.0.args").load()
@@ -64,8 +72,10 @@ def run(args: argparse.Namespace) -> int:
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     url = f"http://{cfg.host}:{cfg.port}"
     wait_ready(url, cfg.api_key, timeout_s=600)
-    print(f"eagleray serving {cfg.model_name!r} at {url}/v1 (draft: {cfg.draft.source if cfg.draft else 'none'}); Ctrl-C stops",
-          flush=True)
+    print(
+        f"eagleray serving {cfg.model_name!r} at {url}/v1 (draft: {cfg.draft.source if cfg.draft else 'none'}); Ctrl-C stops",
+        flush=True,
+    )
     signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` and `ray job stop` shut down like Ctrl-C
     try:
         while True:

@@ -18,8 +18,13 @@ from eagleray.platform.config.schemas import TrainingConfig
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="training YAML config (see jobs/configs/train-*.yaml)")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
-                   help="override a config field, dotted, value as JSON or a bare string (e.g. --set max_steps=10)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=JSON",
+        help="override a config field, dotted, value as JSON or a bare string (e.g. --set max_steps=10)",
+    )
 
 
 def load_config(path: str, overrides: list[str]) -> TrainingConfig:

@@ -64,8 +64,18 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty((m, n), dtype=torch.float32)  # [M, N]
-    lib.linear_f32(x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
-                   m, n, k, x.stride(0), n, _threads or torch.get_num_threads())
+    lib.linear_f32(
+        x.data_ptr(),
+        w.data_ptr(),
+        None if b is None else b.data_ptr(),
+        y.data_ptr(),
+        m,
+        n,
+        k,
+        x.stride(0),
+        n,
+        _threads or torch.get_num_threads(),
+    )
     return y
 
 
@@ -86,34 +96,78 @@ MAX_NEW = 64  # new tokens per sequence a row mask can describe
 def attention_supported(q: torch.Tensor, cache_k: torch.Tensor, sliding_window: int | None) -> bool:
     """Whether :func:`paged_attention` handles this layer (else the caller uses SDPA)."""
     hq, d, hkv = q.shape[1], q.shape[2], cache_k.shape[2]
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and cache_k.dtype == torch.float32 and sliding_window is None
-            and hkv > 0 and hq % hkv == 0 and hq // hkv <= 16 and d % 16 == 0 and d <= 256 and _active())
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and cache_k.dtype == torch.float32
+        and sliding_window is None
+        and hkv > 0
+        and hq % hkv == 0
+        and hq // hkv <= 16
+        and d % 16 == 0
+        and d <= 256
+        and _active()
+    )
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    rows: RowKeys, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, rows: RowKeys, scale: float
+) -> torch.Tensor:
     """q [T, Hq, D] fp32, K/V cache [num_blocks, block_size, Hkv, D], block_tables [B, W] int32 -> [T, Hq, D]."""
     t, hq, d = q.shape
-    if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()
-            and block_tables.dtype == torch.int32 and k_cache.shape == v_cache.shape and k_cache.shape[3] == d):
-        raise KernelInputError("q/k_cache/v_cache/block_tables", "contiguous fp32 q [T, Hq, D], caches [N, bs, Hkv, D] and int32 tables",
-                               f"q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, tables {block_tables.dtype}", "call .contiguous() first")
+    if not (
+        q.is_contiguous()
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and block_tables.is_contiguous()
+        and block_tables.dtype == torch.int32
+        and k_cache.shape == v_cache.shape
+        and k_cache.shape[3] == d
+    ):
+        raise KernelInputError(
+            "q/k_cache/v_cache/block_tables",
+            "contiguous fp32 q [T, Hq, D], caches [N, bs, Hkv, D] and int32 tables",
+            f"q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, tables {block_tables.dtype}",
+            "call .contiguous() first",
+        )
     for name, v in (("seq", rows.seq), ("ctx", rows.ctx), ("nnew", rows.nnew), ("mask", rows.mask)):
         if v.dtype != torch.int64 or tuple(v.shape) != (t,) or not v.is_contiguous():
-            raise KernelInputError(f"rows.{name}", f"[{t}] int64 contiguous", f"{tuple(v.shape)} {v.dtype}", "build RowKeys with int64 tensors")
+            raise KernelInputError(
+                f"rows.{name}", f"[{t}] int64 contiguous", f"{tuple(v.shape)} {v.dtype}", "build RowKeys with int64 tensors"
+            )
     out = torch.empty_like(q)  # [T, Hq, D]
-    rc = _load().paged_attention_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-                                     block_tables.data_ptr(), block_tables.shape[1], rows.seq.data_ptr(), rows.ctx.data_ptr(),
-                                     rows.nnew.data_ptr(), rows.mask.data_ptr(), t, hq, k_cache.shape[2], d, k_cache.shape[1],
-                                     ctypes.c_float(scale), _threads or torch.get_num_threads())
+    rc = _load().paged_attention_f32(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.shape[1],
+        rows.seq.data_ptr(),
+        rows.ctx.data_ptr(),
+        rows.nnew.data_ptr(),
+        rows.mask.data_ptr(),
+        t,
+        hq,
+        k_cache.shape[2],
+        d,
+        k_cache.shape[1],
+        ctypes.c_float(scale),
+        _threads or torch.get_num_threads(),
+    )
     if rc != 0:
-        raise KernelInputError("q", "Hq a multiple of Hkv with Hq/Hkv <= 16, head_dim a multiple of 16 up to 256",
-                               f"Hq={hq}, Hkv={k_cache.shape[2]}, D={d}", "check attention_supported() first")
+        raise KernelInputError(
+            "q",
+            "Hq a multiple of Hkv with Hq/Hkv <= 16, head_dim a multiple of 16 up to 256",
+            f"Hq={hq}, Hkv={k_cache.shape[2]}, D={d}",
+            "check attention_supported() first",
+        )
     return out
 
 
-def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                              rows: RowKeys, scale: float) -> torch.Tensor:
+def paged_attention_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, rows: RowKeys, scale: float
+) -> torch.Tensor:
     """The same in PyTorch, row by row (tests)."""
     out = torch.empty_like(q)
     bs, g = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
@@ -132,15 +186,25 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def _check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
     for name, t, dims in (("x", x, 2), ("w", w, 2)):
         if t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != dims:
-            raise KernelInputError(name, f"a {dims}-D fp32 CPU tensor", f"{tuple(t.shape)} {t.dtype} on {t.device}",
-                                   "call torch.nn.functional.linear for other dtypes and devices")
+            raise KernelInputError(
+                name,
+                f"a {dims}-D fp32 CPU tensor",
+                f"{tuple(t.shape)} {t.dtype} on {t.device}",
+                "call torch.nn.functional.linear for other dtypes and devices",
+            )
     if x.shape[1] != w.shape[1]:
         raise KernelInputError("x", f"[M, {w.shape[1]}] (w is {tuple(w.shape)})", str(tuple(x.shape)), "pass matching widths")
     if x.stride(1) != 1 or not w.is_contiguous():
-        raise KernelInputError("x/w", "rows with unit stride and a contiguous w", f"x strides {x.stride()}, w strides {w.stride()}",
-                               "call .contiguous() first")
+        raise KernelInputError(
+            "x/w",
+            "rows with unit stride and a contiguous w",
+            f"x strides {x.stride()}, w strides {w.stride()}",
+            "call .contiguous() first",
+        )
     if b is not None and (b.dtype != torch.float32 or tuple(b.shape) != (w.shape[0],) or not b.is_contiguous()):
-        raise KernelInputError("b", f"[{w.shape[0]}] fp32 contiguous", f"{tuple(b.shape)} {b.dtype}", "pass the layer's bias or None")
+        raise KernelInputError(
+            "b", f"[{w.shape[0]}] fp32 contiguous", f"{tuple(b.shape)} {b.dtype}", "pass the layer's bias or None"
+        )
 
 
 def threads() -> int | None:
@@ -177,9 +241,17 @@ def status() -> str:
 
 def dispatch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """The model's linear: the native kernel for small fp32 CPU batches without autograd, else PyTorch."""
-    if (x.device.type == "cpu" and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.float32
-            and w.dtype == torch.float32 and w.is_contiguous() and x.stride(1) == 1
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)) and _active()):
+    if (
+        x.device.type == "cpu"
+        and x.dim() == 2
+        and 0 < x.shape[0] <= MAX_ROWS
+        and x.dtype == torch.float32
+        and w.dtype == torch.float32
+        and w.is_contiguous()
+        and x.stride(1) == 1
+        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        and _active()
+    ):
         return linear(x, w, b)
     return torch.nn.functional.linear(x, w, b)
 
@@ -212,11 +284,18 @@ def _load() -> ctypes.CDLL:
         try:
             lib = ctypes.CDLL(str(path))
         except OSError as err:
-            raise KernelBuildError(f"cannot load {path}: {err}\n    fix: delete it (it is rebuilt) or set engine.cpu_kernels to 'torch'") from err
+            raise KernelBuildError(
+                f"cannot load {path}: {err}\n    fix: delete it (it is rebuilt) or set engine.cpu_kernels to 'torch'"
+            ) from err
         lib.linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int]
         lib.linear_f32.restype = None
-        lib.paged_attention_f32.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 4
-                                            + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int])
+        lib.paged_attention_f32.argtypes = (
+            [ctypes.c_void_p] * 5
+            + [ctypes.c_int64]
+            + [ctypes.c_void_p] * 4
+            + [ctypes.c_int64] * 5
+            + [ctypes.c_float, ctypes.c_int]
+        )
         lib.paged_attention_f32.restype = ctypes.c_int
         _lib = lib
     return _lib
@@ -256,11 +335,14 @@ def _build(path: Path) -> None:
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.SubprocessError) as err:
-            raise KernelBuildError(f"cannot run the C compiler ({' '.join(cmd)}): {err}\n"
-                                   "    fix: install gcc, or set engine.cpu_kernels to 'torch'") from err
+            raise KernelBuildError(
+                f"cannot run the C compiler ({' '.join(cmd)}): {err}\n    fix: install gcc, or set engine.cpu_kernels to 'torch'"
+            ) from err
         if done.returncode != 0:
-            raise KernelBuildError(f"building {SOURCE.name} failed: {' '.join(cmd)}\n{done.stderr.strip()[-2000:]}\n"
-                                   "    fix: install gcc, or set engine.cpu_kernels to 'torch'")
+            raise KernelBuildError(
+                f"building {SOURCE.name} failed: {' '.join(cmd)}\n{done.stderr.strip()[-2000:]}\n"
+                "    fix: install gcc, or set engine.cpu_kernels to 'torch'"
+            )
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

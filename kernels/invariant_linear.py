@@ -57,8 +57,9 @@ def plan(n: int, k: int) -> Plan:
     return Plan(-(-chunks // per), per * BLOCK_K)
 
 
-def invariant_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                               residual: torch.Tensor | None = None) -> torch.Tensor:
+def invariant_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias) in fp32, rounded to weight.dtype (+ residual, rounded) -> [M, N]."""
     y = x.to(torch.float32) @ weight.to(torch.float32).T  # [M, N]
     if bias is not None:
@@ -72,13 +73,29 @@ def invariant_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torc
 if triton is not None:
 
     @triton.jit
-    def _partial_kernel(x_ptr,  # [M, K] (row stride stride_x)
-                        w_ptr,  # [N, K] (row stride stride_w)
-                        part_ptr,  # [S, M, N] fp32 partial sums
-                        b_ptr, res_ptr, out_ptr,  # [N], [M, N], [M, N]: used when S == 1 (epilogue fused)
-                        M, N, K, stride_x, stride_w, stride_r, stride_o, K_PER_SPLIT,
-                        FUSED: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    def _partial_kernel(
+        x_ptr,  # [M, K] (row stride stride_x)
+        w_ptr,  # [N, K] (row stride stride_w)
+        part_ptr,  # [S, M, N] fp32 partial sums
+        b_ptr,
+        res_ptr,
+        out_ptr,  # [N], [M, N], [M, N]: used when S == 1 (epilogue fused)
+        M,
+        N,
+        K,
+        stride_x,
+        stride_w,
+        stride_r,
+        stride_o,
+        K_PER_SPLIT,
+        FUSED: tl.constexpr,
+        IEEE: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):
         pid_m = tl.program_id(0)  # fastest: tiles of one weight block run together and share it in L2
         pid_n = tl.program_id(1)
         s = tl.program_id(2)
@@ -91,10 +108,13 @@ if triton is not None:
         for k0 in range(k_lo, k_hi, BK):
             rk = k0 + tl.arange(0, BK)  # [BK]
             kmask = rk < k_hi
-            a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mmask[:, None] & kmask[None, :],
-                        other=0.0)  # [BM, BK]
-            w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=nmask[:, None] & kmask[None, :],
-                        other=0.0, eviction_policy="evict_first")  # [BN, BK]
+            a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BM, BK]
+            w = tl.load(
+                w_ptr + rn[:, None] * stride_w + rk[None, :],
+                mask=nmask[:, None] & kmask[None, :],
+                other=0.0,
+                eviction_policy="evict_first",
+            )  # [BN, BK]
             if IEEE:  # fp32 weights: full fp32 products, not TF32
                 acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")  # [BM, BN]
             else:
@@ -106,8 +126,9 @@ if triton is not None:
             tl.store(part_ptr + (s * M + rm[:, None]) * N + rn[None, :], acc, mask=omask)
 
     @triton.jit
-    def _epilogue(acc, rm, rn, N, omask, b_ptr, res_ptr, out_ptr, stride_r, stride_o,
-                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+    def _epilogue(
+        acc, rm, rn, N, omask, b_ptr, res_ptr, out_ptr, stride_r, stride_o, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr
+    ):
         """acc [BM, BN] fp32 -> (+ bias) -> out dtype (-> + residual -> out dtype), stored."""
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0)[None, :].to(tl.float32)
@@ -119,11 +140,21 @@ if triton is not None:
         tl.store(out_ptr + rm[:, None] * stride_o + rn[None, :], y, mask=omask)
 
     @triton.jit
-    def _reduce_kernel(part_ptr,  # [S, M, N] fp32
-                       b_ptr, res_ptr, out_ptr,  # [N], [M, N], [M, N]
-                       M, N, stride_r, stride_o,
-                       S: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr):
+    def _reduce_kernel(
+        part_ptr,  # [S, M, N] fp32
+        b_ptr,
+        res_ptr,
+        out_ptr,  # [N], [M, N], [M, N]
+        M,
+        N,
+        stride_r,
+        stride_o,
+        S: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+    ):
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         omask = (rm < M)[:, None] & (rn < N)[None, :]
@@ -140,24 +171,41 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
     if triton is None:
         raise bad("triton", "the triton package", "none installed", "pip install triton, or use invariant_linear_reference")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise bad("x, weight", "x [M, K] and weight [N, K] (the same K)", f"{tuple(x.shape)} and {tuple(weight.shape)}",
-                  "pass 2-D tensors with matching inner dimensions")
+        raise bad(
+            "x, weight",
+            "x [M, K] and weight [N, K] (the same K)",
+            f"{tuple(x.shape)} and {tuple(weight.shape)}",
+            "pass 2-D tensors with matching inner dimensions",
+        )
     if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise bad("x, weight", "contiguous rows (stride 1 in the last dim)", f"strides {x.stride()}, {weight.stride()}",
-                  "pass .contiguous() tensors")
+        raise bad(
+            "x, weight",
+            "contiguous rows (stride 1 in the last dim)",
+            f"strides {x.stride()}, {weight.stride()}",
+            "pass .contiguous() tensors",
+        )
     if x.dtype != weight.dtype or x.device != weight.device:
-        raise bad("x", f"the weight's dtype and device ({weight.dtype}, {weight.device})", f"{x.dtype}, {x.device}",
-                  "cast x to the weight's dtype and device")
+        raise bad(
+            "x",
+            f"the weight's dtype and device ({weight.dtype}, {weight.device})",
+            f"{x.dtype}, {x.device}",
+            "cast x to the weight's dtype and device",
+        )
     n = weight.shape[0]
     if bias is not None and (tuple(bias.shape) != (n,) or bias.stride(0) != 1):
         raise bad("bias", f"a contiguous [{n}] tensor", tuple(bias.shape), "pass the layer's own bias")
     if residual is not None and (tuple(residual.shape) != (x.shape[0], n) or residual.stride(1) != 1):
-        raise bad("residual", f"[{x.shape[0]}, {n}] with contiguous rows", tuple(residual.shape),
-                  "pass the residual stream of the same rows")
+        raise bad(
+            "residual",
+            f"[{x.shape[0]}, {n}] with contiguous rows",
+            tuple(residual.shape),
+            "pass the residual stream of the same rows",
+        )
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     residual: torch.Tensor | None = None) -> torch.Tensor:
+def invariant_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias) -> weight.dtype (+ residual [M, N]) -> [M, N]; row results
     do not depend on M (see the module docstring)."""
     _check(x, weight, bias, residual)
@@ -170,13 +218,46 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     b = bias if bias is not None else out
     r = residual if residual is not None else out
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), p.splits)
-    _partial_kernel[grid](x, weight, part, b, r, out, m, n, k, x.stride(0), weight.stride(0), r.stride(0),
-                          out.stride(0), p.k_per_split, FUSED=fused,
-                          IEEE=weight.dtype == torch.float32, HAS_BIAS=bias is not None,
-                          HAS_RES=residual is not None, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
-                          num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    _partial_kernel[grid](
+        x,
+        weight,
+        part,
+        b,
+        r,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        r.stride(0),
+        out.stride(0),
+        p.k_per_split,
+        FUSED=fused,
+        IEEE=weight.dtype == torch.float32,
+        HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
+        BM=BLOCK_M,
+        BN=BLOCK_N,
+        BK=BLOCK_K,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
+    )
     if not fused:
         _reduce_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 128))](
-            part, b, r, out, m, n, r.stride(0), out.stride(0), S=p.splits, HAS_BIAS=bias is not None,
-            HAS_RES=residual is not None, BM=32, BN=128, num_warps=4)
+            part,
+            b,
+            r,
+            out,
+            m,
+            n,
+            r.stride(0),
+            out.stride(0),
+            S=p.splits,
+            HAS_BIAS=bias is not None,
+            HAS_RES=residual is not None,
+            BM=32,
+            BN=128,
+            num_warps=4,
+        )
     return out

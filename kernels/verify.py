@@ -15,6 +15,13 @@ from eagleray.kernels.verify_reduced import t2d_index, verify_chain_reduced, ver
 from eagleray.kernels.verify_tree import verify_tree, verify_tree_reference
 
 __all__ = [
-    "LaunchConfig", "VerifyInputError", "t2d_index", "verify_chain", "verify_chain_reduced",
-    "verify_chain_reduced_reference", "verify_chain_reference", "verify_tree", "verify_tree_reference",
+    "LaunchConfig",
+    "VerifyInputError",
+    "t2d_index",
+    "verify_chain",
+    "verify_chain_reduced",
+    "verify_chain_reduced_reference",
+    "verify_chain_reference",
+    "verify_tree",
+    "verify_tree_reference",
 ]

@@ -91,14 +91,25 @@ def _chain_accept_kernel(
     t2d_ptr,  # [V] int32 target id -> draft id or -1 (Q_REDUCED only)
     temp_ptr,  # [B] fp32 temperature (0 = greedy)
     seed_ptr,  # [B] int64 seed
-    pmax_ptr, psum_ptr, parg_ptr,  # [B, K+1, NBLK] block partials of pass 1
+    pmax_ptr,
+    psum_ptr,
+    parg_ptr,  # [B, K+1, NBLK] block partials of pass 1
     tokens_ptr,  # [B, K+1] int64 out: accepted drafts, recovered/bonus (greedy only here), -1
     nacc_ptr,  # [B] int64 out: number of accepted drafts
     row_ptr,  # [B] int32 out: row of the first rejection / bonus
     dtok_ptr,  # [B] int64 out: rejected draft token at that row, -1 for the bonus
     stat_ptr,  # [B, 2] fp32 out: (M, S) of that row
-    stride_lb, stride_lr, stride_qb, stride_qk, B, K, NBLK,
-    Q_MODE: tl.constexpr, BLOCK_B: tl.constexpr, KP: tl.constexpr, NBP: tl.constexpr,
+    stride_lb,
+    stride_lr,
+    stride_qb,
+    stride_qk,
+    B,
+    K,
+    NBLK,
+    Q_MODE: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    KP: tl.constexpr,
+    NBP: tl.constexpr,
 ):
     b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)  # [BB]
     bok = b < B
@@ -109,8 +120,7 @@ def _chain_accept_kernel(
     greedy = (t == 0.0)[:, None]  # [BB, 1]
     c = 1.4426950408889634 / tl.where(t == 0.0, 1.0, t)  # [BB]
     row_ok = bok[:, None] & (j <= n_b[:, None])
-    mx, s, arg = _fold_partials(pmax_ptr, psum_ptr, parg_ptr, b, tl.arange(0, KP), row_ok, c,
-                                K + 1, NBLK, NBP)  # [BB, KP] each
+    mx, s, arg = _fold_partials(pmax_ptr, psum_ptr, parg_ptr, b, tl.arange(0, KP), row_ok, c, K + 1, NBLK, NBP)  # [BB, KP] each
     dsafe = tl.maximum(d, 0)
     lrow = b.to(tl.int64)[:, None] * stride_lb + j.to(tl.int64) * stride_lr
     l_d = tl.load(logits_ptr + lrow + dsafe, mask=d >= 0, other=0.0).to(tl.float32)  # [BB, KP]
@@ -138,8 +148,7 @@ def _chain_accept_kernel(
     tl.store(stat_ptr + 2 * b + 1, tl.sum(tl.where(at, s, 0.0), 1), mask=bok)
 
 
-def launch_chain(logits, draft_tokens, q, t2d, temperature, seed, q_mode, cfg: LaunchConfig,
-                 all_greedy: bool = False):
+def launch_chain(logits, draft_tokens, q, t2d, temperature, seed, q_mode, cfg: LaunchConfig, all_greedy: bool = False):
     """Launch the chain kernels on already-checked inputs; returns (tokens, num_accepted)."""
     bsz, rows, _ = logits.shape
     dev = logits.device
@@ -154,19 +163,48 @@ def launch_chain(logits, draft_tokens, q, t2d, temperature, seed, q_mode, cfg: L
     sqb, sqk = (0, 0) if q is None else (q.stride(0), q.stride(1))
     bb = cfg.batch_block
     _chain_accept_kernel[(triton.cdiv(bsz, bb),)](
-        logits, draft_tokens, q_arg, t2d_arg, temperature, seed, pmax, psum, parg,
-        tokens, nacc, row, dtok, stat,
-        logits.stride(0), logits.stride(1), sqb, sqk, bsz, rows - 1, nblk,
-        Q_MODE=q_mode, BLOCK_B=bb, KP=triton.next_power_of_2(rows),
-        NBP=triton.next_power_of_2(nblk), num_warps=4,
+        logits,
+        draft_tokens,
+        q_arg,
+        t2d_arg,
+        temperature,
+        seed,
+        pmax,
+        psum,
+        parg,
+        tokens,
+        nacc,
+        row,
+        dtok,
+        stat,
+        logits.stride(0),
+        logits.stride(1),
+        sqb,
+        sqk,
+        bsz,
+        rows - 1,
+        nblk,
+        Q_MODE=q_mode,
+        BLOCK_B=bb,
+        KP=triton.next_power_of_2(rows),
+        NBP=triton.next_power_of_2(nblk),
+        num_warps=4,
     )
     if not all_greedy:
         launch_recover(logits, q, t2d, temperature, seed, row, dtok, stat, tokens, q_mode, cfg)
     return tokens, nacc
 
 
-def verify_chain(target_logits, draft_tokens, draft_probs=None, *, temperature, seed,
-                 all_greedy: bool = False, config: LaunchConfig | None = None):
+def verify_chain(
+    target_logits,
+    draft_tokens,
+    draft_probs=None,
+    *,
+    temperature,
+    seed,
+    all_greedy: bool = False,
+    config: LaunchConfig | None = None,
+):
     """Fused chain verification: logits in, tokens out. See the module docstring for semantics.
 
     target_logits [B, K+1, V] fp32/bf16/fp16 (last stride 1), draft_tokens [B, K] int64
@@ -177,11 +215,11 @@ def verify_chain(target_logits, draft_tokens, draft_probs=None, *, temperature, 
     bsz, rows, vocab = check_common(target_logits, draft_tokens, temperature, seed)
     if draft_probs is not None:
         floats = (torch.float32, torch.bfloat16, torch.float16)
-        check_tensor("draft_probs", draft_probs, (bsz, rows - 1, vocab), floats,
-                     target_logits.device, False)
+        check_tensor("draft_probs", draft_probs, (bsz, rows - 1, vocab), floats, target_logits.device, False)
     q_mode = Q_NONE if draft_probs is None else Q_FULL
-    return launch_chain(target_logits, draft_tokens, draft_probs, None, temperature, seed,
-                        q_mode, pick_config(config, bsz, vocab), all_greedy)
+    return launch_chain(
+        target_logits, draft_tokens, draft_probs, None, temperature, seed, q_mode, pick_config(config, bsz, vocab), all_greedy
+    )
 
 
 __all__ = ["Q_REDUCED", "launch_chain", "verify_chain", "verify_chain_reference"]

@@ -70,8 +70,14 @@ def _row_partials_kernel(
     pmax_ptr,  # [B, R, NBLK] fp32 block max of the raw logits
     psum_ptr,  # [B, R, NBLK] fp32 block sum of exp2((l - blockmax) * c)   (sampled rows)
     parg_ptr,  # [B, R, NBLK] int32 block argmax, first index                (greedy rows)
-    stride_lb, stride_lr, B, R, V, NBLK,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    stride_lb,
+    stride_lr,
+    B,
+    R,
+    V,
+    NBLK,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     blk = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] flattened (b, r)
@@ -99,8 +105,15 @@ def _row_partials_kernel(
 
 @triton.jit
 def _fold_partials(
-    pmax_ptr, psum_ptr, parg_ptr,  # [B, R, NBLK] block partials (see _row_partials_kernel)
-    b, rows, row_ok, c, R, NBLK,  # b [BB], rows [RP], row_ok [BB, RP] bool, c [BB] = log2e / T
+    pmax_ptr,
+    psum_ptr,
+    parg_ptr,  # [B, R, NBLK] block partials (see _row_partials_kernel)
+    b,
+    rows,
+    row_ok,
+    c,
+    R,
+    NBLK,  # b [BB], rows [RP], row_ok [BB, RP] bool, c [BB] = log2e / T
     NBP: tl.constexpr,
 ):
     """Row max M, sum S (of exp2((l - M) c)) and first argmax, each [BB, RP]."""
@@ -131,8 +144,16 @@ def _recover_partials_kernel(
     stat_ptr,  # [B, 2] fp32 (M, S) of that row
     best_ptr,  # [B, NBLK] fp32 block best score
     bidx_ptr,  # [B, NBLK] int32 block best index
-    stride_lb, stride_lr, stride_qb, stride_qk, B, V, NBLK,
-    Q_MODE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+    stride_lb,
+    stride_lr,
+    stride_qb,
+    stride_qk,
+    B,
+    V,
+    NBLK,
+    Q_MODE: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     blk = tl.program_id(0)
     b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)  # [BB]
@@ -174,8 +195,11 @@ def _recover_final_kernel(
     bidx_ptr,  # [B, NBLK] int32 block best index
     row_ptr,  # [B] int32 output column of the recovered token
     tokens_ptr,  # [B, W] int64 output tokens
-    B, W, NBLK,
-    BLOCK_B: tl.constexpr, NBP: tl.constexpr,
+    B,
+    W,
+    NBLK,
+    BLOCK_B: tl.constexpr,
+    NBP: tl.constexpr,
 ):
     b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)  # [BB]
     live = tl.load(temp_ptr + b, mask=b < B, other=0.0) > 0.0
@@ -197,9 +221,21 @@ def launch_row_partials(logits, draft, temperature, cfg: LaunchConfig):
     psum = torch.empty((bsz, rows, nblk), dtype=torch.float32, device=dev)  # [B, R, NBLK]
     parg = torch.empty((bsz, rows, nblk), dtype=torch.int32, device=dev)  # [B, R, NBLK]
     _row_partials_kernel[(nblk, triton.cdiv(bsz * rows, cfg.batch_block))](
-        logits, draft, temperature, pmax, psum, parg,
-        logits.stride(0), logits.stride(1), bsz, rows, vocab, nblk,
-        BLOCK_N=cfg.batch_block, BLOCK_V=cfg.block_v, num_warps=cfg.warps,
+        logits,
+        draft,
+        temperature,
+        pmax,
+        psum,
+        parg,
+        logits.stride(0),
+        logits.stride(1),
+        bsz,
+        rows,
+        vocab,
+        nblk,
+        BLOCK_N=cfg.batch_block,
+        BLOCK_V=cfg.block_v,
+        num_warps=cfg.warps,
     )
     return pmax, psum, parg, nblk
 
@@ -215,13 +251,40 @@ def launch_recover(logits, q, t2d, temperature, seed, row, dtok, stat, tokens, q
     sqb, sqk = (0, 0) if q is None else (q.stride(0), q.stride(1))
     bb = cfg.batch_block
     _recover_partials_kernel[(nblk, triton.cdiv(bsz, bb))](
-        logits, q_arg, t2d_arg, temperature, seed, row, dtok, stat, best, bidx,
-        logits.stride(0), logits.stride(1), sqb, sqk, bsz, vocab, nblk,
-        Q_MODE=q_mode, BLOCK_B=bb, BLOCK_V=cfg.recover_block_v, num_warps=cfg.recover_warps,
+        logits,
+        q_arg,
+        t2d_arg,
+        temperature,
+        seed,
+        row,
+        dtok,
+        stat,
+        best,
+        bidx,
+        logits.stride(0),
+        logits.stride(1),
+        sqb,
+        sqk,
+        bsz,
+        vocab,
+        nblk,
+        Q_MODE=q_mode,
+        BLOCK_B=bb,
+        BLOCK_V=cfg.recover_block_v,
+        num_warps=cfg.recover_warps,
     )
     _recover_final_kernel[(triton.cdiv(bsz, bb),)](
-        temperature, best, bidx, row, tokens, bsz, tokens.shape[1], nblk,
-        BLOCK_B=bb, NBP=triton.next_power_of_2(nblk), num_warps=1,
+        temperature,
+        best,
+        bidx,
+        row,
+        tokens,
+        bsz,
+        tokens.shape[1],
+        nblk,
+        BLOCK_B=bb,
+        NBP=triton.next_power_of_2(nblk),
+        num_warps=1,
     )
 
 
@@ -257,7 +320,12 @@ def check_common(target_logits, draft_tokens, temperature, seed) -> tuple[int, i
     floats = (torch.float32, torch.bfloat16, torch.float16)
     check_tensor("target_logits", target_logits, (bsz, rows, vocab), floats, dev, False)
     if dev.type != "cuda" and not _interpreting():
-        _fail("target_logits", "a CUDA tensor", f"device {dev}", "move inputs to the GPU, or set TRITON_INTERPRET=1 before importing triton")
+        _fail(
+            "target_logits",
+            "a CUDA tensor",
+            f"device {dev}",
+            "move inputs to the GPU, or set TRITON_INTERPRET=1 before importing triton",
+        )
     if rows < 2:
         _fail("target_logits", "at least 2 rows per batch entry (K >= 1 drafts + bonus)", f"{rows}", "pass K+1 rows")
     check_tensor("draft_tokens", draft_tokens, (bsz, rows - 1), (torch.int64,), dev, True)
@@ -273,7 +341,17 @@ def _interpreting() -> bool:
 
 
 __all__ = [
-    "ACCEPT_IDX", "DEFAULT_CONFIG", "LOG2E", "LaunchConfig", "Q_FULL", "Q_NONE", "Q_REDUCED",
-    "U_SCALE", "check_common", "check_tensor", "launch_recover", "launch_row_partials",
+    "ACCEPT_IDX",
+    "DEFAULT_CONFIG",
+    "LOG2E",
+    "LaunchConfig",
+    "Q_FULL",
+    "Q_NONE",
+    "Q_REDUCED",
+    "U_SCALE",
+    "check_common",
+    "check_tensor",
+    "launch_recover",
+    "launch_row_partials",
     "pick_config",
 ]

@@ -38,9 +38,18 @@ def verify_chain_reduced_reference(target_logits, draft_tokens, draft_probs, d2t
     return verify_chain_reference(target_logits, draft_tokens, q_full, temperature=temperature, seed=seed)
 
 
-def verify_chain_reduced(target_logits, draft_tokens, draft_probs, d2t, *, temperature, seed,
-                         t2d: torch.Tensor | None = None, all_greedy: bool = False,
-                         config: LaunchConfig | None = None):
+def verify_chain_reduced(
+    target_logits,
+    draft_tokens,
+    draft_probs,
+    d2t,
+    *,
+    temperature,
+    seed,
+    t2d: torch.Tensor | None = None,
+    all_greedy: bool = False,
+    config: LaunchConfig | None = None,
+):
     """Fused chain verification with q over the draft vocab.
 
     target_logits [B, K+1, V], draft_tokens [B, K] int64 TARGET ids (-1 = padding),
@@ -56,13 +65,15 @@ def verify_chain_reduced(target_logits, draft_tokens, draft_probs, d2t, *, tempe
     check_tensor("draft_probs", draft_probs, (bsz, rows - 1, d2t.shape[0]), floats, dev, False)
     check_tensor("d2t", d2t, (draft_probs.shape[-1],), (torch.int64,), dev, True)
     if d2t.shape[0] > vocab:
-        raise VerifyInputError("d2t", f"at most V={vocab} draft ids", f"{d2t.shape[0]}",
-                               "pass the d2t of a draft trained for this target")
+        raise VerifyInputError(
+            "d2t", f"at most V={vocab} draft ids", f"{d2t.shape[0]}", "pass the d2t of a draft trained for this target"
+        )
     if t2d is None:
         t2d = t2d_index(d2t, vocab)
     check_tensor("t2d", t2d, (vocab,), (torch.int32,), dev, True)
-    return launch_chain(target_logits, draft_tokens, draft_probs, t2d, temperature, seed,
-                        Q_REDUCED, pick_config(config, bsz, vocab), all_greedy)
+    return launch_chain(
+        target_logits, draft_tokens, draft_probs, t2d, temperature, seed, Q_REDUCED, pick_config(config, bsz, vocab), all_greedy
+    )
 
 
 __all__ = ["expand_draft_probs", "t2d_index", "verify_chain_reduced", "verify_chain_reduced_reference"]

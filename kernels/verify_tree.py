@@ -86,8 +86,9 @@ def verify_tree_reference(target_logits, draft_tokens, parents, *, temperature, 
     dev = logits.device
     u_acc = torch_uniform(seed[:, None], torch.arange(1, n + 1, device=dev)[None], torch.tensor(ACCEPT_IDX))
     u_acc = u_acc.cpu().numpy()  # [B, N] float32
-    u_v = torch_uniform(seed[:, None, None], torch.arange(rows, device=dev)[None, :, None],
-                        torch.arange(vocab, device=dev)[None, None, :])
+    u_v = torch_uniform(
+        seed[:, None, None], torch.arange(rows, device=dev)[None, :, None], torch.arange(vocab, device=dev)[None, None, :]
+    )
     e_v = (-torch.log2(u_v)).cpu()  # [B, N+1, V]
     tokens = torch.full((bsz, rows), -1, dtype=torch.int64)
     path = torch.full((bsz, n), -1, dtype=torch.int64)
@@ -108,15 +109,23 @@ def _tree_walk_kernel(
     parent_ptr,  # [B, N] int64 parent node (-1 = root)
     temp_ptr,  # [B] fp32 temperature (0 = greedy)
     seed_ptr,  # [B] int64
-    pmax_ptr, psum_ptr, parg_ptr,  # [B, N+1, NBLK] block partials of pass 1
+    pmax_ptr,
+    psum_ptr,
+    parg_ptr,  # [B, N+1, NBLK] block partials of pass 1
     tokens_ptr,  # [B, N+1] int64 out (pre-filled with -1): accepted tokens, final (greedy)
     path_ptr,  # [B, N] int64 out (pre-filled with -1): accepted node ids
     nacc_ptr,  # [B] int64 out: accepted drafts
     frow_ptr,  # [B] int32 out: logit row of the final token
     fnode_ptr,  # [B] int64 out: node whose children were all rejected (-1 = root)
     stat_ptr,  # [B, 2] fp32 out: (M, S) of the final row
-    stride_lb, stride_lr, B, N, NBLK,
-    BLOCK_B: tl.constexpr, RP: tl.constexpr, NBP: tl.constexpr,
+    stride_lb,
+    stride_lr,
+    B,
+    N,
+    NBLK,
+    BLOCK_B: tl.constexpr,
+    RP: tl.constexpr,
+    NBP: tl.constexpr,
 ):
     b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)  # [BB]
     bok = b < B
@@ -183,8 +192,14 @@ def _tree_final_partials_kernel(
     stat_ptr,  # [B, 2] fp32 (M, S) of its row
     best_ptr,  # [B, NBLK] fp32 out: block best score
     bidx_ptr,  # [B, NBLK] int32 out: block best index
-    stride_lb, stride_lr, B, N, V, NBLK,
-    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+    stride_lb,
+    stride_lr,
+    B,
+    N,
+    V,
+    NBLK,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     blk = tl.program_id(0)
     b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)  # [BB]
@@ -215,8 +230,7 @@ def _tree_final_partials_kernel(
     tl.store(bidx_ptr + out, (blk * BLOCK_V + tl.argmax(score, 1)).to(tl.int32), mask=live)
 
 
-def verify_tree(target_logits, draft_tokens, parents, *, temperature, seed,
-                config: LaunchConfig | None = None):
+def verify_tree(target_logits, draft_tokens, parents, *, temperature, seed, config: LaunchConfig | None = None):
     """Fused tree verification (q one-hot per child; see the module docstring for the rule).
 
     target_logits [B, N+1, V] fp32/bf16/fp16 (last stride 1), draft_tokens [B, N] int64
@@ -237,21 +251,53 @@ def verify_tree(target_logits, draft_tokens, parents, *, temperature, seed,
     bb = cfg.batch_block
     sl = (target_logits.stride(0), target_logits.stride(1))
     _tree_walk_kernel[(triton.cdiv(bsz, bb),)](
-        target_logits, draft_tokens, parents, temperature, seed, pmax, psum, parg,
-        tokens, path, nacc, frow, fnode, stat, *sl, bsz, rows - 1, nblk,
-        BLOCK_B=bb, RP=triton.next_power_of_2(rows), NBP=triton.next_power_of_2(nblk), num_warps=4,
+        target_logits,
+        draft_tokens,
+        parents,
+        temperature,
+        seed,
+        pmax,
+        psum,
+        parg,
+        tokens,
+        path,
+        nacc,
+        frow,
+        fnode,
+        stat,
+        *sl,
+        bsz,
+        rows - 1,
+        nblk,
+        BLOCK_B=bb,
+        RP=triton.next_power_of_2(rows),
+        NBP=triton.next_power_of_2(nblk),
+        num_warps=4,
     )
     fblk = triton.cdiv(vocab, cfg.recover_block_v)
     best = torch.empty((bsz, fblk), dtype=torch.float32, device=dev)  # [B, NBLK]
     bidx = torch.empty((bsz, fblk), dtype=torch.int32, device=dev)  # [B, NBLK]
     _tree_final_partials_kernel[(fblk, triton.cdiv(bsz, bb))](
-        target_logits, draft_tokens, parents, temperature, seed, fnode, stat, best, bidx,
-        *sl, bsz, rows - 1, vocab, fblk,
-        BLOCK_B=bb, BLOCK_V=cfg.recover_block_v, num_warps=cfg.recover_warps,
+        target_logits,
+        draft_tokens,
+        parents,
+        temperature,
+        seed,
+        fnode,
+        stat,
+        best,
+        bidx,
+        *sl,
+        bsz,
+        rows - 1,
+        vocab,
+        fblk,
+        BLOCK_B=bb,
+        BLOCK_V=cfg.recover_block_v,
+        num_warps=cfg.recover_warps,
     )
     _recover_final_kernel[(triton.cdiv(bsz, bb),)](
-        temperature, best, bidx, frow, tokens, bsz, rows, fblk,
-        BLOCK_B=bb, NBP=triton.next_power_of_2(fblk), num_warps=1,
+        temperature, best, bidx, frow, tokens, bsz, rows, fblk, BLOCK_B=bb, NBP=triton.next_power_of_2(fblk), num_warps=1
     )
     return tokens, nacc, path
 

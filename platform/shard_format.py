@@ -25,17 +25,19 @@ import torch
 
 from eagleray.platform.errors import DataError
 
-SHARD_SCHEMA = pa.schema([
-    pa.field("prompt_id", pa.string(), nullable=False),
-    pa.field("source", pa.string()),
-    pa.field("response", pa.string()),
-    pa.field("num_tokens", pa.int32(), nullable=False),
-    pa.field("truncated", pa.bool_()),
-    pa.field("input_ids", pa.list_(pa.int32()), nullable=False),  # [T]
-    pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),  # [T]
-    pa.field("aux_hidden", pa.large_binary(), nullable=False),  # bf16 [T, n_aux*H]
-    pa.field("final_hidden", pa.large_binary(), nullable=False),  # bf16 [T, H], after the final norm
-])
+SHARD_SCHEMA = pa.schema(
+    [
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("source", pa.string()),
+        pa.field("response", pa.string()),
+        pa.field("num_tokens", pa.int32(), nullable=False),
+        pa.field("truncated", pa.bool_()),
+        pa.field("input_ids", pa.list_(pa.int32()), nullable=False),  # [T]
+        pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),  # [T]
+        pa.field("aux_hidden", pa.large_binary(), nullable=False),  # bf16 [T, n_aux*H]
+        pa.field("final_hidden", pa.large_binary(), nullable=False),  # bf16 [T, H], after the final norm
+    ]
+)
 SHARDS_DIR, MANIFEST, VOCAB_COUNTS = "shards", "manifest.json", "vocab_counts.npy"
 SHARDS_GLOB = f"{SHARDS_DIR}/shard-*.parquet"
 
@@ -59,8 +61,10 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
     """The finished dataset's manifest; a clear error when datagen has not finished there."""
     path = Path(data_dir) / MANIFEST
     if not path.is_file():
-        raise DataError(f"data_dir: {path} does not exist\n    fix: point data_dir at a finished datagen output "
-                        "(python -m eagleray.jobs.datagen writes manifest.json at the end)")
+        raise DataError(
+            f"data_dir: {path} does not exist\n    fix: point data_dir at a finished datagen output "
+            "(python -m eagleray.jobs.datagen writes manifest.json at the end)"
+        )
     return json.loads(path.read_text())
 
 

@@ -52,8 +52,12 @@ def engine_options(cfg: ServingConfig) -> dict[str, Any]:
     """Deployment options of the engine: one replica; a STRICT_PACK placement group for TP ranks."""
     tp = cfg.target.tensor_parallel_size
     gpu = cfg.target.device == "cuda" or (cfg.target.device == "auto" and tp > 1)
-    opts: dict[str, Any] = {"num_replicas": 1, "max_ongoing_requests": max(64, 4 * cfg.max_num_seqs),
-                            "health_check_period_s": 10, "graceful_shutdown_timeout_s": 30}
+    opts: dict[str, Any] = {
+        "num_replicas": 1,
+        "max_ongoing_requests": max(64, 4 * cfg.max_num_seqs),
+        "health_check_period_s": 10,
+        "graceful_shutdown_timeout_s": 30,
+    }
     if tp > 1:
         bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
         opts["placement_group_bundles"] = [dict(bundle) for _ in range(tp)]
@@ -87,16 +91,21 @@ def guard_local_draft(cfg: ServingConfig) -> None:
     draft = Path(cfg.draft.source)
     target = resolve_target(cfg.target.model, cfg.target.dtype)
     if draft.exists() and target.is_dir():
-        ensure_compatible(TargetSpec.from_dir(target), draft, algorithm=cfg.draft.algorithm,
-                          max_model_len=cfg.target.max_model_len)
+        ensure_compatible(
+            TargetSpec.from_dir(target), draft, algorithm=cfg.draft.algorithm, max_model_len=cfg.target.max_model_len
+        )
 
 
 def ingress_deployment(cfg: ServingConfig):
     """The ingress deployment (bind it to an engine deployment or handle and the serving dict)."""
     ingress_cls = serve.ingress(fastapi_app)(OpenAIIngress)
-    return serve.deployment(ingress_cls, name="EagleRayIngress", num_replicas=1,
-                            max_ongoing_requests=max(128, 8 * cfg.max_num_seqs),
-                            ray_actor_options={"num_cpus": 0, **({"resources": dict(cfg.ingress_resources)} if cfg.ingress_resources else {})})
+    return serve.deployment(
+        ingress_cls,
+        name="EagleRayIngress",
+        num_replicas=1,
+        max_ongoing_requests=max(128, 8 * cfg.max_num_seqs),
+        ray_actor_options={"num_cpus": 0, **({"resources": dict(cfg.ingress_resources)} if cfg.ingress_resources else {})},
+    )
 
 
 def build(cfg: ServingConfig) -> Application:

@@ -28,8 +28,12 @@ logger = logging.getLogger(__name__)
 
 
 class EngineUserConfig(StrictModel):
-    draft: str | None = Field(None, description="Draft to serve: 'models:/<name>@<alias>', 'models:/<name>/<version>' or a directory.")
-    alias_poll_seconds: float | None = Field(None, gt=0, description="Poll a models:/ alias this often and hot-swap when it moves.")
+    draft: str | None = Field(
+        None, description="Draft to serve: 'models:/<name>@<alias>', 'models:/<name>/<version>' or a directory."
+    )
+    alias_poll_seconds: float | None = Field(
+        None, gt=0, description="Poll a models:/ alias this often and hot-swap when it moves."
+    )
 
 
 def initial_draft(cfg: ServingConfig, spec: TargetSpec) -> ResolvedDraft | None:
@@ -47,8 +51,10 @@ def replica_tp_launch(tensor_parallel_size: int) -> TPLaunch | None:
 
     pg = get_current_placement_group()
     if pg is None:
-        raise EaglerayError(f"target.tensor_parallel_size={tensor_parallel_size} but the engine replica is not in a placement group\n"
-                            f"    fix: deploy with eagleray.serve.app.build (it reserves one bundle per rank)")
+        raise EaglerayError(
+            f"target.tensor_parallel_size={tensor_parallel_size} but the engine replica is not in a placement group\n"
+            f"    fix: deploy with eagleray.serve.app.build (it reserves one bundle per rank)"
+        )
     return TPLaunch("ray", pg)
 
 
@@ -60,15 +66,18 @@ class EngineServer:
         self.spec = TargetSpec.from_dir(resolve_target(self.cfg.target.model, self.cfg.target.dtype))
         first = initial_draft(self.cfg, self.spec)
         draft_cfg = self.cfg.draft.model_copy(update={"source": str(first.path)}) if first else None
-        engine_cfg = self.cfg.engine_config(target=self.cfg.target.model_copy(update={"model": str(self.spec.path)}), draft=draft_cfg)
+        engine_cfg = self.cfg.engine_config(
+            target=self.cfg.target.model_copy(update={"model": str(self.spec.path)}), draft=draft_cfg
+        )
         self.engine = LLMEngine.from_config(engine_cfg, tp_launch=replica_tp_launch(self.cfg.target.tensor_parallel_size))
         self.loop = AsyncEngine(self.engine)
         self.metrics = ServeMetrics(self.cfg.model_name)
         self.drafts = DraftManager(self.engine, self.loop, self.spec, self.cfg, self.metrics, first)
         self.metrics.set_watchdog("ok")
         self._poller: asyncio.Task | None = None
-        logger.info("engine ready: target %s, draft %s, max_model_len %d", self.spec.path, self.drafts.version,
-                    self.engine.max_model_len)
+        logger.info(
+            "engine ready: target %s, draft %s, max_model_len %d", self.spec.path, self.drafts.version, self.engine.max_model_len
+        )
 
     # ------------------------------------------------------------------ requests
     def _prompt_ids(self, payload: dict[str, Any]) -> list[int]:
@@ -76,7 +85,9 @@ class EngineServer:
         tok = self.engine.tokenizer
         if payload["kind"] == "chat":
             if not getattr(tok, "chat_template", None):
-                raise APIError(400, "this model has no chat template; use /v1/completions", param="messages", code="no_chat_template")
+                raise APIError(
+                    400, "this model has no chat template; use /v1/completions", param="messages", code="no_chat_template"
+                )
             return list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
         if isinstance(prompt, str):
             return list(tok(prompt, add_special_tokens=True)["input_ids"])
@@ -96,12 +107,22 @@ class EngineServer:
         if not ids:
             raise APIError(400, f"{field}: the prompt has no tokens", param=field, code="invalid_value")
         if len(ids) >= ctx:
-            raise APIError(400, f"{field}: the prompt has {len(ids)} tokens; this model's context is {ctx} tokens "
-                           f"(at least one must be left to generate)", param=field, code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"{field}: the prompt has {len(ids)} tokens; this model's context is {ctx} tokens "
+                f"(at least one must be left to generate)",
+                param=field,
+                code="context_length_exceeded",
+            )
         max_tokens, limit_field = payload["max_tokens"], payload["limit_field"]
         if max_tokens is not None and len(ids) + max_tokens > ctx:
-            raise APIError(400, f"{limit_field}={max_tokens} plus the prompt's {len(ids)} tokens exceeds the context of "
-                           f"{ctx} tokens; ask for at most {ctx - len(ids)}", param=limit_field, code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"{limit_field}={max_tokens} plus the prompt's {len(ids)} tokens exceeds the context of "
+                f"{ctx} tokens; ask for at most {ctx - len(ids)}",
+                param=limit_field,
+                code="context_length_exceeded",
+            )
         self._check_token_ids(payload["params"].get("stop_token_ids", []), "stop_token_ids")
         params = SamplingParams(**payload["params"], max_tokens=max_tokens or ctx - len(ids))
         return ids, params
@@ -117,8 +138,9 @@ class EngineServer:
         yield {"kind": "start", "prompt_tokens": len(ids)}
         try:
             async for out in self.loop.stream(ids, params, rid):
-                d = Delta(out.delta_text, len(out.token_ids), len(ids), out.finished, out.finish_reason,
-                          self.drafts.version, out.spec)
+                d = Delta(
+                    out.delta_text, len(out.token_ids), len(ids), out.finished, out.finish_reason, self.drafts.version, out.spec
+                )
                 self.metrics.record_tokens(len(out.delta_token_ids))
                 if out.finished:
                     self.metrics.record_request(len(out.token_ids), out.spec)
@@ -127,23 +149,43 @@ class EngineServer:
                 yield {"kind": "delta", **d.to_dict()}
         except RequestFailed as err:  # logged with its traceback by the step loop; the other requests continue
             which = "it" if err.alone else "the batch it was in"
-            yield {"kind": "error", **APIError(500, f"the engine could not run this request: a step failed on {which} "
-                                               f"({type(err.cause).__name__}); the server log has the details under "
-                                               f"request id {rid}", type="server_error", code="engine_error").to_dict()}
+            yield {
+                "kind": "error",
+                **APIError(
+                    500,
+                    f"the engine could not run this request: a step failed on {which} "
+                    f"({type(err.cause).__name__}); the server log has the details under "
+                    f"request id {rid}",
+                    type="server_error",
+                    code="engine_error",
+                ).to_dict(),
+            }
 
     # ------------------------------------------------------------------ status
     async def info(self) -> dict[str, Any]:
         workers = self.engine.target.workers
-        return {"model": self.cfg.model_name, "max_model_len": self.engine.max_model_len,
-                "target": str(self.spec.path), "draft_version": self.drafts.version,
-                "tensor_parallel": None if workers is None else workers.describe()}
+        return {
+            "model": self.cfg.model_name,
+            "max_model_len": self.engine.max_model_len,
+            "target": str(self.spec.path),
+            "draft_version": self.drafts.version,
+            "tensor_parallel": None if workers is None else workers.describe(),
+        }
 
     async def health(self) -> dict[str, Any]:
         self.loop.ensure_started()
-        return {"status": "ok" if self.loop.alive else "unhealthy", "model": self.cfg.model_name,
-                "in_flight": self.loop.num_in_flight, "steps": self.loop.steps, "step_errors": self.loop.step_errors,
-                "requests_failed": self.loop.requests_failed, "last_error": self.loop.last_error, **self.drafts.status(),
-                "metrics": self.metrics.to_dict(), "engine": self.engine.metrics.snapshot()}
+        return {
+            "status": "ok" if self.loop.alive else "unhealthy",
+            "model": self.cfg.model_name,
+            "in_flight": self.loop.num_in_flight,
+            "steps": self.loop.steps,
+            "step_errors": self.loop.step_errors,
+            "requests_failed": self.loop.requests_failed,
+            "last_error": self.loop.last_error,
+            **self.drafts.status(),
+            "metrics": self.metrics.to_dict(),
+            "engine": self.engine.metrics.snapshot(),
+        }
 
     async def check_health(self) -> None:
         """Ray Serve's health check: the step loop must be alive once started."""

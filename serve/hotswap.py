@@ -63,15 +63,28 @@ class SwapRecord:
     at: float = field(default_factory=time.time)
 
     def to_dict(self) -> dict:
-        return {"source": self.source, "outcome": self.outcome, "version": self.version, "message": self.message,
-                "seconds": round(self.seconds, 3), "at": self.at}
+        return {
+            "source": self.source,
+            "outcome": self.outcome,
+            "version": self.version,
+            "message": self.message,
+            "seconds": round(self.seconds, 3),
+            "at": self.at,
+        }
 
 
 class DraftManager:
     """Owns the mapping draft -> version and performs swaps and rollbacks on a running engine."""
 
-    def __init__(self, engine: LLMEngine, loop: AsyncEngine, spec: TargetSpec, cfg: ServingConfig,
-                 metrics: ServeMetrics, initial: ResolvedDraft | None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        loop: AsyncEngine,
+        spec: TargetSpec,
+        cfg: ServingConfig,
+        metrics: ServeMetrics,
+        initial: ResolvedDraft | None,
+    ):
         self.engine, self.loop, self.spec, self.cfg, self.metrics = engine, loop, spec, cfg, metrics
         self._versions: dict[int, tuple[ResolvedDraft, list[int]]] = {}  # id(draft) -> (version, aux ids)
         self.history: list[SwapRecord] = []
@@ -105,8 +118,11 @@ class DraftManager:
         report = check_compatibility(self.spec, resolved.path, algorithm=algorithm, max_model_len=self.engine.max_model_len)
         if not report.ok:
             lines = "; ".join(f"{p.field}: {p.message}" for p in report.problems)
-            raise SwapRefused("refused_guard", f"draft {resolved.version} ({resolved.path}) refused by the compatibility guard: {lines}",
-                              report.problems)
+            raise SwapRefused(
+                "refused_guard",
+                f"draft {resolved.version} ({resolved.path}) refused by the compatibility guard: {lines}",
+                report.problems,
+            )
         target = self.engine.target.model
         try:
             draft = load_draft(resolved.path, target, self.engine.device)  # rank 0 only under tensor parallelism
@@ -132,8 +148,13 @@ class DraftManager:
         async with self._swap_lock:
             t0 = time.perf_counter()
             if self.engine.current_draft is None:
-                return self._record(source, "refused_config", None, "this deployment serves without a draft "
-                                    "(draft: null); start it with a draft to enable hot-swap", t0)
+                return self._record(
+                    source,
+                    "refused_config",
+                    None,
+                    "this deployment serves without a draft (draft: null); start it with a draft to enable hot-swap",
+                    t0,
+                )
             try:
                 resolved = await asyncio.to_thread(self.resolve, source)
                 cur = self.current
@@ -183,7 +204,11 @@ class DraftManager:
 
     def status(self) -> dict:
         cur = self.current
-        return {"draft_version": self.version, "draft_path": str(cur.path) if cur else None,
-                "aux_layer_ids": list(self.engine.target.model.aux_layer_ids),  # the target layers captured now
-                "draft_source": cur.source if cur else None, "watchdog_state": self.watchdog_state(),
-                "history": [r.to_dict() for r in self.history[-10:]]}
+        return {
+            "draft_version": self.version,
+            "draft_path": str(cur.path) if cur else None,
+            "aux_layer_ids": list(self.engine.target.model.aux_layer_ids),  # the target layers captured now
+            "draft_source": cur.source if cur else None,
+            "watchdog_state": self.watchdog_state(),
+            "history": [r.to_dict() for r in self.history[-10:]],
+        }

@@ -37,21 +37,31 @@ app = FastAPI(title="eagleray", description="OpenAI-compatible EAGLE-3 speculati
 
 
 class SwapRequest(StrictModel):
-    source: str = Field(min_length=1, description="Draft to serve: 'models:/<name>@<alias>', 'models:/<name>/<version>' or a directory.")
+    source: str = Field(
+        min_length=1, description="Draft to serve: 'models:/<name>@<alias>', 'models:/<name>/<version>' or a directory."
+    )
 
 
 def check_auth(request: Request, api_key: str | None, *, admin: bool = False) -> None:
     """Bearer-token check; admin routes need a configured key even when the API is open."""
     if api_key is None:
         if admin:
-            raise APIError(403, "admin routes are disabled: this deployment has no api_key; set serving.api_key",
-                           type="permission_error", code="admin_disabled")
+            raise APIError(
+                403,
+                "admin routes are disabled: this deployment has no api_key; set serving.api_key",
+                type="permission_error",
+                code="admin_disabled",
+            )
         return
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <api_key>'",
-                       type="authentication_error", code="invalid_api_key")
+        raise APIError(
+            401,
+            "missing or invalid API key: send 'Authorization: Bearer <api_key>'",
+            type="authentication_error",
+            code="invalid_api_key",
+        )
 
 
 def sampling_payload(req: ChatCompletionRequest | CompletionRequest, kind: str) -> dict[str, Any]:
@@ -63,8 +73,14 @@ def sampling_payload(req: ChatCompletionRequest | CompletionRequest, kind: str) 
     else:
         prompt, prompt_field = req.prompt, "prompt"
     params = req.sampling()
-    return {"kind": kind, "prompt": prompt, "prompt_field": prompt_field, "max_tokens": max_tokens,
-            "limit_field": limit_field, "params": params}
+    return {
+        "kind": kind,
+        "prompt": prompt,
+        "prompt_field": prompt_field,
+        "max_tokens": max_tokens,
+        "limit_field": limit_field,
+        "params": params,
+    }
 
 
 class ErrorCounter:
@@ -73,8 +89,11 @@ class ErrorCounter:
     def __init__(self, model_name: str):
         from ray.serve import metrics as serve_metrics
 
-        self.metric = serve_metrics.Counter("eagleray_request_errors_total", description="Requests answered with an error, by HTTP status.",
-                                            tag_keys=("model_name", "status"))
+        self.metric = serve_metrics.Counter(
+            "eagleray_request_errors_total",
+            description="Requests answered with an error, by HTTP status.",
+            tag_keys=("model_name", "status"),
+        )
         self.metric.set_default_tags({"model_name": model_name})
         self.counts: dict[str, int] = {}
 
@@ -115,11 +134,19 @@ def engine_failure(err: BaseException, request_id: str) -> APIError:
         logger.warning("request %s: the engine replica is unavailable (%s); answered 503", request_id, type(err).__name__)
         if _probe is not None:
             _probe.gone = type(err).__name__  # until the engine answers a status call again
-        return APIError(503, f"the engine is restarting or overloaded; retry the request in a few seconds (request id {request_id})",
-                        type="server_error", code="engine_unavailable")
+        return APIError(
+            503,
+            f"the engine is restarting or overloaded; retry the request in a few seconds (request id {request_id})",
+            type="server_error",
+            code="engine_unavailable",
+        )
     logger.error("request %s failed", request_id, exc_info=err)
-    return APIError(500, f"internal error; the server log has the details under request id {request_id}",
-                    type="server_error", code="internal_error")
+    return APIError(
+        500,
+        f"internal error; the server log has the details under request id {request_id}",
+        type="server_error",
+        code="internal_error",
+    )
 
 
 @app.exception_handler(APIError)
@@ -177,8 +204,11 @@ class HealthProbe:
         except asyncio.TimeoutError:
             pass  # the call stays in flight; its answer serves the next /health
         if self.gone is not None:
-            return 503, {"status": "restarting", "detail": "the engine replica is unavailable; Ray Serve restarts it",
-                         "status_age_s": None}
+            return 503, {
+                "status": "restarting",
+                "detail": "the engine replica is unavailable; Ray Serve restarts it",
+                "status_age_s": None,
+            }
         if self.last is None:
             return 503, {"status": "starting", "detail": "the engine has not answered yet", "status_age_s": None}
         age = time.monotonic() - self.last_at
@@ -202,8 +232,12 @@ class OpenAIIngress:
         model = ChatCompletionRequest if kind == "chat" else CompletionRequest
         req = parse_body(await request.body(), model)
         if req.model != self.cfg.model_name:
-            raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.cfg.model_name!r} (GET /v1/models)",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"model {req.model!r} does not exist; this server serves {self.cfg.model_name!r} (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
         builder = ResponseBuilder(kind, req.model)
         payload = {**sampling_payload(req, kind), "request_id": builder.id}
         gen = self.engine.options(stream=True).generate.remote(payload)
@@ -214,8 +248,11 @@ class OpenAIIngress:
         if head["kind"] == "error":
             raise APIError.from_dict(head)
         if req.stream:
-            return StreamingResponse(self._sse(gen, builder, req.include_usage()), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                self._sse(gen, builder, req.include_usage()),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         try:
             async for item in gen:
                 if item["kind"] == "error":
@@ -260,8 +297,19 @@ class OpenAIIngress:
     async def models(self, request: Request) -> Any:
         check_auth(request, self.cfg.api_key)
         info = await self.engine.info.remote()
-        return {"object": "list", "data": [{"id": info["model"], "object": "model", "created": 0, "owned_by": "eagleray",
-                                            "max_model_len": info["max_model_len"], "draft_version": info["draft_version"]}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": info["model"],
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "eagleray",
+                    "max_model_len": info["max_model_len"],
+                    "draft_version": info["draft_version"],
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health(self, request: Request) -> Any:
@@ -276,7 +324,9 @@ class OpenAIIngress:
     async def draft_status(self, request: Request) -> Any:
         check_auth(request, self.cfg.api_key, admin=True)
         status = await self.engine.health.remote()
-        return {k: status[k] for k in ("draft_version", "draft_path", "draft_source", "aux_layer_ids", "watchdog_state", "history")}
+        return {
+            k: status[k] for k in ("draft_version", "draft_path", "draft_source", "aux_layer_ids", "watchdog_state", "history")
+        }
 
     @app.post("/admin/draft")
     async def swap_draft(self, request: Request) -> Any:

@@ -19,8 +19,7 @@ from eagleray.serve.serving_config import ServingConfig
 APP_NAME = "eagleray"
 
 
-def start_local(cfg: ServingConfig, port: int | None = None, *, num_cpus: int | None = None,
-                timeout_s: float = 300.0) -> str:
+def start_local(cfg: ServingConfig, port: int | None = None, *, num_cpus: int | None = None, timeout_s: float = 300.0) -> str:
     """Start (or reuse) a local Ray instance and Serve on 127.0.0.1:port; deploy the app; return its URL."""
     import ray
     from ray import serve
@@ -52,8 +51,10 @@ def wait_ready(url: str, api_key: str | None, timeout_s: float) -> None:
         except httpx.HTTPError as err:
             last = f"{type(err).__name__}: {err}"
         time.sleep(0.5)
-    raise EaglerayError(f"the Serve app at {url} was not healthy after {timeout_s:.0f}s (last: {last})\n"
-                        f"    fix: read the replica logs under /tmp/ray/session_latest/logs/serve")
+    raise EaglerayError(
+        f"the Serve app at {url} was not healthy after {timeout_s:.0f}s (last: {last})\n"
+        f"    fix: read the replica logs under /tmp/ray/session_latest/logs/serve"
+    )
 
 
 def stop_local() -> None:
@@ -70,8 +71,9 @@ def client(url: str, cfg: ServingConfig):
     return OpenAI(base_url=f"{url}/v1", api_key=cfg.api_key or "unused", max_retries=0, timeout=120)
 
 
-def chat(url: str, prompt: str, cfg: ServingConfig, *, max_tokens: int = 64, temperature: float = 0.0,
-         stream: bool = False) -> tuple[str, dict[str, Any]]:
+def chat(
+    url: str, prompt: str, cfg: ServingConfig, *, max_tokens: int = 64, temperature: float = 0.0, stream: bool = False
+) -> tuple[str, dict[str, Any]]:
     """One chat answer and its ``eagleray`` extension (draft_version, num_drafts, tau, ...)."""
     c = client(url, cfg)
     messages = [{"role": "user", "content": prompt}]
@@ -79,8 +81,9 @@ def chat(url: str, prompt: str, cfg: ServingConfig, *, max_tokens: int = 64, tem
         r = c.chat.completions.create(model=cfg.model_name, messages=messages, max_tokens=max_tokens, temperature=temperature)
         return r.choices[0].message.content or "", dict(r.model_extra.get("eagleray") or {})
     text, ext = "", {}
-    for chunk in c.chat.completions.create(model=cfg.model_name, messages=messages, max_tokens=max_tokens,
-                                           temperature=temperature, stream=True):
+    for chunk in c.chat.completions.create(
+        model=cfg.model_name, messages=messages, max_tokens=max_tokens, temperature=temperature, stream=True
+    ):
         if chunk.choices:
             text += chunk.choices[0].delta.content or ""
         ext = dict(chunk.model_extra.get("eagleray") or ext)

@@ -26,15 +26,24 @@ def timed_generate(engine: LLMEngine, prompts, params: SamplingParams) -> tuple[
     return outs, time.perf_counter() - t0
 
 
-def plain_run(target, tok, tcfg: TargetConfig, prompts: list, params: SamplingParams, batch: int = 1,
-              profile: bool = True, kv_cache_gib: float = 1.0):
+def plain_run(
+    target,
+    tok,
+    tcfg: TargetConfig,
+    prompts: list,
+    params: SamplingParams,
+    batch: int = 1,
+    profile: bool = True,
+    kv_cache_gib: float = 1.0,
+):
     """Plain decoding of ``prompts`` (messages or token ids) -> (token prompts, outputs, seconds, engine);
     the target captures nothing. ``profile``: time each step's phases (on CUDA a sync per phase)."""
     aux_ids = target.aux_layer_ids
     target.set_aux_layers([])
     try:
-        engine = LLMEngine(target, tok, EngineConfig(target=tcfg, max_num_seqs=batch, profile_steps=profile,
-                                                     kv_cache_gib=kv_cache_gib))
+        engine = LLMEngine(
+            target, tok, EngineConfig(target=tcfg, max_num_seqs=batch, profile_steps=profile, kv_cache_gib=kv_cache_gib)
+        )
         token_prompts = [engine.tokenize(m) for m in prompts]
         outs, seconds = timed_generate(engine, token_prompts, params)
     finally:
@@ -42,12 +51,27 @@ def plain_run(target, tok, tcfg: TargetConfig, prompts: list, params: SamplingPa
     return token_prompts, outs, seconds, engine
 
 
-def spec_run(target, draft, tok, tcfg: TargetConfig, dcfg: DraftConfig, token_prompts: list, params: SamplingParams,
-             plain: list, t_plain: float, batch: int = 1, profile: bool = True, kv_cache_gib: float = 1.0) -> dict:
+def spec_run(
+    target,
+    draft,
+    tok,
+    tcfg: TargetConfig,
+    dcfg: DraftConfig,
+    token_prompts: list,
+    params: SamplingParams,
+    plain: list,
+    t_plain: float,
+    batch: int = 1,
+    profile: bool = True,
+    kv_cache_gib: float = 1.0,
+) -> dict:
     """Speculative decoding of the same token prompts, compared with the plain run (outputs and speed)."""
-    engine = LLMEngine(target, tok, EngineConfig(target=tcfg, draft=dcfg, max_num_seqs=batch, profile_steps=profile,
-                                                 kv_cache_gib=kv_cache_gib),
-                       draft)
+    engine = LLMEngine(
+        target,
+        tok,
+        EngineConfig(target=tcfg, draft=dcfg, max_num_seqs=batch, profile_steps=profile, kv_cache_gib=kv_cache_gib),
+        draft,
+    )
     spec, t_spec = timed_generate(engine, token_prompts, params)
     stats = engine.metrics.spec
     n_plain, n_spec = sum(len(o.token_ids) for o in plain), sum(len(o.token_ids) for o in spec)
@@ -61,7 +85,8 @@ def spec_run(target, draft, tok, tcfg: TargetConfig, dcfg: DraftConfig, token_pr
         "watchdog_fired": engine.metrics.watchdog_fired,
         "spec_profile": engine.prof.table(),
         "policy": engine.policy.snapshot(),
-        "spec_steps": engine.metrics.speculative.steps, "plain_steps_in_spec_run": engine.metrics.plain.steps,
+        "spec_steps": engine.metrics.speculative.steps,
+        "plain_steps_in_spec_run": engine.metrics.plain.steps,
         "spec_decode_tokens_per_s": round(engine.metrics.speculative.tokens_per_s, 3),
         "spec_step_ms": round(1e3 * engine.metrics.speculative.seconds / max(engine.metrics.speculative.steps, 1), 4),
         "decode_tokens_per_s": round(_decode_rate(engine.metrics), 3),  # plain and speculative steps together
@@ -74,8 +99,9 @@ def _decode_rate(metrics) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
 
-def compare_engines(target, draft, tok, tcfg: TargetConfig, dcfg: DraftConfig, prompts: list, params: SamplingParams,
-                    batch: int = 1) -> tuple[dict, list]:
+def compare_engines(
+    target, draft, tok, tcfg: TargetConfig, dcfg: DraftConfig, prompts: list, params: SamplingParams, batch: int = 1
+) -> tuple[dict, list]:
     """Plain then speculative decoding of the same prompts on one target -> (metrics, (token prompts, plain outputs))."""
     token_prompts, plain, t_plain, plain_engine = plain_run(target, tok, tcfg, prompts, params, batch)
     result = spec_run(target, draft, tok, tcfg, dcfg, token_prompts, params, plain, t_plain, batch)
@@ -98,12 +124,23 @@ def decode_speedups(result: dict, plain_steps, batch: int, dcfg: DraftConfig) ->
         k = 1 if dcfg.tree is not None else dcfg.num_speculative_tokens
         predicted = round(result["tau"] * plain_row["step_ms"] / (costs["verify_ms"] + k * costs["draft_ms"]), 3)
     spec_row = result["spec_profile"].get("spec", {}).get(batch)
-    return {"plain_step_ms": plain_row["step_ms"] if plain_row else None, "spec_step_ms": spec_row["step_ms"] if spec_row else None,
-            "decode_speedup": measured, "predicted_speedup": predicted}
+    return {
+        "plain_step_ms": plain_row["step_ms"] if plain_row else None,
+        "spec_step_ms": spec_row["step_ms"] if spec_row else None,
+        "decode_speedup": measured,
+        "predicted_speedup": predicted,
+    }
 
 
-def measure_draft(cfg, draft_dir, *, suites: tuple[str, ...] = ("mtbench", "humaneval"), k: int | None = None,
-            limit: int = 8, max_tokens: int = 64) -> dict[str, float]:
+def measure_draft(
+    cfg,
+    draft_dir,
+    *,
+    suites: tuple[str, ...] = ("mtbench", "humaneval"),
+    k: int | None = None,
+    limit: int = 8,
+    max_tokens: int = 64,
+) -> dict[str, float]:
     """Real τ and speed of a trained draft (``evaluate_with_engine`` in jobs/train.py).
 
     ``cfg`` is the TrainingConfig (its ``target``); chain drafting with ``k`` tokens (default: the
@@ -120,12 +157,20 @@ def measure_draft(cfg, draft_dir, *, suites: tuple[str, ...] = ("mtbench", "huma
         for suite in suites:
             prompts = [[m.to_dict() for m in r.messages] for r in load_prompts(suite, limit=limit)]
             if not prompts:
-                raise EaglerayError(f"bench suite {suite!r} gave no prompts\n    fix: pass suites with prompts (mtbench, humaneval)")
+                raise EaglerayError(
+                    f"bench suite {suite!r} gave no prompts\n    fix: pass suites with prompts (mtbench, humaneval)"
+                )
             r, _ = compare_engines(target, draft, tok, cfg.target, dcfg, prompts, params)
             pre = f"engine/{suite}"
-            out.update({f"{pre}/tau": r["tau"], f"{pre}/plain_tokens_per_s": r["plain"]["tokens_per_s"],
-                        f"{pre}/spec_tokens_per_s": r["spec"]["tokens_per_s"], f"{pre}/speedup": r["speedup"],
-                        f"{pre}/lossless": float(r["lossless"])})
+            out.update(
+                {
+                    f"{pre}/tau": r["tau"],
+                    f"{pre}/plain_tokens_per_s": r["plain"]["tokens_per_s"],
+                    f"{pre}/spec_tokens_per_s": r["spec"]["tokens_per_s"],
+                    f"{pre}/speedup": r["speedup"],
+                    f"{pre}/lossless": float(r["lossless"]),
+                }
+            )
             out.update({f"{pre}/acc_pos_{i}": a for i, a in enumerate(r["acceptance_per_pos"])})
     finally:
         close_target(target)

@@ -42,11 +42,16 @@ class ServeMetrics:
         self.num_drafts = counter("spec_decode_num_drafts", "Verification steps that carried draft tokens (vLLM name).")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed (vLLM name).")
         self.num_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted (vLLM name).")
-        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
-                                        "Accepted draft tokens by draft position (vLLM name).", ("position",))
-        self.tau = gauge("eagleray_mean_acceptance_length", "tau = 1 + accepted/drafts over the recent window (mean acceptance length).")
-        self.tokens_per_s = gauge("eagleray_generation_tokens_per_second",
-                                  "Generated tokens per second over the recent window (counted as they are streamed).")
+        self.accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position (vLLM name).", ("position",)
+        )
+        self.tau = gauge(
+            "eagleray_mean_acceptance_length", "tau = 1 + accepted/drafts over the recent window (mean acceptance length)."
+        )
+        self.tokens_per_s = gauge(
+            "eagleray_generation_tokens_per_second",
+            "Generated tokens per second over the recent window (counted as they are streamed).",
+        )
         self.draft_info = gauge("eagleray_draft_info", "1 for the draft version being served.", ("draft_version",))
         self.watchdog = gauge("eagleray_watchdog_state", "Acceptance watchdog: 0 ok, 1 fired, 2 speculation off, 3 rolled back.")
         self.swaps = counter("eagleray_draft_swaps_total", "Draft hot-swap attempts by outcome.", ("outcome",))
@@ -70,9 +75,11 @@ class ServeMetrics:
         accepted = int(spec.get("num_accepted_tokens", 0))
         self.requests.inc()
         self.snapshot["requests"] += 1
-        for name, metric, value in (("spec_decode_num_drafts", self.num_drafts, drafts),
-                                    ("spec_decode_num_draft_tokens", self.num_draft_tokens, proposed),
-                                    ("spec_decode_num_accepted_tokens", self.num_accepted, accepted)):
+        for name, metric, value in (
+            ("spec_decode_num_drafts", self.num_drafts, drafts),
+            ("spec_decode_num_draft_tokens", self.num_draft_tokens, proposed),
+            ("spec_decode_num_accepted_tokens", self.num_accepted, accepted),
+        ):
             if value:
                 metric.inc(value)
                 self.snapshot[name] += value

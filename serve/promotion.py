@@ -63,8 +63,10 @@ def decide(candidate: Measurement, champion: Measurement | None, plain: Measurem
         if gain < cfg.min_tau_gain:
             reasons.append(f"τ {candidate.tau:.3f} is not {cfg.min_tau_gain:.0%} above the champion's {champion.tau:.3f}")
     if speedup < cfg.min_speedup:
-        reasons.append(f"{candidate.tokens_per_s:.1f} tok/s is {speedup:.2f}x plain decoding ({plain.tokens_per_s:.1f} tok/s); "
-                       f"needs >= {cfg.min_speedup:.2f}x")
+        reasons.append(
+            f"{candidate.tokens_per_s:.1f} tok/s is {speedup:.2f}x plain decoding ({plain.tokens_per_s:.1f} tok/s); "
+            f"needs >= {cfg.min_speedup:.2f}x"
+        )
     if reasons:
         return Decision(False, "; ".join(reasons), speedup, gain)
     vs = f"champion τ {champion.tau:.3f}" if champion is not None and champion.tau else "no champion"
@@ -76,7 +78,9 @@ def held_out_prompts(cfg: PromotionConfig) -> list[list[dict[str, str]]]:
     for source in cfg.prompts:
         out += [[m.to_dict() for m in rec.messages] for rec in load_prompts(source, limit=cfg.limit)]
     if not out:
-        raise EaglerayError(f"promotion: no prompts loaded from {cfg.prompts}\n    fix: name held-out sets such as mtbench, humaneval")
+        raise EaglerayError(
+            f"promotion: no prompts loaded from {cfg.prompts}\n    fix: name held-out sets such as mtbench, humaneval"
+        )
     return out
 
 
@@ -105,8 +109,11 @@ class DraftTrial:
             raise CompatibilityError(report.problems, target=str(self.spec.path), draft=str(draft_dir))
         self.target.set_aux_layers(report.facts["aux_layer_ids"])
         draft = Eagle3Draft.from_checkpoint(draft_dir, self.target, dtype=self.target.arch.dtype, device=self.device)
-        dcfg = DraftConfig(source=str(draft_dir), num_speculative_tokens=self.cfg.num_speculative_tokens,
-                           policy=PolicyConfig(adaptive=False, watchdog_window=1 << 20))
+        dcfg = DraftConfig(
+            source=str(draft_dir),
+            num_speculative_tokens=self.cfg.num_speculative_tokens,
+            policy=PolicyConfig(adaptive=False, watchdog_window=1 << 20),
+        )
         return LLMEngine(self.target, self.tokenizer, EngineConfig(**base, draft=dcfg), draft)
 
     def measure(self, label: str, draft_dir: Path | None, version: str | None) -> Measurement:

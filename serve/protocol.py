@@ -20,8 +20,12 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # pydantic error type -> OpenAI-style error code
-ERROR_CODES = {"extra_forbidden": "unknown_field", "missing": "missing_field", "json_invalid": "invalid_json",
-          "finite_number": "invalid_value"}
+ERROR_CODES = {
+    "extra_forbidden": "unknown_field",
+    "missing": "missing_field",
+    "json_invalid": "invalid_json",
+    "finite_number": "invalid_value",
+}
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what torch's generators take (vLLM's bound on seed too)
 INT32_MAX = 2**31 - 1
 
@@ -29,8 +33,9 @@ INT32_MAX = 2**31 - 1
 class APIError(Exception):
     """An error answered with an OpenAI-style body; ``status`` is the HTTP status."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None, type: str = "invalid_request_error"
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -47,7 +52,9 @@ class APIError(Exception):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "APIError":
-        return cls(d["status"], d["message"], param=d.get("param"), code=d.get("code"), type=d.get("type", "invalid_request_error"))
+        return cls(
+            d["status"], d["message"], param=d.get("param"), code=d.get("code"), type=d.get("type", "invalid_request_error")
+        )
 
 
 class _Strict(BaseModel):
@@ -71,8 +78,7 @@ def refuse_non_defaults(data: Any, table: dict[str, tuple[tuple, str]]) -> Any:
         for name, (defaults, why) in table.items():
             if name in data and not any(_is_default(data[name], d) for d in defaults):
                 shown = " or ".join(json.dumps(d) for d in defaults)
-                raise FieldError(name, f"{json.dumps(data[name])[:60]} is not supported: {why}; remove the field "
-                                        f"or send {shown}")
+                raise FieldError(name, f"{json.dumps(data[name])[:60]} is not supported: {why}; remove the field or send {shown}")
     return data
 
 
@@ -160,7 +166,9 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer"] = Field(description="Author of the message.")
-    content: str | list[TextPart] | None = Field(description="Message text, or a list of text parts (null only for an assistant message).")
+    content: str | list[TextPart] | None = Field(
+        description="Message text, or a list of text parts (null only for an assistant message)."
+    )
     name: str | None = Field(None, description="Optional participant name (ignored by the chat template).")
     refusal: str | None = Field(None, description="An assistant message's refusal (replayed conversations carry it as null).")
     tool_calls: list[Any] | None = Field(None, description="Only null or [] (tool calling is not implemented).")
@@ -189,7 +197,9 @@ class ChatMessage(_Strict):
 class StreamOptions(_Strict):
     include_usage: bool = Field(False, description="Send a final chunk with token usage before [DONE].")
     include_obfuscation: bool | None = Field(None, description="OpenAI's stream padding option (eagleray sends no padding).")
-    continuous_usage_stats: Literal[False] | None = Field(None, description="vLLM extension: only false (usage comes once, at the end).")
+    continuous_usage_stats: Literal[False] | None = Field(
+        None, description="vLLM extension: only false (usage comes once, at the end)."
+    )
 
 
 class _Sampling(_Strict):
@@ -201,16 +211,22 @@ class _Sampling(_Strict):
         return refuse_non_defaults(data, cls.DEFAULT_ONLY)
 
     model: str = Field(description="Model id; must be one listed by GET /v1/models.")
-    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description="Maximum generated tokens; default: what the context leaves.")
+    max_tokens: int | None = Field(
+        None, ge=1, le=INT64_MAX, description="Maximum generated tokens; default: what the context leaves."
+    )
     temperature: float | None = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature in [0, 2]; 0 is greedy.")
     top_p: float | None = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1].")
-    top_k: int | None = Field(0, ge=-1, le=INT32_MAX, description="Keep the k most likely tokens (vLLM extension); 0 or -1 keeps all.")
+    top_k: int | None = Field(
+        0, ge=-1, le=INT32_MAX, description="Keep the k most likely tokens (vLLM extension); 0 or -1 keeps all."
+    )
     n: Literal[1] | None = Field(1, description="Number of choices; only 1 is supported.")
     stream: bool | None = Field(False, description="Stream the answer as server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options (include_usage).")
     stop: str | list[str] | None = Field(None, description="Up to 4 stop strings; the text is cut before the first.")
     stop_token_ids: list[int] | None = Field(None, max_length=64, description="vLLM extension: token ids that end the answer.")
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="Seed of the random draws (sampled requests are reproducible).")
+    seed: int | None = Field(
+        None, ge=INT64_MIN, le=INT64_MAX, description="Seed of the random draws (sampled requests are reproducible)."
+    )
     ignore_eos: bool | None = Field(False, description="Do not stop at EOS (vLLM extension; for benchmarks).")
     user: str | None = Field(None, description=_RECORDED["user"])
     metadata: dict[str, str] | None = Field(None, description=_RECORDED["metadata"])
@@ -273,15 +289,23 @@ class _Sampling(_Strict):
     def sampling(self) -> dict[str, Any]:
         """The engine's SamplingParams fields (null means the API default; top_k -1 means off)."""
         top_k = 0 if self.top_k in (None, -1) else self.top_k
-        return {"temperature": 1.0 if self.temperature is None else self.temperature,
-                "top_p": 1.0 if self.top_p is None else self.top_p, "top_k": top_k, "stop": self.stop_list(),
-                "stop_token_ids": list(self.stop_token_ids or []), "seed": self.seed, "ignore_eos": bool(self.ignore_eos)}
+        return {
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": top_k,
+            "stop": self.stop_list(),
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "seed": self.seed,
+            "ignore_eos": bool(self.ignore_eos),
+        }
 
 
 class ChatCompletionRequest(_Sampling):
     DEFAULT_ONLY: ClassVar[dict[str, tuple[tuple, str]]] = CHAT_DEFAULT_ONLY
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far (at least one message).")
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description="Newer name of max_tokens; wins when both are set.")
+    max_completion_tokens: int | None = Field(
+        None, ge=1, le=INT64_MAX, description="Newer name of max_tokens; wins when both are set."
+    )
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None

@@ -32,7 +32,11 @@ def validation_error(err: ValidationError) -> APIError:
             problems.append((param, cause.message, cause.code))
             continue
         param = _param_of(e["loc"])
-        hint = "unknown field; remove it or fix its spelling" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
+        hint = (
+            "unknown field; remove it or fix its spelling"
+            if e["type"] == "extra_forbidden"
+            else e["msg"].removeprefix("Value error, ")
+        )
         code = ERROR_CODES.get(e["type"], "invalid_type" if e["type"].endswith(("_type", "_parsing")) else "invalid_value")
         problems.append((param, hint, code))
     param, _, code = problems[0]
@@ -62,15 +66,25 @@ def check_text(data: Any) -> None:
         if isinstance(value, str):
             at = _surrogate(value)
             if at is not None:
-                raise APIError(400, f"{path or 'body'}: character {at} is a lone UTF-16 surrogate (U+{ord(value[at]):04X}), "
-                               f"which is not text; send valid Unicode (a \\ud800-\\udbff escape must be followed by a "
-                               f"\\udc00-\\udfff one)", param=path or None, code="invalid_encoding")
+                raise APIError(
+                    400,
+                    f"{path or 'body'}: character {at} is a lone UTF-16 surrogate (U+{ord(value[at]):04X}), "
+                    f"which is not text; send valid Unicode (a \\ud800-\\udbff escape must be followed by a "
+                    f"\\udc00-\\udfff one)",
+                    param=path or None,
+                    code="invalid_encoding",
+                )
         elif isinstance(value, dict):
             for k, v in value.items():
                 at = _surrogate(k)
                 if at is not None:
-                    raise APIError(400, f"{path or 'body'}: a key holds a lone UTF-16 surrogate (U+{ord(k[at]):04X}) at "
-                                   f"character {at}; send valid Unicode", param=path or None, code="invalid_encoding")
+                    raise APIError(
+                        400,
+                        f"{path or 'body'}: a key holds a lone UTF-16 surrogate (U+{ord(k[at]):04X}) at "
+                        f"character {at}; send valid Unicode",
+                        param=path or None,
+                        code="invalid_encoding",
+                    )
                 stack.append((f"{path}.{k}" if path else k, v, depth + 1))
         elif isinstance(value, list):
             stack.extend((f"{path}.{i}" if path else str(i), v, depth + 1) for i, v in enumerate(value))

@@ -38,15 +38,22 @@ def spec_extension(draft_version: str | None, spec: dict[str, Any]) -> dict[str,
     """The ``eagleray`` field: draft version and τ (mean acceptance length) of this request."""
     drafts = int(spec.get("num_drafts", 0))
     accepted = int(spec.get("num_accepted_tokens", 0))
-    return {"draft_version": draft_version, "num_drafts": drafts,
-            "num_draft_tokens": int(spec.get("num_draft_tokens", 0)), "num_accepted_tokens": accepted,
-            "accepted_per_pos": list(spec.get("accepted_per_pos", [])),
-            "tau": round(1.0 + accepted / drafts, 4) if drafts else None}
+    return {
+        "draft_version": draft_version,
+        "num_drafts": drafts,
+        "num_draft_tokens": int(spec.get("num_draft_tokens", 0)),
+        "num_accepted_tokens": accepted,
+        "accepted_per_pos": list(spec.get("accepted_per_pos", [])),
+        "tau": round(1.0 + accepted / drafts, 4) if drafts else None,
+    }
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 class ResponseBuilder:
@@ -82,12 +89,20 @@ class ResponseBuilder:
         d = self.last
         reason = d.finish_reason if d else None
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": self.text}, "finish_reason": reason,
-                      "logprobs": None}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": self.text},
+                "finish_reason": reason,
+                "logprobs": None,
+            }
         else:
             choice = {"index": 0, "text": self.text, "finish_reason": reason, "logprobs": None}
-        return {**self._head(self.object), "choices": [choice],
-                "usage": usage(d.prompt_tokens, d.num_output_tokens) if d else usage(0, 0), "eagleray": self._ext()}
+        return {
+            **self._head(self.object),
+            "choices": [choice],
+            "usage": usage(d.prompt_tokens, d.num_output_tokens) if d else usage(0, 0),
+            "eagleray": self._ext(),
+        }
 
     def chunk(self, d: Delta, *, first: bool = False) -> dict[str, Any]:
         """One streamed chunk for delta ``d`` (call :meth:`add` first)."""
@@ -110,8 +125,12 @@ class ResponseBuilder:
         """Final chunk of ``stream_options.include_usage``: no choices, only usage."""
         d = self.last
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [],
-                "usage": usage(d.prompt_tokens, d.num_output_tokens) if d else usage(0, 0), "eagleray": self._ext()}
+        return {
+            **self._head(obj),
+            "choices": [],
+            "usage": usage(d.prompt_tokens, d.num_output_tokens) if d else usage(0, 0),
+            "eagleray": self._ext(),
+        }
 
 
 def sse(data: dict[str, Any] | str) -> str:

@@ -21,9 +21,14 @@ def _small_config(engine: LLMEngine, draft: DraftConfig | None, prompt_len: int)
     bs = engine.config.block_size
     k = draft.num_speculative_tokens if draft else 0
     per_seq = (prompt_len + SMOKE_TOKENS + k + 2 + bs - 1) // bs + 2
-    return EngineConfig(target=engine.config.target, draft=draft, max_num_seqs=len(SMOKE_PROMPTS),
-                        block_size=bs, num_kv_blocks=per_seq * len(SMOKE_PROMPTS) + 2,
-                        verify_backend=engine.config.verify_backend)
+    return EngineConfig(
+        target=engine.config.target,
+        draft=draft,
+        max_num_seqs=len(SMOKE_PROMPTS),
+        block_size=bs,
+        num_kv_blocks=per_seq * len(SMOKE_PROMPTS) + 2,
+        verify_backend=engine.config.verify_backend,
+    )
 
 
 def smoke_prompts(engine: LLMEngine) -> list[list[int]]:
@@ -38,19 +43,28 @@ def smoke_verify(engine: LLMEngine, candidate: Eagle3Draft) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=SMOKE_TOKENS, ignore_eos=True)
     served = engine.config.draft
     k = served.num_speculative_tokens if served else 4
-    dcfg = DraftConfig(source="smoke-candidate", num_speculative_tokens=k, tree=served.tree if served else None,
-                       policy=PolicyConfig(adaptive=False, watchdog_window=1 << 20, on_low_acceptance="warn"))
+    dcfg = DraftConfig(
+        source="smoke-candidate",
+        num_speculative_tokens=k,
+        tree=served.tree if served else None,
+        policy=PolicyConfig(adaptive=False, watchdog_window=1 << 20, on_low_acceptance="warn"),
+    )
     model = engine.target.model
     plain = LLMEngine(model, engine.tokenizer, _small_config(engine, None, longest)).generate(prompts, params)
     spec_engine = LLMEngine(model, engine.tokenizer, _small_config(engine, dcfg, longest), draft=candidate)
     spec = spec_engine.generate(prompts, params)
     for i, (a, b) in enumerate(zip(plain, spec)):
         if a.token_ids != b.token_ids:
-            raise EaglerayError(f"smoke verification failed: greedy output with the candidate draft differs from plain "
-                                f"decoding on smoke prompt {i} (plain {a.token_ids}, speculative {b.token_ids})\n"
-                                f"    fix: the draft breaks losslessness (vocab map d2t/t2d or aux wiring); do not serve it")
+            raise EaglerayError(
+                f"smoke verification failed: greedy output with the candidate draft differs from plain "
+                f"decoding on smoke prompt {i} (plain {a.token_ids}, speculative {b.token_ids})\n"
+                f"    fix: the draft breaks losslessness (vocab map d2t/t2d or aux wiring); do not serve it"
+            )
     stats = spec_engine.metrics.snapshot()
     if stats["spec_decode_num_drafts"] == 0:
         raise EaglerayError("smoke verification failed: no speculative step ran with the candidate draft (engine bug)")
-    return {"tokens": [o.token_ids for o in spec], "num_drafts": stats["spec_decode_num_drafts"],
-            "tau": stats["spec_decode_mean_acceptance_length"]}
+    return {
+        "tokens": [o.token_ids for o in spec],
+        "num_drafts": stats["spec_decode_num_drafts"],
+        "tau": stats["spec_decode_mean_acceptance_length"],
+    }

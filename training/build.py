@@ -51,19 +51,30 @@ def target_embed_and_head(target_dir: str | Path) -> tuple[torch.Tensor, torch.T
                     found[name] = sf.get_tensor(name).float()
     embed = next((found[n] for n in EMBED_NAMES if n in found), None)
     if embed is None:
-        raise EaglerayError(f"target {target_dir}: no embedding tensor ({' or '.join(EMBED_NAMES)}) in {len(files)} safetensors file(s)\n"
-                            f"    fix: point target.model at a complete Hugging Face Llama-family directory")
+        raise EaglerayError(
+            f"target {target_dir}: no embedding tensor ({' or '.join(EMBED_NAMES)}) in {len(files)} safetensors file(s)\n"
+            f"    fix: point target.model at a complete Hugging Face Llama-family directory"
+        )
     return embed, found.get("lm_head.weight", embed)
 
 
-def new_draft(target: TargetSpec, counts: torch.Tensor | None, draft_vocab_size: int, *,
-              aux_layer_ids: list[int] | None = None, seed: int = 0, target_head: torch.Tensor | None = None) -> DraftInit:
+def new_draft(
+    target: TargetSpec,
+    counts: torch.Tensor | None,
+    draft_vocab_size: int,
+    *,
+    aux_layer_ids: list[int] | None = None,
+    seed: int = 0,
+    target_head: torch.Tensor | None = None,
+) -> DraftInit:
     """A fresh draft for ``target``: vocab from ``counts`` [V] (None = lowest ids), lm_head from ``target_head``."""
     size = min(int(draft_vocab_size), target.vocab_size)
     cfg = eagle3_config(target, aux_layer_ids, size)
     if counts is not None and counts.numel() != target.vocab_size:
-        raise EaglerayError(f"vocab counts cover {counts.numel()} tokens but the target vocab has {target.vocab_size}\n"
-                            f"    fix: use data generated with this target (manifest.json target_fingerprint)")
+        raise EaglerayError(
+            f"vocab counts cover {counts.numel()} tokens but the target vocab has {target.vocab_size}\n"
+            f"    fix: use data generated with this target (manifest.json target_fingerprint)"
+        )
     d2t, t2d = vocab_map(counts if counts is not None else torch.zeros(target.vocab_size), size)
     tensors = random_eagle3_tensors(cfg, d2t, t2d, seed)
     if target_head is not None:
@@ -85,8 +96,10 @@ def draft_module(init: DraftInit, device=None) -> Eagle3Draft:
     weights = {k: v for k, v in init.tensors.items() if k not in ("d2t", "t2d", "embed_tokens.weight")}
     missing, unexpected = draft.load_state_dict(weights, strict=False)
     if missing or unexpected:
-        raise EaglerayError(f"draft weights do not match the draft module: missing {missing}, unexpected {unexpected}\n"
-                            f"    fix: rebuild the draft with eagleray.training.build.new_draft")
+        raise EaglerayError(
+            f"draft weights do not match the draft module: missing {missing}, unexpected {unexpected}\n"
+            f"    fix: rebuild the draft with eagleray.training.build.new_draft"
+        )
     draft.d2t.copy_(init.tensors["d2t"])
     for p in draft.parameters():
         p.requires_grad_(True)

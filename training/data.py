@@ -39,24 +39,25 @@ COLUMNS = ["prompt_id", "num_tokens", "input_ids", "loss_mask", "aux_hidden", "f
 Row = dict[str, Any]
 
 
-
-
-
-
-
-
 def is_eval(prompt_id: str, eval_fraction: float) -> bool:
     """Stable held-out split by prompt id."""
     if eval_fraction <= 0:
         return False
-    h = int.from_bytes(hashlib.sha256(prompt_id.encode()).digest()[:8], "little") / 2 ** 64
+    h = int.from_bytes(hashlib.sha256(prompt_id.encode()).digest()[:8], "little") / 2**64
     return h < eval_fraction
 
 
-
-
-def iter_rows(files: list[Path], *, rank: int = 0, world: int = 1, split: str = "train", eval_fraction: float = 0.0,
-              seed: int = 0, epoch: int = 0, shuffle: bool = True) -> Iterator[Row]:
+def iter_rows(
+    files: list[Path],
+    *,
+    rank: int = 0,
+    world: int = 1,
+    split: str = "train",
+    eval_fraction: float = 0.0,
+    seed: int = 0,
+    epoch: int = 0,
+    shuffle: bool = True,
+) -> Iterator[Row]:
     """This rank's raw rows of one epoch (hidden states still encoded)."""
     order = list(files)
     if shuffle:
@@ -89,7 +90,7 @@ def _flush(rows: list[Row], batch_size: int, rng: random.Random | None) -> Itera
     if rng is not None:
         rng.shuffle(rows)
         rows.sort(key=lambda r: r["num_tokens"])
-    batches = [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
+    batches = [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
     if rng is not None:
         rng.shuffle(batches)
     yield from batches
@@ -117,8 +118,8 @@ def pad_tokens(rows: list[Row], max_seq_len: int) -> tuple[torch.Tensor, torch.T
     ids = torch.zeros(len(rows), t, dtype=torch.int64)  # [B, T]
     mask = torch.zeros(len(rows), t, dtype=torch.float32)  # [B, T]
     for b, (r, (s, e)) in enumerate(zip(rows, spans)):
-        ids[b, :e - s] = torch.as_tensor(r["input_ids"][s:e], dtype=torch.int64)
-        mask[b, :e - s] = torch.as_tensor(r["loss_mask"][s:e], dtype=torch.float32)
+        ids[b, : e - s] = torch.as_tensor(r["input_ids"][s:e], dtype=torch.int64)
+        mask[b, : e - s] = torch.as_tensor(r["loss_mask"][s:e], dtype=torch.float32)
     return ids, mask, spans
 
 
@@ -127,7 +128,7 @@ def pad_hidden(parts: list[torch.Tensor], spans: list[tuple[int, int]]) -> torch
     t = max(e - s for s, e in spans)
     out = torch.zeros(len(parts), t, parts[0].shape[-1], dtype=torch.float32)  # [B, T, W]
     for b, (x, (s, e)) in enumerate(zip(parts, spans)):
-        out[b, :e - s] = x[s:e]
+        out[b, : e - s] = x[s:e]
     return out
 
 
@@ -139,8 +140,18 @@ def collate(rows: list[Row], max_seq_len: int) -> TTTBatch:
     return TTTBatch(ids, mask, aux, final)
 
 
-def train_batches(files: list[Path], *, batch_size: int, max_seq_len: int, rank: int, world: int, seed: int,
-                  eval_fraction: float, shuffle_buffer: int, skip: int = 0) -> Iterator[TTTBatch]:
+def train_batches(
+    files: list[Path],
+    *,
+    batch_size: int,
+    max_seq_len: int,
+    rank: int,
+    world: int,
+    seed: int,
+    eval_fraction: float,
+    shuffle_buffer: int,
+    skip: int = 0,
+) -> Iterator[TTTBatch]:
     """Endless stream of this rank's training batches; ``skip`` batches are passed over undecoded (resume)."""
     epoch, produced = 0, 0
     while True:
@@ -152,13 +163,16 @@ def train_batches(files: list[Path], *, batch_size: int, max_seq_len: int, rank:
             if produced > skip:
                 yield collate(rows_b, max_seq_len)
         if n_epoch == 0:
-            raise DataError(f"rank {rank} of {world} got no training rows from {len(files)} shard(s)\n"
-                            f"    fix: lower eval_fraction or num_workers, or generate more data")
+            raise DataError(
+                f"rank {rank} of {world} got no training rows from {len(files)} shard(s)\n"
+                f"    fix: lower eval_fraction or num_workers, or generate more data"
+            )
         epoch += 1
 
 
-def eval_batches(files: list[Path], *, batch_size: int, max_seq_len: int, eval_fraction: float,
-                 max_batches: int | None = None) -> Iterator[TTTBatch]:
+def eval_batches(
+    files: list[Path], *, batch_size: int, max_seq_len: int, eval_fraction: float, max_batches: int | None = None
+) -> Iterator[TTTBatch]:
     """The held-out rows once, in a fixed order (all ranks' data; run on one rank)."""
     rows = iter_rows(files, split="eval", eval_fraction=eval_fraction, shuffle=False)
     for n, rows_b in enumerate(group(rows, batch_size, batch_size, None)):

@@ -30,12 +30,14 @@ STATE, DRAFT = "state.pt", "draft"
 
 def lr_lambda(cfg: TrainingConfig):
     """Multiplier of the peak lr at optimizer step s (0-based): linear warmup, then cosine."""
+
     def f(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
         span = max(1, cfg.max_steps - cfg.warmup_steps)
         progress = min(1.0, (step - cfg.warmup_steps) / span)
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
     return f
 
 
@@ -130,7 +132,7 @@ class Meter:
     def reduce(self, session: Session, decay: float) -> dict[str, float]:
         s = session.all_reduce_sum(self.sums.clone()).cpu()
         k = self.k
-        metrics = summarize(s[:k * 4].view(k, 4), s[k * 4:k * 4 + 2], decay)
+        metrics = summarize(s[: k * 4].view(k, 4), s[k * 4 : k * 4 + 2], decay)
         metrics["tokens_per_s"] = float(s[-1]) / max(1e-9, time.perf_counter() - self.started)
         self.reset()
         return metrics

@@ -59,8 +59,10 @@ def online_vocab_counts(cfg: TrainingConfig, tok, vocab_size: int) -> torch.Tens
         if n >= cfg.online.vocab_count_rows:
             break
     if n == 0:
-        raise DataError(f"training.online.prompts {cfg.online.prompts}: no conversation ends with an assistant message\n"
-                        f"    fix: give conversations whose last message is the answer to learn (e.g. datagen's regenerated responses)")
+        raise DataError(
+            f"training.online.prompts {cfg.online.prompts}: no conversation ends with an assistant message\n"
+            f"    fix: give conversations whose last message is the answer to learn (e.g. datagen's regenerated responses)"
+        )
     return counts
 
 
@@ -86,8 +88,7 @@ class OnlineTarget:
         return TTTBatch(ids, mask, pad_hidden(aux_parts, local), pad_hidden(final_parts, local))
 
 
-def online_batches(cfg: TrainingConfig, tok, target: OnlineTarget, *, rank: int, world: int,
-                   skip: int = 0) -> Iterator[TTTBatch]:
+def online_batches(cfg: TrainingConfig, tok, target: OnlineTarget, *, rank: int, world: int, skip: int = 0) -> Iterator[TTTBatch]:
     """Endless stream of this rank's online batches (epoch e reshuffles with seed+e)."""
     epoch, produced = 0, 0
     while True:
@@ -99,7 +100,9 @@ def online_batches(cfg: TrainingConfig, tok, target: OnlineTarget, *, rank: int,
             if produced > skip:
                 yield target.batch(rows_b, cfg.max_seq_len)
         if n_epoch == 0:
-            raise DataError(f"rank {rank} of {world} got no online training rows\n    fix: add conversations or lower num_workers")
+            raise DataError(
+                f"rank {rank} of {world} got no online training rows\n    fix: add conversations or lower num_workers"
+            )
         epoch += 1
 
 

@@ -65,7 +65,7 @@ class LocalSession(Session):
             shutil.rmtree(dst)
         shutil.copytree(checkpoint_dir, dst)
         self.last_checkpoint = dst
-        for old in sorted(self.root.glob("step-*"))[:-self.keep]:
+        for old in sorted(self.root.glob("step-*"))[: -self.keep]:
             shutil.rmtree(old)
 
 

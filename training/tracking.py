@@ -43,7 +43,7 @@ def start_run(cfg: TrainingConfig, facts: dict[str, Any], run_name: str | None =
     params = {**flatten(cfg.model_dump(mode="json", exclude={"mlflow", "testing"})), **flatten(facts)}
     items = list(params.items())
     for i in range(0, len(items), 90):  # MLflow caps a batch at 100 params
-        client.log_batch(run.info.run_id, params=[mlflow.entities.Param(k, v) for k, v in items[i:i + 90]])
+        client.log_batch(run.info.run_id, params=[mlflow.entities.Param(k, v) for k, v in items[i : i + 90]])
     return run.info.run_id
 
 
@@ -60,7 +60,7 @@ class StepLogger:
         now = int(time.time() * 1000)
         batch = [self.metric(k, float(v), now, step) for k, v in metrics.items() if isinstance(v, (int, float))]
         for i in range(0, len(batch), 900):
-            self.client.log_batch(self.run_id, metrics=batch[i:i + 900])
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 900])
 
     def restarted(self, step: int) -> int:
         """Record a resume from the checkpoint of ``step``: metric ``resumed_from_step`` (at that step) and
@@ -90,8 +90,10 @@ def acceptance_plot(metrics: dict[str, float], path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = {name: [metrics[f"{p}acc_{i}"] for i in range(64) if f"{p}acc_{i}" in metrics]
-              for name, p in (("train", ""), ("held-out", "eval/"))}
+    series = {
+        name: [metrics[f"{p}acc_{i}"] for i in range(64) if f"{p}acc_{i}" in metrics]
+        for name, p in (("train", ""), ("held-out", "eval/"))
+    }
     series = {k: v for k, v in series.items() if v}
     if not series:
         return None
@@ -112,8 +114,9 @@ def acceptance_plot(metrics: dict[str, float], path: Path) -> Path | None:
     return path
 
 
-def finish_run(cfg: TrainingConfig, run_id: str, draft_dir: Path, metrics: dict[str, float],
-               tags: dict[str, Any]) -> registry.DraftVersion | None:
+def finish_run(
+    cfg: TrainingConfig, run_id: str, draft_dir: Path, metrics: dict[str, float], tags: dict[str, Any]
+) -> registry.DraftVersion | None:
     """Log final metrics, the plot and the draft; register and alias the version; end the run."""
     import mlflow
 
@@ -127,8 +130,13 @@ def finish_run(cfg: TrainingConfig, run_id: str, draft_dir: Path, metrics: dict[
     version = None
     if cfg.register_model:
         metric_tags = {k: f"{v:.4f}" for k, v in metrics.items() if k.startswith("eval/") and isinstance(v, float)}
-        version = registry.register_draft(cfg.mlflow.registered_model, run_id, DRAFT_ARTIFACT, {**tags, **metric_tags},
-                                          description=f"EAGLE-3 draft from run {run_id}")
+        version = registry.register_draft(
+            cfg.mlflow.registered_model,
+            run_id,
+            DRAFT_ARTIFACT,
+            {**tags, **metric_tags},
+            description=f"EAGLE-3 draft from run {run_id}",
+        )
         if cfg.alias:
             registry.set_alias(version.name, cfg.alias, version.version)
         client.set_tag(run_id, "eagleray.model_version", version.uri)

@@ -63,12 +63,18 @@ def _fit_ray(cfg: TrainingConfig, run_id: str, emit: Callable[[str], None] = pri
     except TrainingFailedError as err:
         if cfg.max_failures < 1:
             raise
-        emit(f"train: the worker group failed ({type(err).__name__}); after_node_loss=anywhere: restarting from the "
-             f"last checkpoint without resources_per_worker {cfg.resources_per_worker}")
+        emit(
+            f"train: the worker group failed ({type(err).__name__}); after_node_loss=anywhere: restarting from the "
+            f"last checkpoint without resources_per_worker {cfg.resources_per_worker}"
+        )
         from eagleray.training.tracking import record_restart_reason
 
-        record_restart_reason(cfg, run_id, f"worker group failed ({type(err).__name__}); restarted from the "
-                                           f"last checkpoint without resources_per_worker (after_node_loss=anywhere)")
+        record_restart_reason(
+            cfg,
+            run_id,
+            f"worker group failed ({type(err).__name__}); restarted from the "
+            f"last checkpoint without resources_per_worker (after_node_loss=anywhere)",
+        )
         return _fit_ray_once(cfg, run_id, {}, cfg.max_failures - 1)
 
 
@@ -80,11 +86,15 @@ def _fit_ray_once(cfg: TrainingConfig, run_id: str, custom: dict[str, float], ma
     trainer = TorchTrainer(
         ray_worker_entry,
         train_loop_config={"cfg": cfg.model_dump_json(), "run_id": run_id, "storage_dir": str(storage / name)},
-        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
-                                     resources_per_worker={"CPU": cfg.cpus_per_worker, **custom}),
-        run_config=RunConfig(name=name, storage_path=str(storage),
-                             failure_config=FailureConfig(max_failures=max_failures),
-                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
+        scaling_config=ScalingConfig(
+            num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker={"CPU": cfg.cpus_per_worker, **custom}
+        ),
+        run_config=RunConfig(
+            name=name,
+            storage_path=str(storage),
+            failure_config=FailureConfig(max_failures=max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+        ),
     )
     result = trainer.fit()
     if result.checkpoint is None:
@@ -102,6 +112,7 @@ def _fit_local(cfg: TrainingConfig, run_id: str) -> tuple[Path, dict[str, float]
 def absolute_paths(cfg: TrainingConfig) -> TrainingConfig:
     """A copy with the local paths made absolute against this process's working directory: data_dir,
     output_dir, and target.model / init_from when they name existing paths (not 'smollm2' or models:/)."""
+
     def local(value: str) -> str:
         return str(Path(value).resolve()) if Path(value).exists() else value
 
@@ -125,10 +136,15 @@ def train(cfg: TrainingConfig, emit: Callable[[str], None] = print, run_name: st
 
     cfg = absolute_paths(cfg)  # Ray Train workers run in their own working directory
     plan = make_plan(cfg)  # fail fast on config/data problems, before Ray starts
-    facts = {"target_fingerprint": plan.spec.fingerprint, "tokenizer_fingerprint": plan.spec.tokenizer_fingerprint,
-             "aux_layer_ids": plan.aux_layer_ids, "dataset_id": plan.dataset_id,
-             "draft_vocab_size": plan.init.config["draft_vocab_size"], "target_dir": str(plan.target_dir),
-             **plan.data_facts}
+    facts = {
+        "target_fingerprint": plan.spec.fingerprint,
+        "tokenizer_fingerprint": plan.spec.tokenizer_fingerprint,
+        "aux_layer_ids": plan.aux_layer_ids,
+        "dataset_id": plan.dataset_id,
+        "draft_vocab_size": plan.init.config["draft_vocab_size"],
+        "target_dir": str(plan.target_dir),
+        **plan.data_facts,
+    }
     run_id = start_run(cfg, facts, run_name)
     emit(f"train: MLflow run {run_id} ({cfg.mlflow.tracking_uri}), backend={cfg.backend}, workers={cfg.num_workers}")
     ckpt, metrics = _fit_ray(cfg, run_id, emit) if cfg.backend == "ray" else _fit_local(cfg, run_id)
@@ -139,6 +155,8 @@ def train(cfg: TrainingConfig, emit: Callable[[str], None] = print, run_name: st
     tags = {k: facts[k] for k in ("target_fingerprint", "tokenizer_fingerprint", "aux_layer_ids", "dataset_id")}
     version = finish_run(cfg, run_id, final, metrics, tags)
     summary = ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k.startswith("eval/") and ("acc" in k or "tau" in k))
-    emit(f"train: done at step {metrics.get('step')}: {summary}; draft {final}"
-         + (f"; registered {version.uri}" + (f" @{cfg.alias}" if cfg.alias else "") if version else ""))
+    emit(
+        f"train: done at step {metrics.get('step')}: {summary}; draft {final}"
+        + (f"; registered {version.uri}" + (f" @{cfg.alias}" if cfg.alias else "") if version else "")
+    )
     return TrainResult(run_id, final, metrics, version)

@@ -75,8 +75,15 @@ class TTTOutput:
 class TTTModel(nn.Module):
     """A trainable :class:`Eagle3Draft` plus the frozen target pieces TTT needs (embedding, lm_head)."""
 
-    def __init__(self, draft: Eagle3Draft, embed: torch.Tensor, target_head: torch.Tensor, t2d: torch.Tensor,
-                 ttt_steps: int = 7, loss_decay: float = 0.8):
+    def __init__(
+        self,
+        draft: Eagle3Draft,
+        embed: torch.Tensor,
+        target_head: torch.Tensor,
+        t2d: torch.Tensor,
+        ttt_steps: int = 7,
+        loss_decay: float = 0.8,
+    ):
         super().__init__()
         self.draft = draft
         self.ttt_steps, self.loss_decay = ttt_steps, loss_decay
@@ -86,7 +93,9 @@ class TTTModel(nn.Module):
         self.register_buffer("t2d", t2d.to(torch.bool), persistent=False)  # [V]
         self.register_buffer("draft_ids", torch.nonzero(t2d).flatten(), persistent=False)  # [Vd] target id of each draft id
 
-    def targets(self, final_hidden: torch.Tensor, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def targets(
+        self, final_hidden: torch.Tensor, keep: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Target distribution over the draft vocab [B, T, Vd], full-vocab argmax [B, T], in-draft-vocab [B, T].
 
         With ``keep`` [B, T] bool only those positions are computed (the loss-masked ones: every other
@@ -114,24 +123,26 @@ class TTTModel(nn.Module):
         losses, stats, correct = [], [], []
         for i in range(k):
             n = t - 1 - i  # slots whose target position t+1+i exists
-            step_ids = F.pad(ids[:, 1 + i:], (0, 1 + i))  # [B, T] x_{t+1+i}
+            step_ids = F.pad(ids[:, 1 + i :], (0, 1 + i))  # [B, T] x_{t+1+i}
             positions = torch.arange(t, device=ids.device) + i  # [T]
             normed, hidden = self.step(step_ids, positions, hidden, cache)  # [B, T, H] each
             sl = slice(1 + i, None)  # target positions t+1+i of slots 0..n-1
             sel = keep[:, sl]  # [B, n]; the draft lm_head runs on these slots only
             logits = self.draft.compute_logits(normed[:, :n][sel])  # [N, Vd]
-            ploss, row, hit_sel = step_terms(logits, probs[:, sl][sel], mask[:, sl][sel], in_vocab[:, sl][sel],
-                                             argmax[:, sl][sel], self.draft_ids)
+            ploss, row, hit_sel = step_terms(
+                logits, probs[:, sl][sel], mask[:, sl][sel], in_vocab[:, sl][sel], argmax[:, sl][sel], self.draft_ids
+            )
             hit = mask.new_zeros(b, n)  # [B, n]
             hit[sel] = hit_sel
-            losses.append(self.loss_decay ** i * ploss)
+            losses.append(self.loss_decay**i * ploss)
             correct.append(F.pad(hit, (0, t - 1 - n)))  # [B, T-1]
             stats.append(row)
         stats_t = F.pad(torch.stack(stats), (0, 0, 0, self.ttt_steps - k))  # [ttt_steps, 4], zero rows if T <= k
         return TTTOutput(loss=torch.stack(losses).sum(), stats=stats_t, tau=_sim_tau(correct, mask))
 
-    def step(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
-             cache: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(
+        self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step over every slot: ids [B, T], positions [T], hidden [B, T, H] -> normed, next_hidden [B, T, H]."""
         d, layer = self.draft, self.draft.midlayer
         embeds = F.embedding(ids, self.embed).to(hidden.dtype)  # [B, T, H]
@@ -144,8 +155,14 @@ class TTTModel(nn.Module):
         return normed, (normed if d.norm_output else pre)
 
 
-def step_terms(logits: torch.Tensor, probs: torch.Tensor, loss_mask: torch.Tensor, in_vocab: torch.Tensor,
-               target_argmax: torch.Tensor, draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def step_terms(
+    logits: torch.Tensor,
+    probs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    in_vocab: torch.Tensor,
+    target_argmax: torch.Tensor,
+    draft_ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One TTT step's loss terms (module doc): logits [..., Vd], probs [..., Vd], masks/argmax [...]
     (any leading shape: [B, n], or [N] for the gathered loss-masked slots).
 
@@ -160,8 +177,9 @@ def step_terms(logits: torch.Tensor, probs: torch.Tensor, loss_mask: torch.Tenso
     return num / den.clamp_min(1.0), row, hit.detach()
 
 
-def ttt_attention(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor,
-                  cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def ttt_attention(
+    attn: nn.Module, x: torch.Tensor, positions: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]
+) -> torch.Tensor:
     """x [B, T, 2H] -> [B, T, H]; appends this step's (k, v) [B, Hkv, T, D] to ``cache``.
 
     Keys: step 0 causal over slots, steps 1..i only the query's own slot (diagonal).
@@ -187,7 +205,7 @@ def ttt_attention(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor,
     p = torch.cat([s0, *diag], dim=-1).float().softmax(-1).to(q.dtype)  # [B, Hq, T, T+i]
     out = p[..., :t] @ vals[0]  # [B, Hq, T, D]
     for j, vj in enumerate(vals[1:]):
-        out = out + p[..., t + j:t + j + 1] * vj  # [B, Hq, T, D]
+        out = out + p[..., t + j : t + j + 1] * vj  # [B, Hq, T, D]
     return attn.o_proj(out.transpose(1, 2).reshape(b, t, hq * dim))  # [B, T, H]
 
 
@@ -206,7 +224,7 @@ def summarize(stats: torch.Tensor, tau: torch.Tensor, decay: float) -> dict[str,
     for i, (num, den, hit, lm) in enumerate(stats.tolist()):
         out[f"ploss_{i}"] = num / max(den, 1.0)
         out[f"acc_{i}"] = hit / max(lm, 1.0)
-        loss += decay ** i * out[f"ploss_{i}"]
+        loss += decay**i * out[f"ploss_{i}"]
         surv *= out[f"acc_{i}"]
         tau_prod += surv
     out["loss"] = loss

@@ -17,17 +17,21 @@ import importlib
 import sys
 
 # suite name -> module with a `run(argv) -> dict` function
-SUITES = {"verify": "eagleray.jobs.bench.verify_kernels", "gpu": "eagleray.jobs.bench.gpu", "spec": "eagleray.jobs.bench.spec",
-          "engine": "eagleray.jobs.bench.engine",
-          "train": "eagleray.jobs.bench.train_step", "vllm": "eagleray.jobs.bench.vllm",
-          "scaling": "eagleray.jobs.bench.scaling"}
+SUITES = {
+    "verify": "eagleray.jobs.bench.verify_kernels",
+    "gpu": "eagleray.jobs.bench.gpu",
+    "spec": "eagleray.jobs.bench.spec",
+    "engine": "eagleray.jobs.bench.engine",
+    "train": "eagleray.jobs.bench.train_step",
+    "vllm": "eagleray.jobs.bench.vllm",
+    "scaling": "eagleray.jobs.bench.scaling",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUITES:
-        print(f"usage: python -m eagleray.jobs.bench SUITE [options]; suites: {', '.join(SUITES)}",
-              file=sys.stderr)
+        print(f"usage: python -m eagleray.jobs.bench SUITE [options]; suites: {', '.join(SUITES)}", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     importlib.import_module(SUITES[argv[0]]).run(argv[1:])
     return 0

@@ -14,14 +14,39 @@ from typing import Callable
 
 import torch
 
-LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
-                max_position_embeddings=131072, tie_word_embeddings=False, rope_theta=500000.0,
-                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_max_position_embeddings": 8192})
-SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-               num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, max_position_embeddings=8192,
-               tie_word_embeddings=True, rope_theta=100000.0)
+LLAMA_8B = dict(
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=131072,
+    tie_word_embeddings=False,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
+SMOLLM2 = dict(
+    model_type="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    rope_theta=100000.0,
+)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, *, limit: int = 8, batch: int = 1) -> None:
@@ -77,9 +102,14 @@ def write_json(result: dict, out: str | Path | None, indent: int = 1) -> None:
         Path(out).write_text(json.dumps(result, indent=indent))
 
 
-def run_suite(args: argparse.Namespace | list[str] | None, prog: str, doc: str,
-              add_arguments: Callable[[argparse.ArgumentParser], None],
-              measure: Callable[[argparse.Namespace], dict], print_table: Callable[[dict], None]) -> dict:
+def run_suite(
+    args: argparse.Namespace | list[str] | None,
+    prog: str,
+    doc: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    measure: Callable[[argparse.Namespace], dict],
+    print_table: Callable[[dict], None],
+) -> dict:
     """Parse (an argv list, or an already parsed Namespace), measure, print the table, write ``--json``."""
     if not isinstance(args, argparse.Namespace):
         parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])

@@ -44,8 +44,12 @@ def build_input(path: Path, records: int) -> dict:
                 last = {**msgs[-1], "content": f"[repeat {i // len(turns)}] {msgs[-1]['content']}"}
                 msgs = [*msgs[:-1], last]
             f.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
-    return {"sharegpt_unique_turns": len(turns), "records": records, "unique_content": min(records, len(turns)),
-            "repeats": max(0, records - len(turns))}
+    return {
+        "sharegpt_unique_turns": len(turns),
+        "records": records,
+        "unique_content": min(records, len(turns)),
+        "repeats": max(0, records - len(turns)),
+    }
 
 
 class PeakRSS(threading.Thread):
@@ -77,12 +81,23 @@ def run(args: argparse.Namespace) -> int:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     counts = build_input(work / "prompts.jsonl", args.records)
-    target = make_tiny_llama(work / "tiny", hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1,
-                             intermediate_size=64, max_positions=1024)
-    cfg = DatagenConfig(prompts=[str(work / "prompts.jsonl")], output_dir=str(work / "out"), backend="transformers",
-                        target={"model": str(target), "dtype": "fp32", "device": "cpu"}, hold_out_eval=True,
-                        generation={"max_tokens": 8}, max_seq_len=512, rows_per_shard=1024, batch_size=64,
-                        num_workers=1, cpus_per_worker=1, progress_seconds=30)
+    target = make_tiny_llama(
+        work / "tiny", hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=1024
+    )
+    cfg = DatagenConfig(
+        prompts=[str(work / "prompts.jsonl")],
+        output_dir=str(work / "out"),
+        backend="transformers",
+        target={"model": str(target), "dtype": "fp32", "device": "cpu"},
+        hold_out_eval=True,
+        generation={"max_tokens": 8},
+        max_seq_len=512,
+        rows_per_shard=1024,
+        batch_size=64,
+        num_workers=1,
+        cpus_per_worker=1,
+        progress_seconds=30,
+    )
     ray.init(address="local", num_cpus=args.num_cpus, object_store_memory=500 * 1024**2, include_dashboard=False)
     mon = PeakRSS()
     mon.start()
@@ -92,13 +107,24 @@ def run(args: argparse.Namespace) -> int:
     mon.stop.set()
     ray.shutdown()
     run_ = manifest["run"]
-    out = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {psutil.cpu_count()} cores (shared)",
-           "command": f"python -m eagleray.jobs.bench.datagen_scale --workdir {args.workdir} --records {args.records}",
-           "input": counts, "target": "tiny random Llama hidden 32, 4 layers, vocab 384", "max_tokens": 8,
-           "rows_written": manifest["rows"], "errors": manifest["errors"], "shards": manifest["shards"],
-           "tokens": manifest["tokens"], "bytes": manifest["bytes"], "wall_s": round(wall, 1),
-           "pipeline_s": round(run_["seconds"], 1), "rows_per_s": round((run_["rows"] + run_["errors"]) / run_["seconds"], 1),
-           "tokens_per_s": round(run_["tokens"] / run_["seconds"], 1), "peak_rss_bytes": mon.peak}
+    out = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()} {psutil.cpu_count()} cores (shared)",
+        "command": f"python -m eagleray.jobs.bench.datagen_scale --workdir {args.workdir} --records {args.records}",
+        "input": counts,
+        "target": "tiny random Llama hidden 32, 4 layers, vocab 384",
+        "max_tokens": 8,
+        "rows_written": manifest["rows"],
+        "errors": manifest["errors"],
+        "shards": manifest["shards"],
+        "tokens": manifest["tokens"],
+        "bytes": manifest["bytes"],
+        "wall_s": round(wall, 1),
+        "pipeline_s": round(run_["seconds"], 1),
+        "rows_per_s": round((run_["rows"] + run_["errors"]) / run_["seconds"], 1),
+        "tokens_per_s": round(run_["tokens"] / run_["seconds"], 1),
+        "peak_rss_bytes": mon.peak,
+    }
     print(json.dumps(out, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

@@ -69,37 +69,53 @@ def _runs(name: str, target, draft, tok, tcfg: TargetConfig, prompts: list, args
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     fixed, adaptive_set = _ints(args.batches), _ints(args.adaptive_batches)
     for b in sorted(set(fixed) | set(adaptive_set)):
-        use = prompts if name == "smollm2" or b > 8 else prompts[:args.limit_8b]
+        use = prompts if name == "smollm2" or b > 8 else prompts[: args.limit_8b]
         use = use * max(1, -(-2 * b // len(use)))  # at least two rounds of the batch
         t0 = time.perf_counter()
-        token_prompts, plain, t_plain, eng = plain_run(target, tok, tcfg, use, params, b, args.profile,
-                                                          args.kv_cache_gib)
+        token_prompts, plain, t_plain, eng = plain_run(target, tok, tcfg, use, params, b, args.profile, args.kv_cache_gib)
         rec = _record(name, b, "plain", 0, False, plain, t_plain, eng, None, None)
         plain_step, plain_decode = rec["step_ms"], rec["decode_tok_s"]
         rec["profile"] = eng.prof.table() if args.profile else None
         _keep(out, rec, args)
-        log(f"{name} b{b} plain: {rec['tok_s']} tok/s, decode {rec['decode_tok_s']} tok/s, step {rec['step_ms']} ms "
-            f"({time.perf_counter() - t0:.0f} s)")
+        log(
+            f"{name} b{b} plain: {rec['tok_s']} tok/s, decode {rec['decode_tok_s']} tok/s, step {rec['step_ms']} ms "
+            f"({time.perf_counter() - t0:.0f} s)"
+        )
         modes = ([False] if b in fixed else []) + ([True] if b in adaptive_set else [])
         for adaptive in modes:
             dcfg = DraftConfig(source="random", num_speculative_tokens=args.k, policy=PolicyConfig(adaptive=adaptive))
-            r = spec_run(target, draft, tok, tcfg, dcfg, token_prompts, params, plain, t_plain, b, args.profile,
-                         args.kv_cache_gib)
-            rec = {"model": name, "batch": b, "mode": "spec", "k": args.k, "adaptive": adaptive,
-                   "tok_s": r["spec"]["tokens_per_s"], "plain_tok_s": r["plain"]["tokens_per_s"],
-                   "speedup": r["speedup"], "decode_tok_s": r["spec_decode_tokens_per_s"],
-                   "all_decode_tok_s": r["decode_tokens_per_s"],
-                   "decode_ratio": round(r["decode_tokens_per_s"] / plain_decode, 3) if plain_decode else None,
-                   "step_ms": r["spec_step_ms"] if r["spec_steps"] else None,
-                   "predicted_speedup": _predicted(r, b, args.k, plain_step),
-                   "lossless": r["lossless"], "tau": r["tau"], "acceptance_per_pos": r["acceptance_per_pos"],
-                   "chosen_k": {str(bk): c["k"] for bk, c in r["policy"]["buckets"].items()},
-                   "spec_steps": r["spec_steps"], "plain_steps": r["plain_steps_in_spec_run"],
-                   "policy": r["policy"], "profile": r["spec_profile"] if args.profile else None}
+            r = spec_run(
+                target, draft, tok, tcfg, dcfg, token_prompts, params, plain, t_plain, b, args.profile, args.kv_cache_gib
+            )
+            rec = {
+                "model": name,
+                "batch": b,
+                "mode": "spec",
+                "k": args.k,
+                "adaptive": adaptive,
+                "tok_s": r["spec"]["tokens_per_s"],
+                "plain_tok_s": r["plain"]["tokens_per_s"],
+                "speedup": r["speedup"],
+                "decode_tok_s": r["spec_decode_tokens_per_s"],
+                "all_decode_tok_s": r["decode_tokens_per_s"],
+                "decode_ratio": round(r["decode_tokens_per_s"] / plain_decode, 3) if plain_decode else None,
+                "step_ms": r["spec_step_ms"] if r["spec_steps"] else None,
+                "predicted_speedup": _predicted(r, b, args.k, plain_step),
+                "lossless": r["lossless"],
+                "tau": r["tau"],
+                "acceptance_per_pos": r["acceptance_per_pos"],
+                "chosen_k": {str(bk): c["k"] for bk, c in r["policy"]["buckets"].items()},
+                "spec_steps": r["spec_steps"],
+                "plain_steps": r["plain_steps_in_spec_run"],
+                "policy": r["policy"],
+                "profile": r["spec_profile"] if args.profile else None,
+            }
             _keep(out, rec, args)
-            log(f"{name} b{b} spec k={args.k} adaptive={adaptive}: {rec['tok_s']} tok/s ({rec['speedup']}x), "
+            log(
+                f"{name} b{b} spec k={args.k} adaptive={adaptive}: {rec['tok_s']} tok/s ({rec['speedup']}x), "
                 f"step {rec['step_ms']} ms, tau {rec['tau']}, lossless {rec['lossless']}, chosen k {rec['chosen_k']}, "
-                f"predicted {rec['predicted_speedup']}")
+                f"predicted {rec['predicted_speedup']}"
+            )
 
 
 def _ints(text: str) -> list[int]:
@@ -114,10 +130,20 @@ def _keep(out: list[dict], rec: dict, args) -> None:
 def _record(name, b, mode, k, adaptive, outs, seconds, eng, predicted, lossless) -> dict:
     n = sum(len(o.token_ids) for o in outs)
     plain = eng.metrics.plain
-    return {"model": name, "batch": b, "mode": mode, "k": k, "adaptive": adaptive, "tok_s": round(n / seconds, 2),
-            "decode_tok_s": round(plain.tokens_per_s, 2),
-            "step_ms": round(1e3 * plain.seconds / max(plain.steps, 1), 4),
-            "predicted_speedup": predicted, "lossless": lossless, "tokens": n, "seconds": round(seconds, 3)}
+    return {
+        "model": name,
+        "batch": b,
+        "mode": mode,
+        "k": k,
+        "adaptive": adaptive,
+        "tok_s": round(n / seconds, 2),
+        "decode_tok_s": round(plain.tokens_per_s, 2),
+        "step_ms": round(1e3 * plain.seconds / max(plain.steps, 1), 4),
+        "predicted_speedup": predicted,
+        "lossless": lossless,
+        "tokens": n,
+        "seconds": round(seconds, 3),
+    }
 
 
 def _predicted(r: dict, batch: int, k: int, plain_step_ms: float) -> float | None:
@@ -149,25 +175,35 @@ def measure(args: argparse.Namespace) -> dict:
         elif name == "8b":
             tcfg = TargetConfig(model="smollm2", dtype="bf16", device=device.type, max_model_len=2048)
             _, _, tok, _ = load_models(tcfg, None)
-            ids = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-                   for m in messages]
+            ids = [
+                tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+                for m in messages
+            ]
             target, draft = _eight_b(device)
             _runs(name, target, draft, None, tcfg, [list(i) for i in ids], args, results)
             del target, draft
             torch.cuda.empty_cache() if device.type == "cuda" else None
         else:
             raise EaglerayError(f"--models: unknown model {name!r}\n    fix: use smollm2 and/or 8b")
-    return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "date": time.strftime("%Y-%m-%d"), "max_tokens": args.max_tokens, "prompts": args.prompts,
-            "records": results}
+    return {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "date": time.strftime("%Y-%m-%d"),
+        "max_tokens": args.max_tokens,
+        "prompts": args.prompts,
+        "records": results,
+    }
 
 
 def print_table(result: dict) -> None:
-    print(f"\n{'model':<8}{'batch':>6}{'mode':>6}{'k':>3}{'adapt':>7}{'tok/s':>11}{'decode tok/s':>14}{'step ms':>9}"
-          f"{'pred':>7}{'lossless':>9}")
+    print(
+        f"\n{'model':<8}{'batch':>6}{'mode':>6}{'k':>3}{'adapt':>7}{'tok/s':>11}{'decode tok/s':>14}{'step ms':>9}"
+        f"{'pred':>7}{'lossless':>9}"
+    )
     for r in result["records"]:
-        print(f"{r['model']:<8}{r['batch']:>6}{r['mode']:>6}{r['k']:>3}{str(r['adaptive']):>7}{r['tok_s']:>11}"
-              f"{str(r['decode_tok_s']):>14}{str(r['step_ms']):>9}{str(r['predicted_speedup']):>7}{str(r['lossless']):>9}")
+        print(
+            f"{r['model']:<8}{r['batch']:>6}{r['mode']:>6}{r['k']:>3}{str(r['adaptive']):>7}{r['tok_s']:>11}"
+            f"{str(r['decode_tok_s']):>14}{str(r['step_ms']):>9}{str(r['predicted_speedup']):>7}{str(r['lossless']):>9}"
+        )
 
 
 def run(args: argparse.Namespace | list[str] | None = None) -> dict:

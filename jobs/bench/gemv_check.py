@@ -24,12 +24,34 @@ from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.graphs import DecodeGraphRunner
 from eagleray.platform.models.llama import LlamaModel
 
-SHAPES = {"qkv_rope": (6144, 4096), "o_res": (4096, 4096), "gate_up_norm": (28672, 4096),
-          "down_silu_res": (4096, 14336), "lm_head_norm": (128256, 4096)}
+SHAPES = {
+    "qkv_rope": (6144, 4096),
+    "o_res": (4096, 4096),
+    "gate_up_norm": (28672, 4096),
+    "down_silu_res": (4096, 14336),
+    "lm_head_norm": (128256, 4096),
+}
 COPIES = 16
-GRID = [(8, 512, 4, 3), (16, 512, 4, 3), (4, 512, 4, 3), (8, 1024, 4, 3), (16, 1024, 8, 3), (8, 256, 4, 4),
-        (16, 256, 4, 4), (4, 1024, 4, 3), (8, 512, 8, 3), (16, 512, 8, 3), (32, 256, 8, 3), (8, 512, 4, 2),
-        (8, 512, 4, 4), (16, 512, 4, 2), (32, 512, 8, 2), (4, 256, 4, 4), (16, 1024, 4, 2), (32, 128, 4, 4)]
+GRID = [
+    (8, 512, 4, 3),
+    (16, 512, 4, 3),
+    (4, 512, 4, 3),
+    (8, 1024, 4, 3),
+    (16, 1024, 8, 3),
+    (8, 256, 4, 4),
+    (16, 256, 4, 4),
+    (4, 1024, 4, 3),
+    (8, 512, 8, 3),
+    (16, 512, 8, 3),
+    (32, 256, 8, 3),
+    (8, 512, 4, 2),
+    (8, 512, 4, 4),
+    (16, 512, 4, 2),
+    (32, 512, 8, 2),
+    (4, 256, 4, 4),
+    (16, 1024, 4, 2),
+    (32, 128, 4, 4),
+]
 
 
 def correctness(model: LlamaModel) -> dict:
@@ -41,19 +63,28 @@ def correctness(model: LlamaModel) -> dict:
         attn = AttentionMetadata.build([64], [0], tables, 16)
         hidden, _ = model(ids, torch.arange(64, device=dev), attn, kv)
         tok = model.compute_logits(hidden[-1:]).argmax(-1)  # [1]
-        pos, slots, lens = torch.tensor([64], device=dev), torch.tensor([64], device=dev), torch.tensor(
-            [65], device=dev, dtype=torch.int32)
+        pos, slots, lens = (
+            torch.tensor([64], device=dev),
+            torch.tensor([64], device=dev),
+            torch.tensor([65], device=dev, dtype=torch.int32),
+        )
         attn = AttentionMetadata.build([1], [64], tables, 16)
         h, _ = model(tok, pos, attn, kv)
         ref = model.compute_logits(h).float()  # [1, V] the model's own forward
         out = {}
-        for name, kw in {"gemv_eager": dict(use_graphs=False), "cublas_eager": dict(use_graphs=False, use_gemv=False),
-                         "gemv_graph": {}}.items():
+        for name, kw in {
+            "gemv_eager": dict(use_graphs=False),
+            "cublas_eager": dict(use_graphs=False, use_gemv=False),
+            "gemv_graph": {},
+        }.items():
             runner = DecodeGraphRunner(model, kv, 5, buckets=(1,), **kw)
             runner.capture()
             got = runner.run(tok, pos, tables, lens, slots)[0].float()
-            out[name] = dict(rel_err=float((got - ref).norm() / ref.norm()), argmax_equal=bool(
-                (got.argmax(-1) == ref.argmax(-1)).all()), finite=bool(torch.isfinite(got).all()))
+            out[name] = dict(
+                rel_err=float((got - ref).norm() / ref.norm()),
+                argmax_equal=bool((got.argmax(-1) == ref.argmax(-1)).all()),
+                finite=bool(torch.isfinite(got).all()),
+            )
             out[name + "_logits"] = got
     out["graph_vs_eager_max_abs"] = float((out.pop("gemv_graph_logits") - out.pop("gemv_eager_logits")).abs().max())
     out.pop("cublas_eager_logits")
@@ -67,12 +98,11 @@ def _launcher(name: str, n: int, k: int, bufs: dict):
     if name == "qkv_rope":
         kc = torch.randn(64, 16, 8, 128, device=dev, dtype=torch.bfloat16)
         pos, slot, inv = torch.tensor([100], device=dev), torch.tensor([7], device=dev), torch.rand(64, device=dev)
-        return lambda w: decode_gemv.qkv_rope_gemv(bufs["x"][:, :k], bufs["nw"][:k], 1e-5, w, None, pos, inv, kc, kc,
-                                                   slot, 32, 8)
+        return lambda w: decode_gemv.qkv_rope_gemv(bufs["x"][:, :k], bufs["nw"][:k], 1e-5, w, None, pos, inv, kc, kc, slot, 32, 8)
     if name.endswith("_norm"):
         return lambda w: decode_gemv.gemv(bufs["x"][:, :k], w, mode="norm", norm_weight=bufs["nw"][:k], eps=1e-5)
     if name == "down_silu_res":
-        return lambda w: decode_gemv.gemv(bufs["x"][:, :2 * k], w, mode="silu", residual=bufs["x"][:, :n])
+        return lambda w: decode_gemv.gemv(bufs["x"][:, : 2 * k], w, mode="silu", residual=bufs["x"][:, :n])
     return lambda w: decode_gemv.gemv(bufs["x"][:, :k], w, residual=bufs["x"][:, :n])
 
 
@@ -97,8 +127,10 @@ def _time_graph(fn, weights) -> float:
 
 def sweep(budget_s: float) -> dict:
     dev = torch.device("cuda")
-    bufs = dict(x=torch.randn(1, 2 * 14336, device=dev, dtype=torch.bfloat16),
-                nw=torch.rand(14336, device=dev, dtype=torch.bfloat16) + 0.5)
+    bufs = dict(
+        x=torch.randn(1, 2 * 14336, device=dev, dtype=torch.bfloat16),
+        nw=torch.rand(14336, device=dev, dtype=torch.bfloat16) + 0.5,
+    )
     results = {}
     for name, (n, k) in SHAPES.items():
         t_end = time.perf_counter() + budget_s / len(SHAPES)

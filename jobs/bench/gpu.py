@@ -34,8 +34,17 @@ from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.graphs import BUCKETS, DecodeGraphRunner
 from eagleray.platform.models.llama import LlamaModel
 
-TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False)
+TINY = dict(
+    model_type="llama",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
 CONFIGS = {"8b": LLAMA_8B, "smollm2": SMOLLM2, "tiny": TINY}
 BLOCK = 16
 
@@ -55,7 +64,7 @@ def ceilings(device) -> dict:
     bw = 2 * x.numel() * 4 / timed(lambda: y.copy_(x), 10, device)
     x = y = None  # free the 4 GiB before the runs
     a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(2))
-    flops = 2 * 8192 ** 3 / timed(lambda: a @ b, 10, device)
+    flops = 2 * 8192**3 / timed(lambda: a @ b, 10, device)
     return dict(copy_GBps=round(bw / 1e9, 1), matmul_TFLOPs=round(flops / 1e12, 1))
 
 
@@ -140,9 +149,11 @@ def decode_case(model: LlamaModel, name: str, batch: int, args, ceil: dict, devi
         steps = args.steps if variant != "engine_eager" else max(4, args.steps // 8)
         fn = engine if variant == "engine_eager" else runners[variant].run
         with torch.inference_mode():
+
             def once(fn=fn, steps=steps):
                 engine.step = 0
                 return greedy(fn, first, args.prompt, tables, steps)
+
             sec = timed(once, 2, device)
             toks = once()
         agree = None
@@ -151,13 +162,23 @@ def decode_case(model: LlamaModel, name: str, batch: int, args, ceil: dict, devi
         else:
             agree = float((toks == ref[:steps]).float().mean())
         tps = batch * steps / sec
-        rec = dict(model=name, batch=batch, variant=variant, steps=steps, prompt=args.prompt,
-                   step_ms=round(sec / steps * 1e3, 3), tok_per_s=round(tps, 1), token_agreement_vs_graph=agree,
-                   roofline_tok_per_s=round(batch / roof_s, 1) if roof_s else None,
-                   roofline_fraction=round(tps * roof_s / batch, 3) if roof_s else None)
+        rec = dict(
+            model=name,
+            batch=batch,
+            variant=variant,
+            steps=steps,
+            prompt=args.prompt,
+            step_ms=round(sec / steps * 1e3, 3),
+            tok_per_s=round(tps, 1),
+            token_agreement_vs_graph=agree,
+            roofline_tok_per_s=round(batch / roof_s, 1) if roof_s else None,
+            roofline_fraction=round(tps * roof_s / batch, 3) if roof_s else None,
+        )
         records.append(rec)
-        log(f"  {name:8s} B={batch:3d} {variant:14s} {rec['step_ms']:8.2f} ms/step {tps:9.1f} tok/s "
-            f"roof {rec['roofline_tok_per_s']} frac {rec['roofline_fraction']} agree {agree}")
+        log(
+            f"  {name:8s} B={batch:3d} {variant:14s} {rec['step_ms']:8.2f} ms/step {tps:9.1f} tok/s "
+            f"roof {rec['roofline_tok_per_s']} frac {rec['roofline_fraction']} agree {agree}"
+        )
     del runners, fused, kv
     torch.cuda.empty_cache() if cuda else None
     return records
@@ -169,13 +190,22 @@ def extraction_case(model: LlamaModel, name: str, args, ceil: dict, device) -> d
     ids = torch.randint(0, model.arch.vocab_size, (args.extract_batch, args.extract_len), device=device)
     sec = timed(lambda: model.forward_full(ids), 3, device)
     tokens = ids.numel()
-    params = sum(p.numel() for p in model.parameters()) - (0 if model.lm_head.weight is model.embed_tokens.weight
-                                                            else model.embed_tokens.weight.numel())
+    params = sum(p.numel() for p in model.parameters()) - (
+        0 if model.lm_head.weight is model.embed_tokens.weight else model.embed_tokens.weight.numel()
+    )
     flops = 2 * params * tokens / sec
     peak = (ceil["matmul_TFLOPs"] or 0) * 1e12
-    rec = dict(model=name, batch=args.extract_batch, seq_len=args.extract_len, aux_layers=model.aux_layer_ids,
-               seconds=round(sec, 4), tok_per_s=round(tokens / sec, 1), TFLOPs=round(flops / 1e12, 1),
-               flop_fraction=round(flops / peak, 3) if peak else None, params=params)
+    rec = dict(
+        model=name,
+        batch=args.extract_batch,
+        seq_len=args.extract_len,
+        aux_layers=model.aux_layer_ids,
+        seconds=round(sec, 4),
+        tok_per_s=round(tokens / sec, 1),
+        TFLOPs=round(flops / 1e12, 1),
+        flop_fraction=round(flops / peak, 3) if peak else None,
+        params=params,
+    )
     log(f"  extract {name}: {tokens / sec:,.0f} tok/s, {flops / 1e12:.1f} TFLOP/s, fraction {rec['flop_fraction']}")
     model.set_aux_layers([])
     return rec
@@ -212,13 +242,22 @@ def hf_generate(name: str, args, device) -> list[dict]:
         hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     ids = torch.randint(0, cfg.vocab_size, (1, args.prompt), device=device)
     out = []
-    for cache in (["dynamic", "static"] if args.hf_static else ["dynamic"]):
+    for cache in ["dynamic", "static"] if args.hf_static else ["dynamic"]:
         kw = dict(do_sample=False, pad_token_id=0, cache_implementation=None if cache == "dynamic" else "static")
         with torch.inference_mode():
             hf.generate(ids, max_new_tokens=8, min_new_tokens=8, **kw)
             sec = timed(lambda kw=kw: hf.generate(ids, max_new_tokens=args.steps, min_new_tokens=args.steps, **kw), 1, device)
-        out.append(dict(model=name, batch=1, variant=f"transformers_generate_{cache}", steps=args.steps,
-                        prompt=args.prompt, tok_per_s=round(args.steps / sec, 1), note="includes the prefill"))
+        out.append(
+            dict(
+                model=name,
+                batch=1,
+                variant=f"transformers_generate_{cache}",
+                steps=args.steps,
+                prompt=args.prompt,
+                tok_per_s=round(args.steps / sec, 1),
+                note="includes the prefill",
+            )
+        )
         log(f"  transformers generate ({cache} cache): {args.steps / sec:.1f} tok/s")
     return out
 
@@ -234,8 +273,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--extract-batch", type=int, default=16)
     ap.add_argument("--extract-len", type=int, default=1024)
     ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--variants", default="graph,eager,graph_generic,engine_eager",
-                    help="comma list of graph, graph_cublas (batch-1 cuBLAS products), eager, graph_generic, engine_eager")
+    ap.add_argument(
+        "--variants",
+        default="graph,eager,graph_generic,engine_eager",
+        help="comma list of graph, graph_cublas (batch-1 cuBLAS products), eager, graph_generic, engine_eager",
+    )
     ap.add_argument("--skip", default="", help="comma list of decode, extract, hf")
     ap.add_argument("--hf-static", action="store_true", help="also transformers generate with a static cache")
     ap.add_argument("--quick", action="store_true", help="tiny model, short runs (CPU smoke)")
@@ -252,9 +294,12 @@ def run(argv: list[str]) -> dict:
     args = parse(argv)
     device = pick_device()
     skip = set(filter(None, args.skip.split(",")))
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                torch=torch.__version__, command="python -m eagleray.jobs.bench gpu " + " ".join(argv))
+    meta = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        torch=torch.__version__,
+        command="python -m eagleray.jobs.bench gpu " + " ".join(argv),
+    )
     meta.update(ceilings(device))
     log(f"ceilings: {meta}")
     result = dict(meta=meta, decode=[], extraction=[])
@@ -280,8 +325,10 @@ def run(argv: list[str]) -> dict:
 def table(result: dict) -> str:
     lines = ["| model | B | variant | ms/step | tok/s | roofline tok/s | fraction |", "|---|---|---|---|---|---|---|"]
     for r in result["decode"]:
-        lines.append(f"| {r['model']} | {r['batch']} | {r['variant']} | {r.get('step_ms', '-')} | {r['tok_per_s']} | "
-                     f"{r.get('roofline_tok_per_s', '-')} | {r.get('roofline_fraction', '-')} |")
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {r['variant']} | {r.get('step_ms', '-')} | {r['tok_per_s']} | "
+            f"{r.get('roofline_tok_per_s', '-')} | {r.get('roofline_fraction', '-')} |"
+        )
     lines += ["", "| model | batch x len | tok/s | TFLOP/s | FLOP fraction |", "|---|---|---|---|---|"]
     for r in result["extraction"]:
         lines.append(f"| {r['model']} | {r['batch']}x{r['seq_len']} | {r['tok_per_s']} | {r['TFLOPs']} | {r['flop_fraction']} |")

@@ -22,8 +22,10 @@ import torch.nn.functional as F
 from eagleray.jobs.bench.common import SMOLLM2, log
 from eagleray.kernels.invariant_linear import invariant_linear, invariant_linear_reference, plan
 
-SHAPES = {"8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)],
-          "smollm2": [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]}
+SHAPES = {
+    "8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)],
+    "smollm2": [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)],
+}
 
 
 def _graph_time(fn, reps: int = 20) -> float:
@@ -57,11 +59,10 @@ def linear_records() -> list[dict]:
         for n, k in shapes:
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
             x = torch.randn(320, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-            alone = torch.cat([invariant_linear(x[i:i + 1], w) for i in range(8)])
+            alone = torch.cat([invariant_linear(x[i : i + 1], w) for i in range(8)])
             rec = {"model": model, "n": n, "k": k, "splits": plan(n, k).splits}
             for m in (5, 64, 320):
-                rec[f"invariant_m{m}"] = bool(torch.equal(invariant_linear(x[:m], w)[:8 if m >= 8 else m],
-                                                          alone[:min(m, 8)]))
+                rec[f"invariant_m{m}"] = bool(torch.equal(invariant_linear(x[:m], w)[: 8 if m >= 8 else m], alone[: min(m, 8)]))
             ref = invariant_linear_reference(x[:64], w).float()
             rec["max_rel_err"] = float(((invariant_linear(x[:64], w).float() - ref).abs().max() / ref.abs().max()))
             gbytes = n * k * 2 / 1e9
@@ -97,7 +98,7 @@ def step_record() -> dict:
     def score(rows_seq, rows_pos, rows_ids):
         pos = torch.tensor(rows_pos, device=dev)
         t = tables[torch.tensor(rows_seq, device=dev)]
-        slots = (t.gather(1, (pos // 16).unsqueeze(1)).squeeze(1).long() * 16 + pos % 16)
+        slots = t.gather(1, (pos // 16).unsqueeze(1)).squeeze(1).long() * 16 + pos % 16
         logits, aux = runner.run(rows_ids, pos, t, (pos + 1).int(), slots)
         return logits.clone(), aux.clone()
 
@@ -106,15 +107,23 @@ def step_record() -> dict:
     poss = [ctx + j for _ in range(8) for j in range(5)]
     verify, vaux = score(seqs, poss, ids.reshape(-1))
     # the same positions one by one, alone (plain decode at batch 1) and as a batch of 8 (plain at batch 8)
-    alone = torch.cat([score([0], [ctx + j], ids[0, j:j + 1])[0] for j in range(5)])
+    alone = torch.cat([score([0], [ctx + j], ids[0, j : j + 1])[0] for j in range(5)])
     batch8 = torch.stack([score(list(range(8)), [ctx + j] * 8, ids[:, j])[0] for j in range(5)], 1)  # [8, 5, V]
-    return {"verify_row_equals_alone": bool(torch.equal(verify[:5], alone)),
-            "verify_equals_batch8": bool(torch.equal(verify.view(8, 5, -1), batch8)),
-            "max_abs_diff_alone": float((verify[:5].float() - alone.float()).abs().max())}
+    return {
+        "verify_row_equals_alone": bool(torch.equal(verify[:5], alone)),
+        "verify_equals_batch8": bool(torch.equal(verify.view(8, 5, -1), batch8)),
+        "max_abs_diff_alone": float((verify[:5].float() - alone.float()).abs().max()),
+    }
 
 
-TILES = [(16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 3), (64, 128, 64, 4, 3), (64, 128, 128, 8, 3),
-         (32, 128, 64, 4, 4)]
+TILES = [
+    (16, 64, 128, 4, 4),
+    (32, 64, 128, 4, 4),
+    (64, 64, 128, 4, 3),
+    (64, 128, 64, 4, 3),
+    (64, 128, 128, 8, 3),
+    (32, 128, 64, 4, 4),
+]
 
 
 def sweep_records() -> list[dict]:
@@ -124,8 +133,10 @@ def sweep_records() -> list[dict]:
 
     layers = {"8b": 32, "smollm2": 30}
     gen = torch.Generator(device="cuda").manual_seed(0)
-    weights = {m: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02 for n, k in shapes]
-               for m, shapes in SHAPES.items()}
+    weights = {
+        m: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02 for n, k in shapes]
+        for m, shapes in SHAPES.items()
+    }
     saved = (il.BLOCK_M, il.BLOCK_N, il.BLOCK_K, il.NUM_WARPS, il.NUM_STAGES)
     out = []
     try:
@@ -136,10 +147,11 @@ def sweep_records() -> list[dict]:
                 k0 = ws[0].shape[1]
                 x = torch.randn(320, max(w.shape[1] for w in ws), device="cuda", dtype=torch.bfloat16, generator=gen)
                 alone = invariant_linear(x[:1, :k0].contiguous(), ws[0])
-                rec[f"{model}_invariant"] = all(bool(torch.equal(invariant_linear(x[:m, :k0].contiguous(), ws[0])[:1],
-                                                                  alone)) for m in (5, 64, 320))
+                rec[f"{model}_invariant"] = all(
+                    bool(torch.equal(invariant_linear(x[:m, :k0].contiguous(), ws[0])[:1], alone)) for m in (5, 64, 320)
+                )
                 for m in (1, 5, 64, 320):
-                    inputs = [(x[:m, :w.shape[1]].contiguous(), w) for w in ws]
+                    inputs = [(x[:m, : w.shape[1]].contiguous(), w) for w in ws]
                     per = [_graph_time(lambda xm=xm, w=w: invariant_linear(xm, w)) for xm, w in inputs]
                     rec[f"{model}_step_us_m{m}"] = round(layers[model] * sum(per[:4]) + per[4], 1)
             out.append(rec)

@@ -46,11 +46,19 @@ def draft_facts(path: Path) -> dict:
     meta = DraftCheckpoint.open(path).metadata
     notes = meta.notes if meta is not None else {}
     if "data_loss_tokens" not in notes:
-        raise EaglerayError(f"--drafts: {path} records no training data size (notes.data_loss_tokens)\n"
-                            f"    fix: pass drafts written by `eagleray train` from datagen shards")
-    return {"draft": str(path), "dataset_id": meta.dataset_id, "step": notes.get("step"),
-            "data_shards": notes.get("data_shards"), "data_rows": notes.get("data_rows"),
-            "data_loss_tokens": notes["data_loss_tokens"], "eval_sim_tau": notes.get("eval/sim_tau")}
+        raise EaglerayError(
+            f"--drafts: {path} records no training data size (notes.data_loss_tokens)\n"
+            f"    fix: pass drafts written by `eagleray train` from datagen shards"
+        )
+    return {
+        "draft": str(path),
+        "dataset_id": meta.dataset_id,
+        "step": notes.get("step"),
+        "data_shards": notes.get("data_shards"),
+        "data_rows": notes.get("data_rows"),
+        "data_loss_tokens": notes["data_loss_tokens"],
+        "eval_sim_tau": notes.get("eval/sim_tau"),
+    }
 
 
 def measure_args(args) -> dict:
@@ -73,11 +81,23 @@ def measure_args(args) -> dict:
     finally:
         close_target(target)
     taus = [r["tau"] for r in rows]
-    return {"target": args.target, "prompts": args.prompts, "num_prompts": len(messages), "max_tokens": args.max_tokens,
-            "k": args.k, "batch": args.batch, "device": str(device), "dtype": args.dtype, "threads": torch.get_num_threads(),
-            "machine": std_platform.processor() or std_platform.machine(), "date": time.strftime("%Y-%m-%d"),
-            "plain": rows[0]["plain"], "drafts": rows,
-            "tau_rises_with_data": all(b > a for a, b in zip(taus, taus[1:])), "lossless": all(r["lossless"] for r in rows)}
+    return {
+        "target": args.target,
+        "prompts": args.prompts,
+        "num_prompts": len(messages),
+        "max_tokens": args.max_tokens,
+        "k": args.k,
+        "batch": args.batch,
+        "device": str(device),
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "machine": std_platform.processor() or std_platform.machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "plain": rows[0]["plain"],
+        "drafts": rows,
+        "tau_rises_with_data": all(b > a for a, b in zip(taus, taus[1:])),
+        "lossless": all(r["lossless"] for r in rows),
+    }
 
 
 def plot(result: dict, path: Path) -> Path:
@@ -119,8 +139,9 @@ def log_to_mlflow(result: dict, experiment: str, png: Path | None) -> str:
 
     registry.configure(None, experiment)
     client = mlflow.MlflowClient()
-    run = client.create_run(client.get_experiment_by_name(experiment).experiment_id, run_name="bench-scaling",
-                            tags={"eagleray.job": "bench scaling"})
+    run = client.create_run(
+        client.get_experiment_by_name(experiment).experiment_id, run_name="bench-scaling", tags={"eagleray.job": "bench scaling"}
+    )
     for r in result["drafts"]:
         step = int(r["data_loss_tokens"])
         client.log_metric(run.info.run_id, "tau", r["tau"], step=step)
@@ -136,14 +157,20 @@ def log_to_mlflow(result: dict, experiment: str, png: Path | None) -> str:
 
 
 def print_table(r: dict) -> None:
-    print(f"\nplain (eagleray): {r['plain']['tokens_per_s']:.2f} tok/s; {r['num_prompts']} {r['prompts']} prompts, "
-          f"{r['max_tokens']} tokens, chain k={r['k']}, batch {r['batch']}, T=0, {r['device']} {r['dtype']}")
-    print(f"{'rows':>7}{'loss tokens':>13}{'step':>6}{'sim τ':>7}{'τ':>7}{'acc per position':>32}{'tok/s':>8}{'speedup':>9}{'lossless':>9}")
+    print(
+        f"\nplain (eagleray): {r['plain']['tokens_per_s']:.2f} tok/s; {r['num_prompts']} {r['prompts']} prompts, "
+        f"{r['max_tokens']} tokens, chain k={r['k']}, batch {r['batch']}, T=0, {r['device']} {r['dtype']}"
+    )
+    print(
+        f"{'rows':>7}{'loss tokens':>13}{'step':>6}{'sim τ':>7}{'τ':>7}{'acc per position':>32}{'tok/s':>8}{'speedup':>9}{'lossless':>9}"
+    )
     for d in r["drafts"]:
         acc = ", ".join(f"{a:.3f}" for a in d["acceptance_per_pos"])
         sim = f"{d['eval_sim_tau']:.3f}" if d["eval_sim_tau"] is not None else "-"
-        print(f"{d['data_rows']:>7}{d['data_loss_tokens']:>13}{d['step']:>6}{sim:>7}{d['tau']:>7.3f}{acc:>32}"
-              f"{d['spec']['tokens_per_s']:>8.2f}{d['speedup']:>8.2f}x{str(d['lossless']):>9}")
+        print(
+            f"{d['data_rows']:>7}{d['data_loss_tokens']:>13}{d['step']:>6}{sim:>7}{d['tau']:>7.3f}{acc:>32}"
+            f"{d['spec']['tokens_per_s']:>8.2f}{d['speedup']:>8.2f}x{str(d['lossless']):>9}"
+        )
     print(f"τ rises with data: {r['tau_rises_with_data']}; lossless: {r['lossless']}")
 
 

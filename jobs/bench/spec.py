@@ -43,14 +43,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _hf_baseline(target_dir: Path, tokenizer, token_prompts: list[list[int]], args, device) -> tuple[list[list[int]], float]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32 if args.dtype == "fp32" else torch.bfloat16).to(device).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32 if args.dtype == "fp32" else torch.bfloat16)
+        .to(device)
+        .eval()
+    )
     kw = dict(max_new_tokens=args.max_tokens, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-    kw.update(do_sample=True, temperature=args.temperature, top_p=1.0, top_k=0) if args.temperature > 0 else kw.update(do_sample=False)
+    kw.update(do_sample=True, temperature=args.temperature, top_p=1.0, top_k=0) if args.temperature > 0 else kw.update(
+        do_sample=False
+    )
     outs, t0 = [], time.perf_counter()
     with torch.inference_mode():
         for ids in token_prompts:
             x = torch.tensor([ids], device=device)
-            outs.append(model.generate(x, attention_mask=torch.ones_like(x), **kw)[0, len(ids):].tolist())
+            outs.append(model.generate(x, attention_mask=torch.ones_like(x), **kw)[0, len(ids) :].tolist())
     return outs, time.perf_counter() - t0
 
 
@@ -65,19 +71,36 @@ def measure_args(args) -> dict:
     tcfg = TargetConfig(model=args.target, dtype=args.dtype, tensor_parallel_size=args.tp, device=args.device)
     dcfg = _draft_config(args)
     target, draft, tok, device = load_models(tcfg, dcfg, tempfile.mkdtemp(prefix="eagleray-bench-"))
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0 if args.temperature > 0 else None,
-                            ignore_eos=args.ignore_eos)
+    params = SamplingParams(
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+        seed=0 if args.temperature > 0 else None,
+        ignore_eos=args.ignore_eos,
+    )
     try:
         core, (token_prompts, plain) = compare_engines(target, draft, tok, tcfg, dcfg, messages, params, args.batch)
     finally:
         close_target(target)
     result = {
-        "target": args.target, "draft": args.draft, "prompts": args.prompts, "num_prompts": len(messages),
-        "max_tokens": args.max_tokens, "temperature": args.temperature, "mode": "tree" if args.tree else "chain",
-        "k": None if args.tree else args.k, "tree": dcfg.tree.model_dump() if dcfg.tree else None, "batch": args.batch,
-        "tp": args.tp, "device": str(device), "dtype": args.dtype, "machine": std_platform.processor() or std_platform.machine(),
-        "ignore_eos": args.ignore_eos, "adaptive": args.adaptive,
-        "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"), **core,
+        "target": args.target,
+        "draft": args.draft,
+        "prompts": args.prompts,
+        "num_prompts": len(messages),
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "mode": "tree" if args.tree else "chain",
+        "k": None if args.tree else args.k,
+        "tree": dcfg.tree.model_dump() if dcfg.tree else None,
+        "batch": args.batch,
+        "tp": args.tp,
+        "device": str(device),
+        "dtype": args.dtype,
+        "machine": std_platform.processor() or std_platform.machine(),
+        "ignore_eos": args.ignore_eos,
+        "adaptive": args.adaptive,
+        "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d"),
+        **core,
     }
     if not args.no_hf:
         hf, t_hf = _hf_baseline(Path(target_dir_of(args)), tok, token_prompts, args, device)
@@ -96,25 +119,38 @@ def target_dir_of(args) -> Path:
 
 def _same_prefix(hf: list[int], ours: list[int]) -> bool:
     """transformers keeps generating pad after EOS in batches; compare up to our length."""
-    return hf[:len(ours)] == ours
+    return hf[: len(ours)] == ours
 
 
 def print_table(r: dict) -> None:
-    rows = [("plain (eagleray)", r["plain"]["tokens_per_s"], "1.00x", "", ""),
-            (f"spec {r['mode']} (eagleray)", r["spec"]["tokens_per_s"], f"{r['speedup']:.2f}x", f"{r['tau']:.2f}",
-             "" if r["lossless"] is None else str(r["lossless"]))]
+    rows = [
+        ("plain (eagleray)", r["plain"]["tokens_per_s"], "1.00x", "", ""),
+        (
+            f"spec {r['mode']} (eagleray)",
+            r["spec"]["tokens_per_s"],
+            f"{r['speedup']:.2f}x",
+            f"{r['tau']:.2f}",
+            "" if r["lossless"] is None else str(r["lossless"]),
+        ),
+    ]
     if "transformers" in r:
         hf = r["transformers"]["tokens_per_s"]
         rows.append(("transformers generate", hf, f"{hf / r['plain']['tokens_per_s']:.2f}x", "", ""))
     print(f"\n{'decoder':<26}{'tok/s':>10}{'vs plain':>10}{'tau':>7}{'lossless':>10}")
     for name, tps, rel, tau, lossless in rows:
         print(f"{name:<26}{tps:>10.2f}{rel:>10}{tau:>7}{lossless:>10}")
-    print(f"acceptance per position: {r['acceptance_per_pos']}  ({r['num_prompts']} prompts from {r['prompts']}, "
-          f"max_tokens={r['max_tokens']}, T={r['temperature']}, {r['device']}, {r['dtype']})")
-    print(f"decode step at batch {r['batch']}: plain {r.get('plain_step_ms')} ms, spec {r.get('spec_step_ms')} ms; "
-          f"decode speedup measured {r.get('decode_speedup')}, predicted {r.get('predicted_speedup')}")
+    print(
+        f"acceptance per position: {r['acceptance_per_pos']}  ({r['num_prompts']} prompts from {r['prompts']}, "
+        f"max_tokens={r['max_tokens']}, T={r['temperature']}, {r['device']}, {r['dtype']})"
+    )
+    print(
+        f"decode step at batch {r['batch']}: plain {r.get('plain_step_ms')} ms, spec {r.get('spec_step_ms')} ms; "
+        f"decode speedup measured {r.get('decode_speedup')}, predicted {r.get('predicted_speedup')}"
+    )
     chosen = {b: c["k"] for b, c in r.get("policy", {}).get("buckets", {}).items()}
-    print(f"adaptive k by batch bucket: {chosen}  (spec steps {r.get('spec_steps')}, plain steps {r.get('plain_steps_in_spec_run')})")
+    print(
+        f"adaptive k by batch bucket: {chosen}  (spec steps {r.get('spec_steps')}, plain steps {r.get('plain_steps_in_spec_run')})"
+    )
     print_profile(r)
 
 
@@ -129,8 +165,11 @@ def print_profile(r: dict) -> None:
     phases = [p for p in PHASES if any(f"{p}_ms" in row for _, row in rows)]
     print(f"\n{'step (ms)':<12}" + "".join(f"{p:>13}" for p in phases) + f"{'total':>10}{'host':>8}{'steps':>7}")
     for name, row in rows:
-        print(f"{name:<12}" + "".join(f"{row.get(p + '_ms', 0.0):>13.3f}" for p in phases)
-              + f"{row['step_ms']:>10.3f}{row['host_fraction']:>8.1%}{row['steps']:>7}")
+        print(
+            f"{name:<12}"
+            + "".join(f"{row.get(p + '_ms', 0.0):>13.3f}" for p in phases)
+            + f"{row['step_ms']:>10.3f}{row['host_fraction']:>8.1%}{row['steps']:>7}"
+        )
 
 
 def run(args: argparse.Namespace | list[str] | None = None) -> dict:

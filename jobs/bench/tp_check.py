@@ -33,8 +33,7 @@ def _device(backend: str, rank: int) -> torch.device:
 
 
 @torch.inference_mode()
-def run_model(model_dir: str, draft_dir: str | None, tp: TPInfo, device: torch.device,
-              steps: int = 5) -> dict[str, torch.Tensor]:
+def run_model(model_dir: str, draft_dir: str | None, tp: TPInfo, device: torch.device, steps: int = 5) -> dict[str, torch.Tensor]:
     """Logits of a full forward, of a paged decode step, greedy tokens and draft logits (CPU fp32)."""
     from eagleray.platform.models.eagle3 import Eagle3Draft
     from eagleray.platform.models.llama import LlamaModel
@@ -73,8 +72,9 @@ def _worker(rank: int, world: int, port: int, backend: str, model_dir: str, draf
         dist.destroy_process_group()
 
 
-def run_tensor_parallel(model_dir: str | Path, world: int, backend: str = "gloo",
-                        draft_dir: str | Path | None = None) -> dict[str, torch.Tensor]:
+def run_tensor_parallel(
+    model_dir: str | Path, world: int, backend: str = "gloo", draft_dir: str | Path | None = None
+) -> dict[str, torch.Tensor]:
     """Run :func:`run_model` on ``world`` spawned ranks; returns rank 0's results."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.pt")

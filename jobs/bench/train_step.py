@@ -55,13 +55,25 @@ from eagleray.training.build import draft_module, new_draft
 from eagleray.training.loop import make_optimizer, train_step, use_bf16
 from eagleray.training.ttt import TTTBatch, TTTModel
 
-TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=4096,
-            tie_word_embeddings=False, rope_theta=10000.0)
+TINY = dict(
+    model_type="llama",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+)
 CONFIGS = {"8b": LLAMA_8B, "smollm2": SMOLLM2, "tiny": TINY}
-FLOP_FORMULA = ("6*B*T*(P_fc + k*(P_layer + P_lm_head)) + 3*k*4*B*T^2*Hq*D + 2*B*T*V*H "
-                "(draft matmuls fwd+bwd; step-0 attention as a full TxT product at each of k steps, fwd+bwd; "
-                "frozen target logits fwd)")
+FLOP_FORMULA = (
+    "6*B*T*(P_fc + k*(P_layer + P_lm_head)) + 3*k*4*B*T^2*Hq*D + 2*B*T*V*H "
+    "(draft matmuls fwd+bwd; step-0 attention as a full TxT product at each of k steps, fwd+bwd; "
+    "frozen target logits fwd)"
+)
 TOKENS = "B*T input positions per step (each trained through ttt_steps unrolled steps) / median step seconds"
 
 
@@ -108,9 +120,11 @@ def model_flops(model: TTTModel, params: dict[str, int], b: int, t: int) -> dict
     k = min(model.ttt_steps, t - 1)
     attn = model.draft.midlayer.self_attn
     v, h = model.target_head.shape
-    parts = dict(draft_matmuls=6.0 * b * t * (params["fc"] + k * (params["layer"] + params["lm_head"])),
-                 attention=3.0 * k * 4 * b * t * t * attn.heads * attn.head_dim,
-                 target_logits=2.0 * b * t * v * h)
+    parts = dict(
+        draft_matmuls=6.0 * b * t * (params["fc"] + k * (params["layer"] + params["lm_head"])),
+        attention=3.0 * k * 4 * b * t * t * attn.heads * attn.head_dim,
+        target_logits=2.0 * b * t * v * h,
+    )
     return {**parts, "total": sum(parts.values())}
 
 
@@ -129,9 +143,17 @@ def case(name: str, args, device: torch.device) -> dict:
     model, spec, aux_ids = build(name, args, device)
     b, t = args.batch, args.seq_len
     batch = synthetic_batch(b, t, len(aux_ids), spec.hidden_size, spec.vocab_size, args.input_dtype, device, args.seed)
-    cfg = TrainingConfig(data_dir="synthetic", output_dir="unused", ttt_steps=args.ttt_steps, loss_decay=args.loss_decay,
-                         max_steps=args.warmup + args.steps, batch_size=b, max_seq_len=max(16, t),
-                         autocast=args.autocast, draft_vocab_size=args.draft_vocab)  # optimiser defaults of training
+    cfg = TrainingConfig(
+        data_dir="synthetic",
+        output_dir="unused",
+        ttt_steps=args.ttt_steps,
+        loss_decay=args.loss_decay,
+        max_steps=args.warmup + args.steps,
+        batch_size=b,
+        max_seq_len=max(16, t),
+        autocast=args.autocast,
+        draft_vocab_size=args.draft_vocab,
+    )  # optimiser defaults of training
     opt, sched = make_optimizer(model, cfg)
     amp = use_bf16(cfg, device)
     static_bytes = torch.cuda.memory_allocated(device) if cuda else None
@@ -151,21 +173,40 @@ def case(name: str, args, device: torch.device) -> dict:
     params = param_counts(model)
     flops = model_flops(model, params, b, t)
     peak = args.peak_tflops * 1e12
-    rec = dict(model=name, batch=b, seq_len=t, ttt_steps=model.ttt_steps, draft_vocab=model.draft.draft_vocab_size,
-               target_vocab=spec.vocab_size, hidden=spec.hidden_size, aux_layer_ids=aux_ids, autocast_bf16=amp,
-               input_dtype=str(args.input_dtype).replace("torch.", ""), warmup_steps=args.warmup, timed_steps=len(times),
-               step_ms=round(sec * 1e3, 3), step_ms_mean=round(statistics.fmean(times) * 1e3, 3),
-               step_ms_min=round(min(times) * 1e3, 3), step_ms_max=round(max(times) * 1e3, 3),
-               tokens_per_s=round(b * t / sec, 1), params=params,
-               model_flops_per_step={k: _sig(v) for k, v in flops.items()},
-               model_TFLOPs=_sig(flops["total"] / sec / 1e12), flop_fraction=_sig(flops["total"] / sec / peak),
-               peak_memory_GiB=round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2) if cuda else None,
-               static_memory_GiB=round(static_bytes / 2 ** 30, 2) if cuda else None,
-               loss_first=losses[0] if losses else None, loss_last=loss, grad_norm_last=state["grad_norm"],
-               build_s=round(build_s, 2))
-    log(f"  {name:8s} B={b} T={t} k={model.ttt_steps}: {rec['step_ms']:.1f} ms/step, {rec['tokens_per_s']:,.0f} tok/s, "
+    rec = dict(
+        model=name,
+        batch=b,
+        seq_len=t,
+        ttt_steps=model.ttt_steps,
+        draft_vocab=model.draft.draft_vocab_size,
+        target_vocab=spec.vocab_size,
+        hidden=spec.hidden_size,
+        aux_layer_ids=aux_ids,
+        autocast_bf16=amp,
+        input_dtype=str(args.input_dtype).replace("torch.", ""),
+        warmup_steps=args.warmup,
+        timed_steps=len(times),
+        step_ms=round(sec * 1e3, 3),
+        step_ms_mean=round(statistics.fmean(times) * 1e3, 3),
+        step_ms_min=round(min(times) * 1e3, 3),
+        step_ms_max=round(max(times) * 1e3, 3),
+        tokens_per_s=round(b * t / sec, 1),
+        params=params,
+        model_flops_per_step={k: _sig(v) for k, v in flops.items()},
+        model_TFLOPs=_sig(flops["total"] / sec / 1e12),
+        flop_fraction=_sig(flops["total"] / sec / peak),
+        peak_memory_GiB=round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
+        static_memory_GiB=round(static_bytes / 2**30, 2) if cuda else None,
+        loss_first=losses[0] if losses else None,
+        loss_last=loss,
+        grad_norm_last=state["grad_norm"],
+        build_s=round(build_s, 2),
+    )
+    log(
+        f"  {name:8s} B={b} T={t} k={model.ttt_steps}: {rec['step_ms']:.1f} ms/step, {rec['tokens_per_s']:,.0f} tok/s, "
         f"{rec['model_TFLOPs']} TFLOP/s ({rec['flop_fraction']:.1%} of {args.peak_tflops}), "
-        f"peak {rec['peak_memory_GiB'] or '-'} GiB, loss {loss:.3f}")
+        f"peak {rec['peak_memory_GiB'] or '-'} GiB, loss {loss:.3f}"
+    )
     return rec
 
 
@@ -181,8 +222,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
     ap.add_argument("--autocast", default="auto", choices=["auto", "bf16", "off"], help="as training.autocast")
-    ap.add_argument("--input-dtype", default="fp32", choices=["fp32", "bf16"],
-                    help="dtype of the aux/final hidden states in the batch (collate yields fp32)")
+    ap.add_argument(
+        "--input-dtype",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="dtype of the aux/final hidden states in the batch (collate yields fp32)",
+    )
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for the FLOP fraction (H200: 989)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None, help="default cuda when available, else cpu")
@@ -198,13 +243,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def run(argv: list[str]) -> dict:
     args = parse(argv)
     device = pick_device(args.device or "auto", "--device")
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                torch=torch.__version__, command="python -m eagleray.jobs.bench train " + " ".join(argv),
-                peak_tflops=args.peak_tflops, flop_formula=FLOP_FORMULA, tokens=TOKENS,
-                timed="eagleray.training.loop.train_step on a batch already on the device (no H2D copy, meter, logging)")
-    log(f"bench train on {meta['device']}: models {args.models}, batch {args.batch} x {args.seq_len}, "
-        f"ttt_steps {args.ttt_steps}, {args.warmup} warm-up + {args.steps} timed steps")
+    meta = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        torch=torch.__version__,
+        command="python -m eagleray.jobs.bench train " + " ".join(argv),
+        peak_tflops=args.peak_tflops,
+        flop_formula=FLOP_FORMULA,
+        tokens=TOKENS,
+        timed="eagleray.training.loop.train_step on a batch already on the device (no H2D copy, meter, logging)",
+    )
+    log(
+        f"bench train on {meta['device']}: models {args.models}, batch {args.batch} x {args.seq_len}, "
+        f"ttt_steps {args.ttt_steps}, {args.warmup} warm-up + {args.steps} timed steps"
+    )
     result = dict(meta=meta, train=[])
     for name in args.models.split(","):
         try:
@@ -222,15 +274,19 @@ def run(argv: list[str]) -> dict:
 
 
 def table(result: dict) -> str:
-    lines = ["| model | B x T | k | draft params (M) | ms/step | tokens/s | model TFLOP/s | FLOP fraction | peak GiB | loss |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | B x T | k | draft params (M) | ms/step | tokens/s | model TFLOP/s | FLOP fraction | peak GiB | loss |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["train"]:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['batch']}x{r['seq_len']} | - | - | - | - | - | - | - | {r['error']} |")
             continue
-        lines.append(f"| {r['model']} | {r['batch']}x{r['seq_len']} | {r['ttt_steps']} | {r['params']['trainable'] / 1e6:.1f} | "
-                     f"{r['step_ms']} | {r['tokens_per_s']:,.0f} | {r['model_TFLOPs']} | {r['flop_fraction']} | "
-                     f"{'-' if r['peak_memory_GiB'] is None else r['peak_memory_GiB']} | {r['loss_last']:.3f} |")
+        lines.append(
+            f"| {r['model']} | {r['batch']}x{r['seq_len']} | {r['ttt_steps']} | {r['params']['trainable'] / 1e6:.1f} | "
+            f"{r['step_ms']} | {r['tokens_per_s']:,.0f} | {r['model_TFLOPs']} | {r['flop_fraction']} | "
+            f"{'-' if r['peak_memory_GiB'] is None else r['peak_memory_GiB']} | {r['loss_last']:.3f} |"
+        )
     return "\n".join(lines)
 
 

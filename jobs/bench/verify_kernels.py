@@ -46,13 +46,13 @@ def make_case(bsz, k, vocab, dtype, mode, device, seed=0):
 
 def eagleray_fn(case, cfg):
     greedy = bool((case["temp"] == 0).all())
-    return lambda: verify_chain(case["logits"], case["draft"], case["q"], temperature=case["temp"],
-                                seed=case["seed"], all_greedy=greedy, config=cfg)
+    return lambda: verify_chain(
+        case["logits"], case["draft"], case["q"], temperature=case["temp"], seed=case["seed"], all_greedy=greedy, config=cfg
+    )
 
 
 def reference_fn(case):
-    return lambda: verify_chain_reference(case["logits"], case["draft"], case["q"],
-                                          temperature=case["temp"], seed=case["seed"])
+    return lambda: verify_chain_reference(case["logits"], case["draft"], case["q"], temperature=case["temp"], seed=case["seed"])
 
 
 def vllm_v1_fn(case):
@@ -81,8 +81,25 @@ def vllm_v1_fn(case):
         uniform = torch.rand(bsz * k, dtype=torch.float64, device=dev)
         inv_q = torch.empty(bsz, vocab, device=dev).exponential_().reciprocal()
         rec = torch.empty_like(draft_ids)
-        v1.sample_recovered_tokens_kernel[(bsz, k)](rec, cu, draft_ids, q2, probs, inv_q, vocab, BLOCK_SIZE=8192, NO_DRAFT_PROBS=q2 is None, USE_FP64_GUMBEL=False)
-        v1.rejection_random_sample_kernel[(bsz,)](out, cu, draft_ids, q2, probs, bonus, rec, uniform, is_greedy, k, vocab, None, NO_DRAFT_PROBS=q2 is None, SYNTHETIC_MODE=False)
+        v1.sample_recovered_tokens_kernel[(bsz, k)](
+            rec, cu, draft_ids, q2, probs, inv_q, vocab, BLOCK_SIZE=8192, NO_DRAFT_PROBS=q2 is None, USE_FP64_GUMBEL=False
+        )
+        v1.rejection_random_sample_kernel[(bsz,)](
+            out,
+            cu,
+            draft_ids,
+            q2,
+            probs,
+            bonus,
+            rec,
+            uniform,
+            is_greedy,
+            k,
+            vocab,
+            None,
+            NO_DRAFT_PROBS=q2 is None,
+            SYNTHETIC_MODE=False,
+        )
         return out
 
     return greedy if bool(is_greedy.all()) else sampled
@@ -149,7 +166,9 @@ def check_gpu(device) -> dict:
             got = eagleray_fn(case, None)()
             want = reference_fn(case)()
             bad = int(((got[0] != want[0]).any(1) | (got[1] != want[1])).sum())
-            out[f"{mode}-{dtype}-{'q' if with_q else 'noq'}"] = dict(mismatched_rows=bad, rows=64, mean_accepted=float(got[1].float().mean()))
+            out[f"{mode}-{dtype}-{'q' if with_q else 'noq'}"] = dict(
+                mismatched_rows=bad, rows=64, mean_accepted=float(got[1].float().mean())
+            )
     return out
 
 
@@ -202,10 +221,18 @@ def run_grid(grid, device, cfg, bw) -> list[dict]:
                 records.append(rec)
                 print(f"{impl:10s} {mode:8s} B={bsz} K={k} V={vocab} {dtype}: FAILED {rec['error']}")
                 continue
-            rec.update(us=round(us, 2), roofline_fraction=round(roof_us / us, 3), roofline_us=round(roof_us, 2),
-                       bytes=need, bytes_read=reads if impl == "eagleray" else None, timer=timer)
+            rec.update(
+                us=round(us, 2),
+                roofline_fraction=round(roof_us / us, 3),
+                roofline_us=round(roof_us, 2),
+                bytes=need,
+                bytes_read=reads if impl == "eagleray" else None,
+                timer=timer,
+            )
             records.append(rec)
-            print(f"{impl:10s} {mode:8s} B={bsz:3d} K={k} V={vocab:6d} {dtype}: {us:9.1f} us  roof {rec['roofline_fraction']:.3f}")
+            print(
+                f"{impl:10s} {mode:8s} B={bsz:3d} K={k} V={vocab:6d} {dtype}: {us:9.1f} us  roof {rec['roofline_fraction']:.3f}"
+            )
         del case
     return records
 
@@ -221,10 +248,13 @@ def run(argv: list[str]) -> dict:
     args = ap.parse_args(argv)
     sys.path.insert(0, str(pathlib.Path(args.vllm_kernels).resolve()))
     device = pick_device()
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (TRITON_INTERPRET)",
-                torch=torch.__version__, triton=triton.__version__,
-                command="python -m eagleray.jobs.bench verify " + " ".join(argv))
+    meta = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (TRITON_INTERPRET)",
+        torch=torch.__version__,
+        triton=triton.__version__,
+        command="python -m eagleray.jobs.bench verify " + " ".join(argv),
+    )
     cfg, sweep = None, []
     if device.type == "cuda":
         meta["copy_bandwidth_GBps"] = round(copy_bandwidth(device) / 1e9, 1)

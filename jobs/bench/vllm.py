@@ -35,8 +35,11 @@ from eagleray.serve.measure import timed_generate
 
 TAU_TOLERANCE = 0.05
 AUX_FIELD = "draft.config.eagle_config.eagle_aux_hidden_state_layer_ids"
-VLLM_COUNTERS = {"num_drafts": "vllm:spec_decode_num_drafts", "num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
-                 "num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
+VLLM_COUNTERS = {
+    "num_drafts": "vllm:spec_decode_num_drafts",
+    "num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+}
 VLLM_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
@@ -55,7 +58,8 @@ def vllm_aux_layer_ids(ckpt: DraftCheckpoint, num_layers: int) -> list[int]:
     (interfaces.py ``_set_aux_hidden_state_layers``). It never reads eagleray's metadata block.
     """
     ids = ckpt.config.get("eagle_aux_hidden_state_layer_ids") or (ckpt.config.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
+        "eagle_aux_hidden_state_layer_ids"
+    )
     return sorted({int(i) for i in (ids or (2, num_layers // 2, num_layers - 3))})
 
 
@@ -65,14 +69,18 @@ def check_vllm_loadable(ckpt: DraftCheckpoint, num_layers: int) -> list[int]:
     if ckpt.draft_vocab_size == vocab and "d2t" in ckpt.shapes:
         # llama_eagle3.py: no draft_id_to_target_id parameter when draft_vocab_size == target vocab, yet load_weights
         # renames d2t to it -> "There is no module or parameter named 'draft_id_to_target_id'".
-        raise EaglerayError(f"draft.weights.d2t: {ckpt.path} is a full-vocabulary draft (draft_vocab_size == vocab_size == {vocab}) "
-                            f"that stores d2t/t2d, which vLLM cannot load\n"
-                            f"    fix: re-save it with eagleray.platform.checkpoints.draft.save_draft (it drops the identity maps)")
+        raise EaglerayError(
+            f"draft.weights.d2t: {ckpt.path} is a full-vocabulary draft (draft_vocab_size == vocab_size == {vocab}) "
+            f"that stores d2t/t2d, which vLLM cannot load\n"
+            f"    fix: re-save it with eagleray.platform.checkpoints.draft.save_draft (it drops the identity maps)"
+        )
     ids, ours = vllm_aux_layer_ids(ckpt, num_layers), ckpt.aux_layer_ids  # ours: eagle_config, else the eagleray block
     if ours is not None and ids != sorted(ours):  # None: eagleray's guard names the missing field
-        raise EaglerayError(f"{AUX_FIELD}: vLLM would capture target layers {ids} but eagleray feeds the draft {sorted(ours)}, "
-                            f"so the two τ cannot be compared\n"
-                            f"    fix: write the draft's aux layer ids into {AUX_FIELD} (eagleray.platform.checkpoints.draft_factory.eagle3_config does)")
+        raise EaglerayError(
+            f"{AUX_FIELD}: vLLM would capture target layers {ids} but eagleray feeds the draft {sorted(ours)}, "
+            f"so the two τ cannot be compared\n"
+            f"    fix: write the draft's aux layer ids into {AUX_FIELD} (eagleray.platform.checkpoints.draft_factory.eagle3_config does)"
+        )
     return ids
 
 
@@ -81,25 +89,35 @@ def tokenize(target_dir: Path, prompts: list[list[dict]]) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))
-    return [list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
-            for m in prompts]
+    return [
+        list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        for m in prompts
+    ]
 
 
-def summarize(tokens: int, seconds: float, num_drafts: int, num_draft_tokens: int, num_accepted: int,
-              per_pos: list[int]) -> dict:
+def summarize(tokens: int, seconds: float, num_drafts: int, num_draft_tokens: int, num_accepted: int, per_pos: list[int]) -> dict:
     """One engine's row: counters, τ = 1 + accepted/drafts, acceptance rate per draft position, tokens/s."""
-    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2) if seconds else 0.0,
-            "num_drafts": num_drafts, "num_draft_tokens": num_draft_tokens, "num_accepted_tokens": num_accepted,
-            "accepted_per_pos": list(per_pos),
-            "acceptance_per_pos": [round(a / max(num_drafts, 1), 4) for a in per_pos],
-            "tau": round(1.0 + num_accepted / num_drafts, 4) if num_drafts else 0.0}
+    return {
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 2) if seconds else 0.0,
+        "num_drafts": num_drafts,
+        "num_draft_tokens": num_draft_tokens,
+        "num_accepted_tokens": num_accepted,
+        "accepted_per_pos": list(per_pos),
+        "acceptance_per_pos": [round(a / max(num_drafts, 1), 4) for a in per_pos],
+        "tau": round(1.0 + num_accepted / num_drafts, 4) if num_drafts else 0.0,
+    }
 
 
 def run_eagleray(args, token_prompts: list[list[int]], draft_dir: Path | None) -> tuple[dict, list[list[int]], list[int]]:
     """eagleray's engine, chain k (or plain when ``draft_dir`` is None), T=0 -> (summary, output ids per prompt, aux ids)."""
     tcfg = TargetConfig(model=args.target, dtype="fp32", device="cpu")
-    dcfg = None if draft_dir is None else DraftConfig(source=str(draft_dir), num_speculative_tokens=args.k,
-                                                      policy=PolicyConfig(adaptive=False))
+    dcfg = (
+        None
+        if draft_dir is None
+        else DraftConfig(source=str(draft_dir), num_speculative_tokens=args.k, policy=PolicyConfig(adaptive=False))
+    )
     target, draft, tok, _ = load_models(tcfg, dcfg)
     try:
         aux = list(target.aux_layer_ids)
@@ -112,8 +130,9 @@ def run_eagleray(args, token_prompts: list[list[int]], draft_dir: Path | None) -
     per_request = [o.spec for o in outs]  # SpecStats.to_dict of each timed request (the warm-up excluded)
     per_pos = [sum(col) for col in zip(*(_pad(r.get("accepted_per_pos", []), args.k) for r in per_request))]
     total = {key: sum(r.get(key, 0) for r in per_request) for key in VLLM_COUNTERS}
-    row = summarize(sum(map(len, ids)), seconds, total["num_drafts"], total["num_draft_tokens"],
-                    total["num_accepted_tokens"], per_pos)
+    row = summarize(
+        sum(map(len, ids)), seconds, total["num_drafts"], total["num_draft_tokens"], total["num_accepted_tokens"], per_pos
+    )
     return row, ids, aux
 
 
@@ -128,12 +147,16 @@ def vllm_spec_counters(metrics: list) -> dict:
         if m.name == VLLM_PER_POS:
             out["per_pos"] = [a + b for a, b in zip(_pad(out["per_pos"], len(m.values)), m.values)]
     if not any(m.name == VLLM_COUNTERS["num_drafts"] for m in metrics):
-        raise EaglerayError(f"vLLM reported no {VLLM_COUNTERS['num_drafts']} counter (stats off, or speculative decoding not enabled)\n"
-                            f"    fix: build LLM(..., disable_log_stats=False, speculative_config={{'method': 'eagle3', ...}})")
+        raise EaglerayError(
+            f"vLLM reported no {VLLM_COUNTERS['num_drafts']} counter (stats off, or speculative decoding not enabled)\n"
+            f"    fix: build LLM(..., disable_log_stats=False, speculative_config={{'method': 'eagle3', ...}})"
+        )
     return out
 
 
-def run_vllm(args, token_prompts: list[list[int]], target_dir: Path, draft_dir: Path | None) -> tuple[dict, list[list[int]], list[int]]:
+def run_vllm(
+    args, token_prompts: list[list[int]], target_dir: Path, draft_dir: Path | None
+) -> tuple[dict, list[list[int]], list[int]]:
     """vLLM with the same draft, chain k (or plain when ``draft_dir`` is None), T=0 -> (summary, output ids, aux ids)."""
     from vllm import LLM
     from vllm import SamplingParams as VllmSamplingParams
@@ -144,8 +167,16 @@ def run_vllm(args, token_prompts: list[list[int]], target_dir: Path, draft_dir: 
     llm = None
     try:
         spec = None if draft_dir is None else {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": args.k}
-        llm = LLM(model=str(target_dir), dtype="float32", enforce_eager=True, disable_log_stats=False, seed=0,
-                  max_model_len=max_model_len, max_num_seqs=args.batch, speculative_config=spec)
+        llm = LLM(
+            model=str(target_dir),
+            dtype="float32",
+            enforce_eager=True,
+            disable_log_stats=False,
+            seed=0,
+            max_model_len=max_model_len,
+            max_num_seqs=args.batch,
+            speculative_config=spec,
+        )
         aux = [] if spec is None else [int(i) for i in llm.apply_model(lambda m: tuple(m.model.aux_hidden_state_layers))[0]]
         params = VllmSamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         prompts = [{"prompt_token_ids": ids} for ids in token_prompts]
@@ -164,8 +195,9 @@ def run_vllm(args, token_prompts: list[list[int]], target_dir: Path, draft_dir: 
     ids = [list(o.outputs[0].token_ids) for o in outs]
     per_pos = [a - b for a, b in zip(_pad(after["per_pos"], args.k), _pad(before["per_pos"], args.k))]
     delta = {key: after[key] - before[key] for key in VLLM_COUNTERS}
-    row = summarize(sum(map(len, ids)), seconds, delta["num_drafts"], delta["num_draft_tokens"],
-                    delta["num_accepted_tokens"], per_pos)
+    row = summarize(
+        sum(map(len, ids)), seconds, delta["num_drafts"], delta["num_draft_tokens"], delta["num_accepted_tokens"], per_pos
+    )
     return row, ids, aux
 
 
@@ -179,10 +211,17 @@ def _pad(values: list[int], n: int) -> list[int]:
 def compare(ours: dict, theirs: dict, ours_ids: list[list[int]], theirs_ids: list[list[int]]) -> dict:
     """Output agreement and the relative τ difference |τ_vllm - τ_eagleray| / τ_eagleray."""
     equal = [a == b for a, b in zip(ours_ids, theirs_ids)]
-    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) for a, b in zip(ours_ids, theirs_ids)]
+    prefix = [
+        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) for a, b in zip(ours_ids, theirs_ids)
+    ]
     rel = abs(theirs["tau"] - ours["tau"]) / ours["tau"] if ours["tau"] else float("inf")
-    return {"outputs_equal": sum(equal), "outputs_equal_fraction": round(sum(equal) / max(len(equal), 1), 4),
-            "common_prefix_tokens": prefix, "tau_rel_diff": round(rel, 4), "agree_within_5pct": bool(rel <= TAU_TOLERANCE)}
+    return {
+        "outputs_equal": sum(equal),
+        "outputs_equal_fraction": round(sum(equal) / max(len(equal), 1), 4),
+        "common_prefix_tokens": prefix,
+        "tau_rel_diff": round(rel, 4),
+        "agree_within_5pct": bool(rel <= TAU_TOLERANCE),
+    }
 
 
 def measure(args) -> dict:
@@ -199,45 +238,89 @@ def measure(args) -> dict:
         ours, ours_ids, ours_aux = run_eagleray(args, token_prompts, draft_dir)
         if args.plain:
             p_theirs, p_theirs_ids, _ = run_vllm(args, token_prompts, target_dir, None)
-            plain = {"eagleray": p_ours, "vllm": p_theirs,
-                     "outputs_equal": sum(a == b for a, b in zip(p_ids, p_theirs_ids))}
+            plain = {"eagleray": p_ours, "vllm": p_theirs, "outputs_equal": sum(a == b for a, b in zip(p_ids, p_theirs_ids))}
         theirs, theirs_ids, theirs_aux = run_vllm(args, token_prompts, target_dir, draft_dir)
     if theirs_aux != ours_aux:  # what each engine actually captured
-        raise EaglerayError(f"{AUX_FIELD}: vLLM captured target layers {theirs_aux}, eagleray {ours_aux}\n"
-                            f"    fix: write the draft's aux layer ids into {AUX_FIELD}")
+        raise EaglerayError(
+            f"{AUX_FIELD}: vLLM captured target layers {theirs_aux}, eagleray {ours_aux}\n"
+            f"    fix: write the draft's aux layer ids into {AUX_FIELD}"
+        )
     import vllm
 
-    return {"target": args.target, "draft": args.draft, "prompts": args.prompts, "num_prompts": len(messages),
-            "max_tokens": args.max_tokens, "k": args.k, "batch": args.batch, "temperature": 0.0, "ignore_eos": True,
-            "dtype": "fp32", "device": "cpu", "draft_vocab_size": ckpt.draft_vocab_size,
-            "aux_layer_ids": {"eagleray": ours_aux, "vllm": theirs_aux}, "vllm_version": vllm.__version__,
-            "machine": std_platform.processor() or std_platform.machine(), "threads": torch.get_num_threads(),
-            "date": time.strftime("%Y-%m-%d"), "eagleray": ours, "vllm": theirs,
-            **compare(ours, theirs, ours_ids, theirs_ids), **({"plain": plain} if plain else {}),
-            "records": _records(args, ours, theirs, plain)}
+    return {
+        "target": args.target,
+        "draft": args.draft,
+        "prompts": args.prompts,
+        "num_prompts": len(messages),
+        "max_tokens": args.max_tokens,
+        "k": args.k,
+        "batch": args.batch,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "dtype": "fp32",
+        "device": "cpu",
+        "draft_vocab_size": ckpt.draft_vocab_size,
+        "aux_layer_ids": {"eagleray": ours_aux, "vllm": theirs_aux},
+        "vllm_version": vllm.__version__,
+        "machine": std_platform.processor() or std_platform.machine(),
+        "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d"),
+        "eagleray": ours,
+        "vllm": theirs,
+        **compare(ours, theirs, ours_ids, theirs_ids),
+        **({"plain": plain} if plain else {}),
+        "records": _records(args, ours, theirs, plain),
+    }
 
 
 def _records(args, ours: dict, theirs: dict, plain: dict | None) -> list[dict]:
     """Flat rows for docs/bench/engine-cpu-vs-vllm.json: batch, mode, both engines' tokens/s, the draft."""
-    rows = [] if plain is None else [{"batch": args.batch, "mode": "plain", "eagleray_tok_s": plain["eagleray"]["tokens_per_s"],
-                                      "vllm_tok_s": plain["vllm"]["tokens_per_s"], "draft": None}]
-    rows.append({"batch": args.batch, "mode": "spec", "k": args.k, "eagleray_tok_s": ours["tokens_per_s"],
-                 "vllm_tok_s": theirs["tokens_per_s"], "draft": args.draft, "tau_eagleray": ours["tau"], "tau_vllm": theirs["tau"]})
+    rows = (
+        []
+        if plain is None
+        else [
+            {
+                "batch": args.batch,
+                "mode": "plain",
+                "eagleray_tok_s": plain["eagleray"]["tokens_per_s"],
+                "vllm_tok_s": plain["vllm"]["tokens_per_s"],
+                "draft": None,
+            }
+        ]
+    )
+    rows.append(
+        {
+            "batch": args.batch,
+            "mode": "spec",
+            "k": args.k,
+            "eagleray_tok_s": ours["tokens_per_s"],
+            "vllm_tok_s": theirs["tokens_per_s"],
+            "draft": args.draft,
+            "tau_eagleray": ours["tau"],
+            "tau_vllm": theirs["tau"],
+        }
+    )
     return rows
 
 
 def print_table(r: dict) -> None:
     if "plain" in r:
-        print(f"\nplain decoding: eagleray {r['plain']['eagleray']['tokens_per_s']:.2f} tok/s, "
-              f"vllm {r['plain']['vllm']['tokens_per_s']:.2f} tok/s, outputs equal {r['plain']['outputs_equal']}/{r['num_prompts']}")
+        print(
+            f"\nplain decoding: eagleray {r['plain']['eagleray']['tokens_per_s']:.2f} tok/s, "
+            f"vllm {r['plain']['vllm']['tokens_per_s']:.2f} tok/s, outputs equal {r['plain']['outputs_equal']}/{r['num_prompts']}"
+        )
     print(f"\n{'engine':<12}{'tok/s':>9}{'tau':>8}{'drafts':>8}{'drafted':>9}{'accepted':>10}  acceptance per position")
     for name in ("eagleray", "vllm"):
         e = r[name]
-        print(f"{name:<12}{e['tokens_per_s']:>9.2f}{e['tau']:>8.3f}{e['num_drafts']:>8}{e['num_draft_tokens']:>9}"
-              f"{e['num_accepted_tokens']:>10}  {e['acceptance_per_pos']}")
-    print(f"outputs equal: {r['outputs_equal']}/{r['num_prompts']}  tau rel diff: {r['tau_rel_diff']:.4f}  "
-          f"agree within 5%: {r['agree_within_5pct']}  aux layers: {r['aux_layer_ids']['vllm']}  "
-          f"({r['prompts']}, max_tokens={r['max_tokens']}, k={r['k']}, fp32, T=0, vllm {r['vllm_version']})")
+        print(
+            f"{name:<12}{e['tokens_per_s']:>9.2f}{e['tau']:>8.3f}{e['num_drafts']:>8}{e['num_draft_tokens']:>9}"
+            f"{e['num_accepted_tokens']:>10}  {e['acceptance_per_pos']}"
+        )
+    print(
+        f"outputs equal: {r['outputs_equal']}/{r['num_prompts']}  tau rel diff: {r['tau_rel_diff']:.4f}  "
+        f"agree within 5%: {r['agree_within_5pct']}  aux layers: {r['aux_layer_ids']['vllm']}  "
+        f"({r['prompts']}, max_tokens={r['max_tokens']}, k={r['k']}, fp32, T=0, vllm {r['vllm_version']})"
+    )
 
 
 def run(args: argparse.Namespace | list[str] | None = None) -> dict:

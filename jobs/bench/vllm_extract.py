@@ -29,8 +29,7 @@ MRV2_FILES = (
     "v1/watermarking/prfs/base.py",
 )
 TRITON_UTILS_STUB = (
-    "import triton\nimport triton.language as tl\n"
-    "import triton.language.extra.libdevice as tldevice\nHAS_TRITON = True\n"
+    "import triton\nimport triton.language as tl\nimport triton.language.extra.libdevice as tldevice\nHAS_TRITON = True\n"
 )
 
 
@@ -46,8 +45,13 @@ def _default_src() -> pathlib.Path:
 def extract_v1(src: pathlib.Path, dst: pathlib.Path) -> None:
     text = (src / "v1/sample/rejection_sampler.py").read_text()
     lines = text.splitlines()
-    parts = ["# Extracted from vllm/v1/sample/rejection_sampler.py at bench time. Do not commit.",
-             "import torch", "import triton", "import triton.language as tl", ""]
+    parts = [
+        "# Extracted from vllm/v1/sample/rejection_sampler.py at bench time. Do not commit.",
+        "import torch",
+        "import triton",
+        "import triton.language as tl",
+        "",
+    ]
     found = set()
     for node in ast.parse(text).body:
         if isinstance(node, ast.FunctionDef) and node.name in V1_KERNELS:

@@ -138,7 +138,9 @@ def read_headers(path: Path) -> tuple[dict[str, list[int]], dict[str, str]]:
     """Names, shapes and dtypes of every tensor; a truncated or corrupt file is a clear error."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise EaglerayError(f"draft: no *.safetensors file in {path}\n    fix: copy the draft's model.safetensors next to its config.json")
+        raise EaglerayError(
+            f"draft: no *.safetensors file in {path}\n    fix: copy the draft's model.safetensors next to its config.json"
+        )
     shapes: dict[str, list[int]] = {}
     dtypes: dict[str, str] = {}
     for f in files:
@@ -150,7 +152,9 @@ def read_headers(path: Path) -> tuple[dict[str, list[int]], dict[str, str]]:
                     dtypes[name] = str(sl.get_dtype())
             _check_size(f)
         except (SafetensorError, OSError, ValueError) as err:
-            raise EaglerayError(f"draft: {f} is corrupt or truncated ({err})\n    fix: copy the file again from its source; its size must match its header") from None
+            raise EaglerayError(
+                f"draft: {f} is corrupt or truncated ({err})\n    fix: copy the file again from its source; its size must match its header"
+            ) from None
     return shapes, dtypes
 
 
@@ -165,8 +169,9 @@ def _check_size(f: Path) -> None:
         raise ValueError(f"file has {size} bytes, header needs {8 + n + end}")
 
 
-def save_draft(out_dir: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
-               metadata: DraftMetadata | None = None) -> Path:
+def save_draft(
+    out_dir: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], metadata: DraftMetadata | None = None
+) -> Path:
     """Write a draft checkpoint atomically (temp dir + rename); returns the directory."""
     out = Path(out_dir)
     cfg = dict(config)
@@ -174,8 +179,9 @@ def save_draft(out_dir: str | Path, config: dict[str, Any], tensors: dict[str, t
         cfg["eagleray"] = metadata.model_dump(mode="json")
     tensors = _without_identity_maps(cfg, tensors)
     with atomic_dir(out) as tmp:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / WEIGHTS_FILE),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"}
+        )
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out
 
@@ -191,7 +197,9 @@ def _without_identity_maps(cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
     if vocab is None or int(cfg.get("draft_vocab_size") or vocab) != int(vocab) or "d2t" not in tensors:
         return tensors
     if bool(tensors["d2t"].any()):
-        raise EaglerayError(f"draft.weights.d2t: draft_vocab_size == vocab_size == {vocab} but d2t is not the identity map "
-                            f"(vLLM cannot load a permuted full vocabulary)\n"
-                            f"    fix: build the maps with eagleray.platform.checkpoints.draft_factory.vocab_map, or use a smaller draft_vocab_size")
+        raise EaglerayError(
+            f"draft.weights.d2t: draft_vocab_size == vocab_size == {vocab} but d2t is not the identity map "
+            f"(vLLM cannot load a permuted full vocabulary)\n"
+            f"    fix: build the maps with eagleray.platform.checkpoints.draft_factory.vocab_map, or use a smaller draft_vocab_size"
+        )
     return {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}

@@ -12,8 +12,9 @@ from eagleray.platform.checkpoints.target import TargetSpec, rope_of
 from eagleray.platform.errors import EaglerayError
 
 
-def eagle3_config(target: TargetSpec, aux_layer_ids: list[int] | None = None,
-                  draft_vocab_size: int | None = None) -> dict[str, Any]:
+def eagle3_config(
+    target: TargetSpec, aux_layer_ids: list[int] | None = None, draft_vocab_size: int | None = None
+) -> dict[str, Any]:
     """A vLLM-loadable EAGLE-3 config whose layer shapes and rope follow the target."""
     ids = list(aux_layer_ids if aux_layer_ids is not None else target.default_aux_layer_ids)
     rope = rope_of(target.config)
@@ -61,8 +62,9 @@ def vocab_map(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor
     return d2t.to(torch.int64), t2d
 
 
-def random_eagle3_tensors(cfg: dict[str, Any], d2t: torch.Tensor, t2d: torch.Tensor,
-                          seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+def random_eagle3_tensors(
+    cfg: dict[str, Any], d2t: torch.Tensor, t2d: torch.Tensor, seed: int = 0, std: float = 0.02
+) -> dict[str, torch.Tensor]:
     """Randomly initialised EAGLE-3 weights for ``cfg`` (norms at 1, linears N(0, std))."""
     g = torch.Generator().manual_seed(seed)
     h, i = cfg["hidden_size"], cfg["intermediate_size"]
@@ -88,13 +90,24 @@ def random_eagle3_tensors(cfg: dict[str, Any], d2t: torch.Tensor, t2d: torch.Ten
     return out
 
 
-def make_random_draft(target: TargetSpec, out_dir: str | Path, *, aux_layer_ids: list[int] | None = None,
-                      draft_vocab_size: int | None = None, seed: int = 0, counts: torch.Tensor | None = None) -> Path:
+def make_random_draft(
+    target: TargetSpec,
+    out_dir: str | Path,
+    *,
+    aux_layer_ids: list[int] | None = None,
+    draft_vocab_size: int | None = None,
+    seed: int = 0,
+    counts: torch.Tensor | None = None,
+) -> Path:
     """Write an untrained EAGLE-3 draft for ``target`` (τ≈1; for lossless checks and as a start)."""
     cfg = eagle3_config(target, aux_layer_ids, draft_vocab_size)
     counts = counts if counts is not None else torch.zeros(target.vocab_size)
     d2t, t2d = vocab_map(counts, cfg["draft_vocab_size"])
-    meta = DraftMetadata(target_fingerprint=target.fingerprint, tokenizer_fingerprint=target.tokenizer_fingerprint,
-                         aux_layer_ids=cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
-                         created_by="eagleray random init", notes={"seed": seed})
+    meta = DraftMetadata(
+        target_fingerprint=target.fingerprint,
+        tokenizer_fingerprint=target.tokenizer_fingerprint,
+        aux_layer_ids=cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+        created_by="eagleray random init",
+        notes={"seed": seed},
+    )
     return save_draft(out_dir, cfg, random_eagle3_tensors(cfg, d2t, t2d, seed), meta)

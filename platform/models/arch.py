@@ -71,14 +71,23 @@ class LlamaArch:
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         return cls(
-            model_type=mtype, vocab_size=int(config["vocab_size"]), hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]), num_layers=int(config["num_hidden_layers"]),
-            num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads), rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope=rope, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=_qkv_bias(mtype, config), o_bias=mtype in ("llama", "mistral") and bool(config.get("attention_bias")),
-            mlp_bias=bool(config.get("mlp_bias", False)), qk_norm=mtype == "qwen3",
-            sliding_window=_sliding_window(mtype, config), max_positions=int(config.get("max_position_embeddings") or 0),
+            model_type=mtype,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope=rope,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=_qkv_bias(mtype, config),
+            o_bias=mtype in ("llama", "mistral") and bool(config.get("attention_bias")),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            qk_norm=mtype == "qwen3",
+            sliding_window=_sliding_window(mtype, config),
+            max_positions=int(config.get("max_position_embeddings") or 0),
             dtype=parse_dtype(config.get("torch_dtype") or config.get("dtype")),
         )
 
@@ -93,8 +102,12 @@ def _sliding_window(mtype: str, config: dict[str, Any]) -> int | None:
     window = config.get("sliding_window")
     if mtype in ("qwen2", "qwen3"):
         if config.get("use_sliding_window"):
-            _fail("use_sliding_window", True, "per-layer sliding windows (Qwen max_window_layers) are not implemented; "
-                  "set use_sliding_window=false if the model was trained without it")
+            _fail(
+                "use_sliding_window",
+                True,
+                "per-layer sliding windows (Qwen max_window_layers) are not implemented; "
+                "set use_sliding_window=false if the model was trained without it",
+            )
         return None
     if mtype == "llama":
         return None

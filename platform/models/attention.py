@@ -43,8 +43,16 @@ class KVCache:
     v: torch.Tensor  # [L, num_blocks, block_size, kv_heads, head_dim]
 
     @classmethod
-    def allocate(cls, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device=None) -> "KVCache":
+    def allocate(
+        cls,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ) -> "KVCache":
         shape = (num_layers, num_blocks, block_size, kv_heads, head_dim)
         return cls(k=torch.zeros(shape, dtype=dtype, device=device), v=torch.zeros(shape, dtype=dtype, device=device))
 
@@ -67,12 +75,20 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None  # [T] int64 cache slot of every new token; None = no KV cache
     tree_masks: list[torch.Tensor | None] | None = None  # per sequence [q_b, q_b] bool, None = causal
     block_size: int = 0
-    layouts: dict = field(default_factory=dict, repr=False, compare=False)  # sliding window -> BatchLayout, built once per forward
+    layouts: dict = field(
+        default_factory=dict, repr=False, compare=False
+    )  # sliding window -> BatchLayout, built once per forward
 
     @classmethod
-    def build(cls, query_lens: list[int], context_lens: list[int] | None = None,
-              block_tables: torch.Tensor | list[list[int]] | None = None, block_size: int = 0,
-              tree_masks: list[torch.Tensor | None] | None = None, device=None) -> "AttentionMetadata":
+    def build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int] | None = None,
+        block_tables: torch.Tensor | list[list[int]] | None = None,
+        block_size: int = 0,
+        tree_masks: list[torch.Tensor | None] | None = None,
+        device=None,
+    ) -> "AttentionMetadata":
         """Check the layout and compute ``slot_mapping``; no ``block_tables`` means no KV cache."""
         ctx = list(context_lens) if context_lens is not None else [0] * len(query_lens)
         if len(ctx) != len(query_lens):
@@ -114,13 +130,14 @@ def _slot_mapping(query_lens: list[int], ctx: list[int], bt: torch.Tensor, block
     blocks = bt[seq, (idx // block_size).clamp(max=max(bt.shape[1] - 1, 0))].to(torch.int64) if bt.shape[1] else idx * 0 - 1
     if short or bool((blocks < 0).any()):
         b = short[0] if short else int(seq[blocks < 0][0])
-        raise EaglerayError(f"attention: sequence {b} needs {need[b]} blocks for {ctx[b] + query_lens[b]} tokens but its block table "
-                            f"has too few valid entries\n    fix: allocate blocks before the forward")
+        raise EaglerayError(
+            f"attention: sequence {b} needs {need[b]} blocks for {ctx[b] + query_lens[b]} tokens but its block table "
+            f"has too few valid entries\n    fix: allocate blocks before the forward"
+        )
     return blocks * block_size + idx % block_size
 
 
-def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store new k, v [T, Hkv, D] into one layer's cache [num_blocks, block_size, Hkv, D]."""
     flat_k = cache_k.view(-1, *cache_k.shape[2:])  # [num_blocks*block_size, Hkv, D]
     flat_v = cache_v.view(-1, *cache_v.shape[2:])  # [num_blocks*block_size, Hkv, D]
@@ -171,15 +188,19 @@ def _build_layout(meta: AttentionMetadata, positions: torch.Tensor, window: int 
     else:
         tm = torch.zeros(bsz, qmax, qmax, dtype=torch.bool, device=dev)  # [B, Qmax, Qmax]
         for b, (m, q) in enumerate(zip(meta.tree_masks, qlens)):
-            tm[b, :q, :q] = m.to(device=dev, dtype=torch.bool) if m is not None else torch.ones(q, q, dtype=torch.bool, device=dev).tril()
+            tm[b, :q, :q] = (
+                m.to(device=dev, dtype=torch.bool) if m is not None else torch.ones(q, q, dtype=torch.bool, device=dev).tril()
+            )
         idx = new_j.clamp(0, qmax - 1).expand(bsz, qmax, lmax)  # [B, Qmax, Lmax]
         vis = (new_j < 0) | tm.gather(2, idx)
     vis = vis & valid_k[:, None, :]
     starts = ql.cumsum(0) - ql  # [B] first row in T of each sequence
-    rows = (starts[:, None] + qi[None, :].clamp(max=ql[:, None] - 1))  # [B, Qmax] (padding repeats the last query)
+    rows = starts[:, None] + qi[None, :].clamp(max=ql[:, None] - 1)  # [B, Qmax] (padding repeats the last query)
     if window is not None:
         qpos = positions[rows]  # [B, Qmax]
-        kpos = torch.where(new_j[:, 0] < 0, j[None, :], positions[(starts[:, None] + new_j[:, 0]).clamp(0, positions.shape[0] - 1)])
+        kpos = torch.where(
+            new_j[:, 0] < 0, j[None, :], positions[(starts[:, None] + new_j[:, 0]).clamp(0, positions.shape[0] - 1)]
+        )
         vis = vis & (kpos[:, None, :] > qpos[:, :, None] - window)  # [B, Qmax, Lmax]
     vis = vis | (~valid_q[:, :, None] & (j == 0)[None, None, :])  # padded query rows see key 0 (no empty softmax)
     uniform = all(q == qmax for q in qlens)
@@ -207,9 +228,16 @@ def row_keys(meta: AttentionMetadata) -> cpu_decode.RowKeys:
     return rows
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                    meta: AttentionMetadata, cache: tuple[torch.Tensor, torch.Tensor] | None,
-                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetadata,
+    cache: tuple[torch.Tensor, torch.Tensor] | None,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     """Attention for a varlen batch: q [T, Hq, D], k/v [T, Hkv, D] new tokens -> [T, Hq, D].
 
     With ``cache`` (this layer's K, V [num_blocks, block_size, Hkv, D]) the new k/v are written first
@@ -235,34 +263,55 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     kb = cache[0].view(-1, *cache[0].shape[2:])[lay.kv_slots].to(q.dtype)  # [B, Lmax, Hkv, D]
     vb = cache[1].view(-1, *cache[1].shape[2:])[lay.kv_slots].to(q.dtype)  # [B, Lmax, Hkv, D]
     qb = (q if lay.q_index is None else q[lay.q_index]).view(bsz, lay.qmax, hq, d)  # [B, Qmax, Hq, D]
-    o = F.scaled_dot_product_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),  # [B, H, Q|L, D]
-                                       attn_mask=lay.mask, scale=scale, enable_gqa=True)  # [B, Hq, Qmax, D]
+    o = F.scaled_dot_product_attention(
+        qb.transpose(1, 2),
+        kb.transpose(1, 2),
+        vb.transpose(1, 2),  # [B, H, Q|L, D]
+        attn_mask=lay.mask,
+        scale=scale,
+        enable_gqa=True,
+    )  # [B, Hq, Qmax, D]
     o = o.transpose(1, 2).reshape(bsz * lay.qmax, hq, d)  # [B*Qmax, Hq, D]
     return o if lay.out_index is None else o[lay.out_index]  # [T, Hq, D]
 
 
-def _no_cache_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                     meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+def _no_cache_masked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
     """No cache, with tree masks or a sliding window: one SDPA per sequence over its new tokens -> [T, Hq, D]."""
     out = torch.empty_like(q)  # [T, Hq, D]
     start = 0
     for b, ql in enumerate(meta.query_lens):
         end = start + ql
         m = meta.tree_masks[b] if meta.tree_masks is not None else None
-        mask = (m.to(device=q.device, dtype=torch.bool) if m is not None
-                else torch.ones(ql, ql, dtype=torch.bool, device=q.device).tril())  # [q, q]
+        mask = (
+            m.to(device=q.device, dtype=torch.bool)
+            if m is not None
+            else torch.ones(ql, ql, dtype=torch.bool, device=q.device).tril()
+        )  # [q, q]
         if window is not None:
             qpos = positions[start:end]  # [q]
             mask = mask & (qpos[None, :] > qpos[:, None] - window)
-        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k[start:end].transpose(0, 1),
-                                           v[start:end].transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1),
+            k[start:end].transpose(0, 1),
+            v[start:end].transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
         out[start:end] = o.transpose(0, 1)  # [q, Hq, D]
         start = end
     return out
 
 
-def _causal_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens: list[int],
-                    scale: float) -> torch.Tensor:
+def _causal_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens: list[int], scale: float) -> torch.Tensor:
     """No cache, causal: one SDPA call (flash on GPU) per run of equal lengths -> [T, Hq, D]."""
     out = torch.empty_like(q)  # [T, Hq, D]
     start, b = 0, 0

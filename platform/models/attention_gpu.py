@@ -49,9 +49,15 @@ class DecodeMetadata:
     def num_tokens(self) -> int:
         return self.seq_lens.shape[0]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               cache: tuple[torch.Tensor, torch.Tensor] | None, scale: float,
-               sliding_window: int | None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor] | None,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
         """Write k, v [B, Hkv, D] into ``cache``, then attend q [B, Hq, D] -> [B, Hq, D]."""
         if cache is None:
             raise EaglerayError("decode attention needs a KV cache\n    fix: pass kv_cache to the forward")
@@ -61,17 +67,31 @@ class DecodeMetadata:
         return decode_attention(q, cache[0], cache[1], self, scale, sliding_window)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata,
-                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: DecodeMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     """q [B, Hq, D] over one layer's paged cache [num_blocks, block_size, Hkv, D] -> [B, Hq, D]."""
     if meta.use_triton:
-        return decode_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window,
-                                       split_tokens=meta.split_tokens)
+        return decode_attention_triton(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, split_tokens=meta.split_tokens
+        )
     return decode_attention_torch(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window)
 
 
-def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+def decode_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     """Gather by block table + masked SDPA: q [B, Hq, D] -> [B, Hq, D]; no host sync."""
     b, max_blocks = block_tables.shape
     bs, hkv, d = k_cache.shape[1:]
@@ -83,8 +103,14 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     mask = pos.unsqueeze(0) < lens  # [B, L]
     if sliding_window is not None:
         mask = mask & (pos.unsqueeze(0) > lens - 1 - sliding_window)  # key > pos_q - window
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), kb.transpose(1, 2), vb.transpose(1, 2),  # [B, H, 1|L, D]
-                                       attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)  # [B, Hq, 1, D]
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2),
+        kb.transpose(1, 2),
+        vb.transpose(1, 2),  # [B, H, 1|L, D]
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )  # [B, Hq, 1, D]
     return o.squeeze(2)
 
 
@@ -109,15 +135,29 @@ if triton is not None:
     @triton.jit
     def _decode_split_kernel(
         q_ptr,  # [B, Hq, D] (strides qb, qh; last dim contiguous)
-        k_ptr, v_ptr,  # [num_blocks, BS, Hkv, D] (same strides)
+        k_ptr,
+        v_ptr,  # [num_blocks, BS, Hkv, D] (same strides)
         bt_ptr,  # [B, MB] int32 (stride bt)
         len_ptr,  # [B] int32
         o_ptr,  # [B, Hq, S, D] fp32 partial outputs
         lse_ptr,  # [B, Hq, S] fp32 partial log-sum-exp
-        scale, window, HQ,
-        stride_qb, stride_qh, stride_kn, stride_ks, stride_kh, stride_bt,
-        S: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-        TILE: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        scale,
+        window,
+        HQ,
+        stride_qb,
+        stride_qh,
+        stride_kn,
+        stride_ks,
+        stride_kh,
+        stride_bt,
+        S: tl.constexpr,
+        G: tl.constexpr,
+        GP: tl.constexpr,
+        D: tl.constexpr,
+        BS: tl.constexpr,
+        TILE: tl.constexpr,
+        TILES_PER_SPLIT: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
     ):
         b = tl.program_id(0)
         hkv = tl.program_id(1)
@@ -164,7 +204,9 @@ if triton is not None:
         lse_ptr,  # [B*Hq, S] fp32
         out_ptr,  # [B*Hq, D] (stride out)
         stride_out,
-        S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr,
+        S: tl.constexpr,
+        SP: tl.constexpr,
+        D: tl.constexpr,
     ):
         row = tl.program_id(0)
         si = tl.arange(0, SP)
@@ -178,8 +220,9 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + d, out.to(out_ptr.dtype.element_ty))
 
 
-def _check_triton_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                         seq_lens: torch.Tensor) -> None:
+def _check_triton_inputs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+) -> None:
     if triton is None:
         raise EaglerayError("decode_attention_triton needs the triton package\n    fix: pip install triton, or use_triton=False")
     b, hq, d = q.shape
@@ -187,15 +230,25 @@ def _check_triton_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if k_cache.stride() != v_cache.stride() or k_cache.shape != v_cache.shape:
         raise EaglerayError("decode attention: K and V caches must have the same shape and strides")
     if hq % hkv or d & (d - 1) or d < 16 or q.stride(-1) != 1 or k_cache.stride(-1) != 1:
-        raise EaglerayError(f"decode attention: unsupported q {tuple(q.shape)} / cache {tuple(k_cache.shape)} "
-                            f"(need Hq % Hkv == 0, head_dim a power of two >= 16, contiguous last dims)")
+        raise EaglerayError(
+            f"decode attention: unsupported q {tuple(q.shape)} / cache {tuple(k_cache.shape)} "
+            f"(need Hq % Hkv == 0, head_dim a power of two >= 16, contiguous last dims)"
+        )
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (b,):
         raise EaglerayError("decode attention: block_tables and seq_lens must be int32, seq_lens [B]")
 
 
-def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                            seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                            tile: int = 64, split_tokens: int | None = None) -> torch.Tensor:
+def decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    tile: int = 64,
+    split_tokens: int | None = None,
+) -> torch.Tensor:
     """Split-K paged decode attention: q [B, Hq, D] -> [B, Hq, D]; reads only valid tokens."""
     _check_triton_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     b, hq, d = q.shape
@@ -205,11 +258,32 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)  # [B, Hq, S, D]
     lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)  # [B, Hq, S]
     _decode_split_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part, lse,
-        float(scale), int(sliding_window or 0), hq,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        S=splits, G=group, GP=max(16, triton.next_power_of_2(group)), D=d, BS=bs, TILE=tile,
-        TILES_PER_SPLIT=per_split, HAS_WINDOW=sliding_window is not None, num_warps=4)
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        part,
+        lse,
+        float(scale),
+        int(sliding_window or 0),
+        hq,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        S=splits,
+        G=group,
+        GP=max(16, triton.next_power_of_2(group)),
+        D=d,
+        BS=bs,
+        TILE=tile,
+        TILES_PER_SPLIT=per_split,
+        HAS_WINDOW=sliding_window is not None,
+        num_warps=4,
+    )
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)  # [B, Hq, D]
     _decode_merge_kernel[(b * hq,)](part, lse, out, d, S=splits, SP=triton.next_power_of_2(splits), D=d, num_warps=1)
     return out

@@ -31,8 +31,12 @@ MODES = {"plain": 0, "norm": 1, "silu": 2}
 # (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages), else `config()`'s rule. Llama-3.1-8B shapes, best of
 # 18 in a CUDA-graph sweep on an H200 (jobs/bench/gemv_check.py, 2026-11-30); qkv_rope_gemv looks up (N/2, K).
 CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
-    (3072, 4096): (4, 512, 4, 3), (4096, 4096): (16, 1024, 8, 3), (28672, 4096): (16, 256, 4, 4),
-    (4096, 14336): (8, 1024, 4, 3), (128256, 4096): (16, 256, 4, 4)}
+    (3072, 4096): (4, 512, 4, 3),
+    (4096, 4096): (16, 1024, 8, 3),
+    (28672, 4096): (16, 256, 4, 4),
+    (4096, 14336): (8, 1024, 4, 3),
+    (128256, 4096): (16, 256, 4, 4),
+}
 
 
 def config(n: int, k: int) -> tuple[int, int, int, int]:
@@ -69,9 +73,22 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _dot_rows(x_ptr, up_ptr, nw_ptr, w_ptr, rows, rmask, K, stride_w, eps,
-                  MODE: tl.constexpr, KP2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  EVEN: tl.constexpr):
+    def _dot_rows(
+        x_ptr,
+        up_ptr,
+        nw_ptr,
+        w_ptr,
+        rows,
+        rmask,
+        K,
+        stride_w,
+        eps,
+        MODE: tl.constexpr,
+        KP2: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EVEN: tl.constexpr,
+    ):
         """sum_k W[rows, k] * x[k] in fp32: [BLOCK_N]."""
         rstd = 1.0
         if MODE == 1:
@@ -92,15 +109,26 @@ if triton is not None:
         return tl.sum(acc, 1)
 
     @triton.jit
-    def _gemv_kernel(x_ptr,  # [K] (the gate half for MODE 2)
-                     up_ptr,  # [K] up half (MODE 2)
-                     nw_ptr,  # [K] norm weight (MODE 1)
-                     w_ptr,  # [N, K] (row stride stride_w)
-                     b_ptr,  # [N] bias
-                     res_ptr, out_ptr,  # [N] residual in, output
-                     N, K, stride_w, eps,
-                     MODE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, KP2: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    def _gemv_kernel(
+        x_ptr,  # [K] (the gate half for MODE 2)
+        up_ptr,  # [K] up half (MODE 2)
+        nw_ptr,  # [K] norm weight (MODE 1)
+        w_ptr,  # [N, K] (row stride stride_w)
+        b_ptr,  # [N] bias
+        res_ptr,
+        out_ptr,  # [N] residual in, output
+        N,
+        K,
+        stride_w,
+        eps,
+        MODE: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        KP2: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EVEN: tl.constexpr,
+    ):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         rmask = rows < N
         acc = _dot_rows(x_ptr, up_ptr, nw_ptr, w_ptr, rows, rmask, K, stride_w, eps, MODE, KP2, BLOCK_N, BLOCK_K, EVEN)
@@ -123,15 +151,31 @@ if triton is not None:
         return o1, o2
 
     @triton.jit
-    def _qkv_rope_kernel(x_ptr, nw_ptr,  # [K] residual stream, norm weight
-                         w_ptr, b_ptr,  # [(HQ+2HKV)*D, K], [(HQ+2HKV)*D]
-                         pos_ptr, inv_ptr,  # [1] int64, [D/2] fp32
-                         q_ptr,  # [HQ, D] out
-                         k_ptr, v_ptr,  # [num_slots, HKV, D] (slot stride)
-                         slot_ptr,  # [1] int64
-                         K, stride_w, stride_slot, eps, HQ, HKV,
-                         D: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         KP2: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    def _qkv_rope_kernel(
+        x_ptr,
+        nw_ptr,  # [K] residual stream, norm weight
+        w_ptr,
+        b_ptr,  # [(HQ+2HKV)*D, K], [(HQ+2HKV)*D]
+        pos_ptr,
+        inv_ptr,  # [1] int64, [D/2] fp32
+        q_ptr,  # [HQ, D] out
+        k_ptr,
+        v_ptr,  # [num_slots, HKV, D] (slot stride)
+        slot_ptr,  # [1] int64
+        K,
+        stride_w,
+        stride_slot,
+        eps,
+        HQ,
+        HKV,
+        D: tl.constexpr,
+        HALF: tl.constexpr,
+        BH: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        KP2: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EVEN: tl.constexpr,
+    ):
         pid = tl.program_id(0)
         head = pid // (HALF // BH)
         j = (pid % (HALF // BH)) * BH + tl.arange(0, BH)  # [BH] index within the half
@@ -163,13 +207,21 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     if triton is None:
         raise EaglerayError("decode_gemv needs the triton package\n    fix: pip install triton, or use_triton=False")
     if x.shape[0] != 1 or x.shape[-1] != weight.shape[1] or weight.stride(1) != 1 or x.stride(-1) != 1:
-        raise EaglerayError(f"gemv: need x [1, K] and weight [N, K] with contiguous rows; got "
-                            f"{tuple(x.shape)} and {tuple(weight.shape)}")
+        raise EaglerayError(
+            f"gemv: need x [1, K] and weight [N, K] with contiguous rows; got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, mode: str = "plain",
-         norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-         residual: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    mode: str = "plain",
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
     """[1, K] (or [1, 2K] gate_up for ``silu``) @ weight [N, K].T (+ bias) (+ residual [1, N]) -> [1, N]."""
     k = weight.shape[1]
     xin = x[:, :k] if mode == "silu" else x  # [1, K]
@@ -179,17 +231,44 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     out = torch.empty(1, n, dtype=weight.dtype, device=weight.device)  # [1, N]
     up = x[:, k:] if mode == "silu" else x
     _gemv_kernel[(triton.cdiv(n, bn),)](
-        x, up, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
-        residual if residual is not None else out, out, n, k, weight.stride(0), float(eps),
-        MODE=MODES[mode], HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        KP2=triton.next_power_of_2(k), BLOCK_N=bn, BLOCK_K=bk, EVEN=(n % bn == 0 and k % bk == 0),
-        num_warps=warps, num_stages=stages)
+        x,
+        up,
+        norm_weight if norm_weight is not None else x,
+        weight,
+        bias if bias is not None else weight,
+        residual if residual is not None else out,
+        out,
+        n,
+        k,
+        weight.stride(0),
+        float(eps),
+        MODE=MODES[mode],
+        HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
+        KP2=triton.next_power_of_2(k),
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        EVEN=(n % bn == 0 and k % bk == 0),
+        num_warps=warps,
+        num_stages=stages,
+    )
     return out
 
 
-def qkv_rope_gemv(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                  bias: torch.Tensor | None, positions: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slots: torch.Tensor, hq: int, hkv: int) -> torch.Tensor:
+def qkv_rope_gemv(
+    h: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    hq: int,
+    hkv: int,
+) -> torch.Tensor:
     """h [1, H] -> q [1, Hq, D] of rmsnorm(h) @ W_qkv.T with rotary; k (rotary) and v stored at ``slots``."""
     _check(h, weight)
     d = k_cache.shape[-1]
@@ -200,8 +279,30 @@ def qkv_rope_gemv(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight
     bh = min(bh, half)
     q = torch.empty(1, hq, d, dtype=h.dtype, device=h.device)  # [1, Hq, D]
     _qkv_rope_kernel[((hq + 2 * hkv) * (half // bh),)](
-        h, norm_weight, weight, bias if bias is not None else weight, positions, inv_freq, q, k_cache, v_cache,
-        slots, k, weight.stride(0), k_cache.stride(1), float(eps), hq, hkv,
-        D=d, HALF=half, BH=bh, HAS_BIAS=bias is not None, KP2=triton.next_power_of_2(k), BLOCK_K=bk,
-        EVEN=k % bk == 0, num_warps=warps, num_stages=stages)
+        h,
+        norm_weight,
+        weight,
+        bias if bias is not None else weight,
+        positions,
+        inv_freq,
+        q,
+        k_cache,
+        v_cache,
+        slots,
+        k,
+        weight.stride(0),
+        k_cache.stride(1),
+        float(eps),
+        hq,
+        hkv,
+        D=d,
+        HALF=half,
+        BH=bh,
+        HAS_BIAS=bias is not None,
+        KP2=triton.next_power_of_2(k),
+        BLOCK_K=bk,
+        EVEN=k % bk == 0,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return q

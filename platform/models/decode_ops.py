@@ -25,8 +25,9 @@ except ImportError:  # pragma: no cover
     triton = None
 
 
-def add_rmsnorm_torch(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rmsnorm_torch(
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """h, delta [T, H] -> (normed [T, H], h + delta [T, H]); RMSNorm as layers.RMSNorm."""
     if delta is not None:
         h = h + delta
@@ -35,8 +36,16 @@ def add_rmsnorm_torch(h: torch.Tensor, delta: torch.Tensor | None, weight: torch
     return weight * x32.to(h.dtype), h
 
 
-def rope_write_kv_torch(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, slots: torch.Tensor, hq: int, hkv: int) -> torch.Tensor:
+def rope_write_kv_torch(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    hq: int,
+    hkv: int,
+) -> torch.Tensor:
     """qkv [T, (Hq+2Hkv)*D] -> rotated q [T, Hq, D]; rotated k and v written to ``slots`` [T]."""
     t, d = qkv.shape[0], k_cache.shape[-1]
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
@@ -58,8 +67,17 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
 if triton is not None:
 
     @triton.jit
-    def _add_rmsnorm_kernel(h_ptr, delta_ptr, w_ptr, out_ptr, hout_ptr,  # [T, N] each, w [N]
-                            eps, N, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rmsnorm_kernel(
+        h_ptr,
+        delta_ptr,
+        w_ptr,
+        out_ptr,
+        hout_ptr,  # [T, N] each, w [N]
+        eps,
+        N,
+        HAS_DELTA: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0)
         c = tl.arange(0, BLOCK)
         mask = c < N
@@ -76,14 +94,21 @@ if triton is not None:
         tl.store(out_ptr + row * N + c, (w * y).to(dt), mask=mask)
 
     @triton.jit
-    def _rope_kv_kernel(qkv_ptr,  # [T, (HQ+2HKV)*D] (row stride)
-                        pos_ptr,  # [T] int64
-                        inv_ptr,  # [D/2] fp32
-                        q_ptr,  # [T, HQ, D] out
-                        k_ptr, v_ptr,  # [num_slots, HKV, D] (slot stride)
-                        slot_ptr,  # [T] int64
-                        stride_row, stride_slot, HQ, HKV,
-                        D: tl.constexpr, HALF: tl.constexpr):
+    def _rope_kv_kernel(
+        qkv_ptr,  # [T, (HQ+2HKV)*D] (row stride)
+        pos_ptr,  # [T] int64
+        inv_ptr,  # [D/2] fp32
+        q_ptr,  # [T, HQ, D] out
+        k_ptr,
+        v_ptr,  # [num_slots, HKV, D] (slot stride)
+        slot_ptr,  # [T] int64
+        stride_row,
+        stride_slot,
+        HQ,
+        HKV,
+        D: tl.constexpr,
+        HALF: tl.constexpr,
+    ):
         t = tl.program_id(0)
         h = tl.program_id(1)
         base = qkv_ptr + t * stride_row + h * D
@@ -113,9 +138,12 @@ if triton is not None:
             tl.store(v_ptr + slot * stride_slot + (h - HQ - HKV) * D + j, x.to(v_ptr.dtype.element_ty))
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr,  # [T, 2I]
-                         out_ptr,  # [T, I]
-                         inter, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(
+        gu_ptr,  # [T, 2I]
+        out_ptr,  # [T, I]
+        inter,
+        BLOCK: tl.constexpr,
+    ):
         t = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = c < inter
@@ -127,28 +155,62 @@ if triton is not None:
         tl.store(out_ptr + t * inter + c, (a * u).to(dt), mask=mask)
 
 
-def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                use_triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rmsnorm(
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, use_triton: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(w * rmsnorm(h + delta), h + delta) for h, delta [T, H] contiguous."""
     if not use_triton:
         return add_rmsnorm_torch(h, delta, weight, eps)
     t, n = h.shape
     out = torch.empty_like(h)  # [T, H]
     h_new = torch.empty_like(h) if delta is not None else h  # [T, H]
-    _add_rmsnorm_kernel[(t,)](h, delta if delta is not None else h, weight, out, h_new, float(eps), n,
-                              HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(n), num_warps=8)
+    _add_rmsnorm_kernel[(t,)](
+        h,
+        delta if delta is not None else h,
+        weight,
+        out,
+        h_new,
+        float(eps),
+        n,
+        HAS_DELTA=delta is not None,
+        BLOCK=triton.next_power_of_2(n),
+        num_warps=8,
+    )
     return out, h_new
 
 
-def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slots: torch.Tensor, hq: int, hkv: int, use_triton: bool) -> torch.Tensor:
+def rope_write_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    hq: int,
+    hkv: int,
+    use_triton: bool,
+) -> torch.Tensor:
     """qkv [T, (Hq+2Hkv)*D] -> q [T, Hq, D] (rotary applied); k (rotary) and v stored at ``slots``."""
     if not use_triton:
         return rope_write_kv_torch(qkv, positions, inv_freq, k_cache, v_cache, slots, hq, hkv)
     t, d = qkv.shape[0], k_cache.shape[-1]
     q = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device)  # [T, Hq, D]
-    _rope_kv_kernel[(t, hq + 2 * hkv)](qkv, positions, inv_freq, q, k_cache, v_cache, slots,
-                                       qkv.stride(0), k_cache.stride(1), hq, hkv, D=d, HALF=d // 2, num_warps=1)
+    _rope_kv_kernel[(t, hq + 2 * hkv)](
+        qkv,
+        positions,
+        inv_freq,
+        q,
+        k_cache,
+        v_cache,
+        slots,
+        qkv.stride(0),
+        k_cache.stride(1),
+        hq,
+        hkv,
+        D=d,
+        HALF=d // 2,
+        num_warps=1,
+    )
     return q
 
 

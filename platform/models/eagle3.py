@@ -45,12 +45,24 @@ def _check_supported(config: dict[str, Any]) -> None:
     """Refuse the vLLM Eagle3 variants eagleray does not implement, naming the field and the fix."""
     eagle = config.get("eagle_config") or {}
     checks = [  # (field, value, is it bad, fix)
-        ("num_hidden_layers", config.get("num_hidden_layers", 1), int(config.get("num_hidden_layers", 1)) != 1,
-         "eagleray drafts have one decoder layer"),
-        ("eagle_config.use_aux_hidden_state", eagle.get("use_aux_hidden_state"), eagle.get("use_aux_hidden_state") is False,
-         "EAGLE-3 drafts consume aux hidden states; set it to true or serve the checkpoint as an EAGLE draft"),
-        ("fc_norm", config.get("fc_norm"), bool(config.get("fc_norm")),
-         "per-chunk fc norms are not implemented; use norm_before_fc instead"),
+        (
+            "num_hidden_layers",
+            config.get("num_hidden_layers", 1),
+            int(config.get("num_hidden_layers", 1)) != 1,
+            "eagleray drafts have one decoder layer",
+        ),
+        (
+            "eagle_config.use_aux_hidden_state",
+            eagle.get("use_aux_hidden_state"),
+            eagle.get("use_aux_hidden_state") is False,
+            "EAGLE-3 drafts consume aux hidden states; set it to true or serve the checkpoint as an EAGLE draft",
+        ),
+        (
+            "fc_norm",
+            config.get("fc_norm"),
+            bool(config.get("fc_norm")),
+            "per-chunk fc norms are not implemented; use norm_before_fc instead",
+        ),
     ]
     for field_, value, bad, fix in checks:
         if bad:
@@ -70,8 +82,9 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps, dt, device)
         self.mlp = MLP(arch, tp, device)
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                attn: AttentionMetadata, cache) -> torch.Tensor:  # embeds, hidden [T, H] -> pre-norm [T, H]
+    def forward(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, cache
+    ) -> torch.Tensor:  # embeds, hidden [T, H] -> pre-norm [T, H]
         normed_hidden = self.hidden_norm(hidden)  # [T, H]
         residual = normed_hidden if self.norm_before_residual else hidden  # [T, H]
         x = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)  # [T, 2H]
@@ -82,8 +95,14 @@ class Eagle3Layer(nn.Module):
 class Eagle3Draft(nn.Module):
     """EAGLE-3 Llama draft; parameter names are the checkpoint's (``fc``, ``midlayer.*``, ``norm``, ``lm_head``)."""
 
-    def __init__(self, config: dict[str, Any], tp: TPInfo | None = None, device=None,
-                 dtype: torch.dtype | None = None, own_embedding: bool = False):
+    def __init__(
+        self,
+        config: dict[str, Any],
+        tp: TPInfo | None = None,
+        device=None,
+        dtype: torch.dtype | None = None,
+        own_embedding: bool = False,
+    ):
         super().__init__()
         _check_supported(config)
         self.config = config
@@ -103,19 +122,29 @@ class Eagle3Draft(nn.Module):
         self.lm_head = ParallelLMHead(self.draft_vocab_size, h, self.tp, dt, device)
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, h, self.tp, dt, device) if own_embedding else None
         self._shared_embed: list[VocabParallelEmbedding] = []  # the target's, not a submodule (not loaded/saved)
-        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64, device=device),
-                             persistent=False)  # [Vd] target_id - draft_id
+        self.register_buffer(
+            "d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64, device=device), persistent=False
+        )  # [Vd] target_id - draft_id
 
     @classmethod
-    def from_checkpoint(cls, ckpt: DraftCheckpoint | str | Path, target: nn.Module | None = None, *,
-                        dtype: str | torch.dtype | None = None, device=None, tp: TPInfo | None = None) -> "Eagle3Draft":
+    def from_checkpoint(
+        cls,
+        ckpt: DraftCheckpoint | str | Path,
+        target: nn.Module | None = None,
+        *,
+        dtype: str | torch.dtype | None = None,
+        device=None,
+        tp: TPInfo | None = None,
+    ) -> "Eagle3Draft":
         """Load a draft dir; without ``embed_tokens.weight`` it shares ``target.embed_tokens``."""
         ckpt = ckpt if isinstance(ckpt, DraftCheckpoint) else DraftCheckpoint.open(ckpt)
         names = {_rename(n) for n in ckpt.shapes}
         own = "embed_tokens.weight" in names
         if not own and target is None:
-            raise EaglerayError(f"draft {ckpt.path} has no embed_tokens.weight and no target was given to share it\n"
-                                f"    fix: pass the target model (Eagle3Draft.from_checkpoint(path, target))")
+            raise EaglerayError(
+                f"draft {ckpt.path} has no embed_tokens.weight and no target was given to share it\n"
+                f"    fix: pass the target model (Eagle3Draft.from_checkpoint(path, target))"
+            )
         dt = parse_dtype(dtype) if dtype is not None else (target.arch.dtype if target is not None else None)
         with torch.device(device or "cpu"):
             draft = cls(ckpt.config, tp, device, dt, own_embedding=own)
@@ -128,17 +157,21 @@ class Eagle3Draft(nn.Module):
         tensors = ckpt.load_tensors()
         d2t = tensors.pop("d2t", None)
         if d2t is None and self.draft_vocab_size != self.arch.vocab_size:
-            raise EaglerayError(f"draft {ckpt.path}: draft_vocab_size={self.draft_vocab_size} != vocab_size="
-                                f"{self.arch.vocab_size} but the checkpoint has no d2t tensor\n"
-                                f"    fix: save the draft->target id offsets as 'd2t' (see eagleray.platform.draft_factory.vocab_map)")
+            raise EaglerayError(
+                f"draft {ckpt.path}: draft_vocab_size={self.draft_vocab_size} != vocab_size="
+                f"{self.arch.vocab_size} but the checkpoint has no d2t tensor\n"
+                f"    fix: save the draft->target id offsets as 'd2t' (see eagleray.platform.draft_factory.vocab_map)"
+            )
         if d2t is not None:
             self.d2t.copy_(d2t.to(torch.int64))
         load_weights(self, tensors.items(), rename=_rename, what=f"draft {ckpt.path}")
 
     def share_embedding(self, embedding: VocabParallelEmbedding) -> None:
         if embedding.weight.shape[1] != self.arch.hidden_size:
-            raise EaglerayError(f"target embedding width {embedding.weight.shape[1]} != draft hidden_size {self.arch.hidden_size}\n"
-                                f"    fix: the draft was not trained for this target")
+            raise EaglerayError(
+                f"target embedding width {embedding.weight.shape[1]} != draft hidden_size {self.arch.hidden_size}\n"
+                f"    fix: the draft was not trained for this target"
+            )
         self._shared_embed = [embedding]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
@@ -147,13 +180,21 @@ class Eagle3Draft(nn.Module):
 
     def combine_hidden_states(self, aux: torch.Tensor) -> torch.Tensor:  # [T, n_aux*H_t] -> [T, H]
         if aux.shape[-1] != self.fc_in:
-            raise EaglerayError(f"draft expects aux hidden states of width {self.fc_in} ({self.num_aux} x target hidden), "
-                                f"got {aux.shape[-1]}\n    fix: capture the aux layers {self.config.get('eagle_config')} in the target")
+            raise EaglerayError(
+                f"draft expects aux hidden states of width {self.fc_in} ({self.num_aux} x target hidden), "
+                f"got {aux.shape[-1]}\n    fix: capture the aux layers {self.config.get('eagle_config')} in the target"
+            )
         x = aux.to(self.arch.dtype)
         return self.fc(self.input_norm(x) if self.input_norm is not None else x)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
-                attn: AttentionMetadata, kv_cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: KVCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids, positions [T], hidden [T, H] -> normed [T, H] (for logits), next_hidden [T, H]."""
         cache = None if kv_cache is None else (kv_cache.k[0], kv_cache.v[0])
         pre = self.midlayer(self.embed(input_ids), hidden.to(self.arch.dtype), positions, attn, cache)  # [T, H]
@@ -174,8 +215,9 @@ class Eagle3Draft(nn.Module):
     def make_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None, device=None) -> KVCache:
         """The draft's own one-layer paged cache: [1, num_blocks, block_size, Hkv/tp, D]."""
         a = self.midlayer.self_attn
-        return KVCache.allocate(1, num_blocks, block_size, a.kv_heads, a.head_dim, dtype or self.arch.dtype,
-                                device or self.norm.weight.device)
+        return KVCache.allocate(
+            1, num_blocks, block_size, a.kv_heads, a.head_dim, dtype or self.arch.dtype, device or self.norm.weight.device
+        )
 
 
 def _rename(name: str) -> str | None:

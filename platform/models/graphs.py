@@ -57,9 +57,9 @@ def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
     start = 0
     for lin in linears:
         n = lin.weight.shape[0]
-        lin.weight.data = weight[start:start + n]
+        lin.weight.data = weight[start : start + n]
         if bias is not None:
-            lin.bias.data = bias[start:start + n]
+            lin.bias.data = bias[start : start + n]
         start += n
     return weight, bias
 
@@ -75,19 +75,27 @@ class FusedDecodeStep:
     def __init__(self, model, use_triton: bool, use_gemv: bool | None = None, invariant: bool = False):
         arch = model.arch
         if arch.qk_norm:
-            raise EaglerayError(f"the fused decode step does not implement q/k norms ({arch.model_type})\n"
-                                f"    fix: DecodeGraphRunner(..., fused=False) uses the model's own layers")
+            raise EaglerayError(
+                f"the fused decode step does not implement q/k norms ({arch.model_type})\n"
+                f"    fix: DecodeGraphRunner(..., fused=False) uses the model's own layers"
+            )
         if invariant and model.tp.world != 1:
-            raise EaglerayError("the batch-invariant decode step runs on one rank (its products are not all-reduced)\n"
-                                "    fix: invariant=False for a tensor-parallel target")
+            raise EaglerayError(
+                "the batch-invariant decode step runs on one rank (its products are not all-reduced)\n"
+                "    fix: invariant=False for a tensor-parallel target"
+            )
         self.model, self.use_triton, self.eps, self.invariant = model, use_triton, arch.rms_norm_eps, invariant
         # batch 1: Triton GEMVs with the element-wise ops folded in (one rank only: no all-reduce there)
         self.use_gemv = (use_triton if use_gemv is None else use_gemv) and model.tp.world == 1 and not invariant
         fused = getattr(model, "_decode_fused", None)  # fuse once per model; later steps share it
         if fused is None:
-            fused = ([_fused(layer.self_attn.qkv, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
-                      for layer in model.layers],
-                     [_fused(layer.mlp.gate_up, [layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in model.layers])
+            fused = (
+                [
+                    _fused(layer.self_attn.qkv, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+                    for layer in model.layers
+                ],
+                [_fused(layer.mlp.gate_up, [layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in model.layers],
+            )
             model._decode_fused = fused
         self.qkv, self.gate_up = fused
         attn = model.layers[0].self_attn
@@ -107,8 +115,9 @@ class FusedDecodeStep:
             if i in wanted:
                 aux.append(h)
             qkv = self._linear(x, *self.qkv[i])  # [B, (Hq+2Hkv)*D]
-            q = rope_write_kv(qkv, positions, self.inv_freq, kv.k[i], kv.v[i], meta.slot_mapping,
-                              self.hq, self.hkv, ut)  # [B, Hq, D]
+            q = rope_write_kv(
+                qkv, positions, self.inv_freq, kv.k[i], kv.v[i], meta.slot_mapping, self.hq, self.hkv, ut
+            )  # [B, Hq, D]
             o = decode_attention(q, kv.k[i], kv.v[i], meta, self.scale, self.window)  # [B, Hq, D]
             delta = self._proj(layer.self_attn.o_proj, o.reshape(b, -1))  # [B, H]
             x, h = add_rmsnorm(h, delta, layer.post_attention_layernorm.weight, self.eps, ut)
@@ -116,7 +125,7 @@ class FusedDecodeStep:
         x, h = add_rmsnorm(h, delta, m.norm.weight, self.eps, ut)
         if m.arch.num_layers in wanted:
             aux.append(h)
-        logits = self._linear(x, m.lm_head.weight)[:, :m.arch.vocab_size] if self.invariant else m.compute_logits(x)
+        logits = self._linear(x, m.lm_head.weight)[:, : m.arch.vocab_size] if self.invariant else m.compute_logits(x)
         return logits, (torch.cat(aux, dim=-1) if aux else None)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -130,7 +139,6 @@ class FusedDecodeStep:
     def _proj(self, linear, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, linear.weight, linear.bias) if self.invariant else linear(x)
 
-
     def _gemv_step(self, ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata, kv: KVCache) -> Step:
         """Batch 1: 4 GEMV launches + attention per layer; norms, rotary, SiLU, residual adds folded in."""
         m, eps = self.model, self.eps
@@ -141,17 +149,27 @@ class FusedDecodeStep:
             if i in wanted:
                 aux.append(h)
             attn, mlp = layer.self_attn, layer.mlp
-            q = qkv_rope_gemv(h, layer.input_layernorm.weight, eps, *self.qkv[i], positions, self.inv_freq,
-                              kv.k[i], kv.v[i], meta.slot_mapping, self.hq, self.hkv)  # [1, Hq, D]
+            q = qkv_rope_gemv(
+                h,
+                layer.input_layernorm.weight,
+                eps,
+                *self.qkv[i],
+                positions,
+                self.inv_freq,
+                kv.k[i],
+                kv.v[i],
+                meta.slot_mapping,
+                self.hq,
+                self.hkv,
+            )  # [1, Hq, D]
             o = decode_attention(q, kv.k[i], kv.v[i], meta, self.scale, self.window)  # [1, Hq, D]
             h = gemv(o.reshape(1, -1), attn.o_proj.weight, attn.o_proj.bias, residual=h)  # [1, H]
-            gu = gemv(h, *self.gate_up[i], mode="norm", norm_weight=layer.post_attention_layernorm.weight,
-                      eps=eps)  # [1, 2I]
+            gu = gemv(h, *self.gate_up[i], mode="norm", norm_weight=layer.post_attention_layernorm.weight, eps=eps)  # [1, 2I]
             h = gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, mode="silu", residual=h)  # [1, H]
         if m.arch.num_layers in wanted:
             aux.append(h)
         logits = gemv(h, m.lm_head.weight, mode="norm", norm_weight=m.norm.weight, eps=eps)  # [1, V_pad]
-        return logits[:, :m.arch.vocab_size], (torch.cat(aux, dim=-1) if aux else None)
+        return logits[:, : m.arch.vocab_size], (torch.cat(aux, dim=-1) if aux else None)
 
 
 class RowGraphs:
@@ -163,8 +181,9 @@ class RowGraphs:
     lazily or by :meth:`capture` - and returns its static outputs.
     """
 
-    def __init__(self, device: torch.device, buckets, max_blocks: int, block_size: int, pad_slot: int,
-                 use_graphs: bool, lazy: bool):
+    def __init__(
+        self, device: torch.device, buckets, max_blocks: int, block_size: int, pad_slot: int, use_graphs: bool, lazy: bool
+    ):
         if use_graphs and device.type != "cuda":
             raise EaglerayError("CUDA graphs need the KV cache on a CUDA device\n    fix: use_graphs=False on CPU")
         self.buckets, self.max_blocks, self.block_size = tuple(sorted(buckets)), int(max_blocks), block_size
@@ -184,21 +203,32 @@ class RowGraphs:
         for size in self.buckets:
             if size >= b:
                 return size
-        raise EaglerayError(f"decode batch of {b} rows exceeds the largest bucket {self.buckets[-1]}\n"
-                            f"    fix: split the batch, or build the runner with larger buckets")
+        raise EaglerayError(
+            f"decode batch of {b} rows exceeds the largest bucket {self.buckets[-1]}\n"
+            f"    fix: split the batch, or build the runner with larger buckets"
+        )
 
     def meta(self, b: int, use_triton: bool, split_tokens: int | None) -> DecodeMetadata:
-        return DecodeMetadata(self.block_tables[:b], self.seq_lens[:b], self.slot_mapping[:b], self.block_size,
-                              use_triton, split_tokens)
+        return DecodeMetadata(
+            self.block_tables[:b], self.seq_lens[:b], self.slot_mapping[:b], self.block_size, use_triton, split_tokens
+        )
 
-    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-             seq_lens: torch.Tensor, slot_mapping: torch.Tensor) -> int:
+    def load(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> int:
         """ids, positions [B], block_tables [B, nb<=max_blocks], seq_lens (incl. the row's token), slots [B]
         -> the bucket the batch runs in."""
         b, nb = input_ids.shape[0], block_tables.shape[1]
         if nb > self.max_blocks:
-            raise EaglerayError(f"block table of {nb} blocks exceeds max_blocks_per_seq={self.max_blocks}\n"
-                                f"    fix: build the runner with a larger max_blocks_per_seq")
+            raise EaglerayError(
+                f"block table of {nb} blocks exceeds max_blocks_per_seq={self.max_blocks}\n"
+                f"    fix: build the runner with a larger max_blocks_per_seq"
+            )
         bucket = self.bucket_for(b)
         self.input_ids[:b].copy_(input_ids, non_blocking=True)
         self.positions[:b].copy_(positions, non_blocking=True)
@@ -260,10 +290,21 @@ class DecodeGraphRunner:
 
     SPLIT_TOKENS = 256  # attention split length of the batch-invariant step
 
-    def __init__(self, model, kv_cache: KVCache, max_blocks_per_seq: int, *, buckets=BUCKETS,
-                 fused: bool | None = None, use_triton: bool | None = None, use_graphs: bool | None = None,
-                 pad_slot: int | None = None, use_gemv: bool | None = None, invariant: bool = False,
-                 lazy: bool = False):
+    def __init__(
+        self,
+        model,
+        kv_cache: KVCache,
+        max_blocks_per_seq: int,
+        *,
+        buckets=BUCKETS,
+        fused: bool | None = None,
+        use_triton: bool | None = None,
+        use_graphs: bool | None = None,
+        pad_slot: int | None = None,
+        use_gemv: bool | None = None,
+        invariant: bool = False,
+        lazy: bool = False,
+    ):
         dev = kv_cache.k.device
         cuda = dev.type == "cuda"
         self.model, self.kv = model, kv_cache
@@ -274,8 +315,9 @@ class DecodeGraphRunner:
         self.step = FusedDecodeStep(model, self.use_triton, use_gemv, invariant) if fused else self._generic_step
         self.split_tokens = self.SPLIT_TOKENS if invariant else None
         pad = kv_cache.num_blocks * kv_cache.block_size - 1 if pad_slot is None else int(pad_slot)
-        self.rows = RowGraphs(dev, buckets, max_blocks_per_seq, kv_cache.block_size, pad,
-                              cuda if use_graphs is None else use_graphs, lazy)
+        self.rows = RowGraphs(
+            dev, buckets, max_blocks_per_seq, kv_cache.block_size, pad, cuda if use_graphs is None else use_graphs, lazy
+        )
         self.buckets, self.pad_slot, self.max_blocks = self.rows.buckets, pad, self.rows.max_blocks
         self._aux_key = tuple(model.aux_layer_ids)
 
@@ -299,8 +341,14 @@ class DecodeGraphRunner:
         self.rows.capture(self._aux_key, buckets or self.rows.buckets, self._forward)
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-            seq_lens: torch.Tensor, slot_mapping: torch.Tensor) -> Step:
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> Step:
         """ids, positions [B], block_tables [B, nb<=max_blocks], seq_lens (incl. the new token), slots [B].
 
         Returns views of static outputs (valid until the next ``run``): logits [B, V], aux or None.
@@ -321,23 +369,33 @@ class DraftGraphRunner:
     Returns the draft logits and next hidden state of every row (static views).
     """
 
-    def __init__(self, draft, kv_cache: KVCache, max_rows: int, max_blocks_per_seq: int, buckets,
-                 use_graphs: bool | None = None, lazy: bool = True):
+    def __init__(
+        self,
+        draft,
+        kv_cache: KVCache,
+        max_rows: int,
+        max_blocks_per_seq: int,
+        buckets,
+        use_graphs: bool | None = None,
+        lazy: bool = True,
+    ):
         dev = kv_cache.k.device
         cuda = dev.type == "cuda"
         self.draft, self.kv = draft, kv_cache
         self.use_triton = cuda
         pad = kv_cache.num_blocks * kv_cache.block_size - 1
-        self.rows = RowGraphs(dev, buckets, max_blocks_per_seq, kv_cache.block_size, pad,
-                              cuda if use_graphs is None else use_graphs, lazy)
+        self.rows = RowGraphs(
+            dev, buckets, max_blocks_per_seq, kv_cache.block_size, pad, cuda if use_graphs is None else use_graphs, lazy
+        )
         bmax, dt = self.rows.buckets[-1], draft.arch.dtype
         self.aux_in = torch.zeros(bmax, draft.fc_in, dtype=dt, device=dev)  # [Rmax, n_aux*H_t]
         self.hidden_in = torch.zeros(bmax, draft.arch.hidden_size, dtype=dt, device=dev)  # [Rmax, H]
         # the greedy chain's inputs: first draft token (target id), its position, the sequences' block tables
         self.chain_ids = torch.zeros(bmax, dtype=torch.int64, device=dev)  # [Bmax]
         self.chain_first = torch.zeros(bmax, dtype=torch.int64, device=dev)  # [Bmax]
-        self.chain_tables = torch.full((bmax, self.rows.max_blocks), pad // kv_cache.block_size, dtype=torch.int32,
-                                       device=dev)  # [Bmax, MB]
+        self.chain_tables = torch.full(
+            (bmax, self.rows.max_blocks), pad // kv_cache.block_size, dtype=torch.int32, device=dev
+        )  # [Bmax, MB]
 
     def _forward(self, from_aux: bool):
         def forward(b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -345,6 +403,7 @@ class DraftGraphRunner:
             h = self.draft.combine_hidden_states(self.aux_in[:b]) if from_aux else self.hidden_in[:b]  # [b, H]
             normed, hidden = self.draft(r.input_ids[:b], r.positions[:b], h, r.meta(b, self.use_triton, None), self.kv)
             return self.draft.compute_logits(normed), hidden  # [b, Vd], [b, H]
+
         return forward
 
     def capture(self, chain_steps: int = 0) -> None:
@@ -358,6 +417,7 @@ class DraftGraphRunner:
     def _chain_forward(self, steps: int):
         """Greedy drafting of ``steps`` tokens after the first, in one graph: each step's rows (position, slot)
         come from ``chain_first`` and ``chain_tables``, its token from the previous step's argmax."""
+
         def forward(b: int) -> torch.Tensor:
             bs = self.rows.block_size
             ids, hidden, out = self.chain_ids[:b], self.hidden_in[:b], []
@@ -370,11 +430,13 @@ class DraftGraphRunner:
                 ids = self.draft.to_target_ids(self.draft.compute_logits(normed).argmax(-1))  # [b] target ids
                 out.append(ids)
             return torch.stack(out, dim=1)  # [b, steps]
+
         return forward
 
     @torch.inference_mode()
-    def chain(self, first_ids: torch.Tensor, hidden: torch.Tensor, first_pos: torch.Tensor, tables: torch.Tensor,
-              steps: int) -> torch.Tensor:
+    def chain(
+        self, first_ids: torch.Tensor, hidden: torch.Tensor, first_pos: torch.Tensor, tables: torch.Tensor, steps: int
+    ) -> torch.Tensor:
         """Greedy chain: first_ids [B] (target ids of the first draft), hidden [B, H] (its draft state),
         first_pos [B] (its position), tables [B, nb] -> the next ``steps`` draft tokens [B, steps] (target ids)."""
         b, nb = first_ids.shape[0], tables.shape[1]
@@ -391,9 +453,16 @@ class DraftGraphRunner:
         return self.rows.replay(("chain", steps), bucket, self._chain_forward(steps))[:b]
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-            seq_lens: torch.Tensor, slot_mapping: torch.Tensor, hidden: torch.Tensor,
-            from_aux: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        hidden: torch.Tensor,
+        from_aux: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows as :meth:`RowGraphs.load`, hidden [R, n_aux*H_t] (from_aux) or [R, H]
         -> logits [R, Vd], next hidden [R, H] (views valid until the next run)."""
         b = input_ids.shape[0]

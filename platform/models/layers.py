@@ -72,20 +72,30 @@ class SelfAttention(nn.Module):
         d, dt = arch.head_dim, arch.dtype
         inp = in_features or arch.hidden_size
         if arch.num_heads % arch.num_kv_heads:
-            raise EaglerayError(f"num_attention_heads={arch.num_heads} is not a multiple of num_key_value_heads={arch.num_kv_heads}\n"
-                                "    fix: the config.json is not a GQA Llama-family config")
+            raise EaglerayError(
+                f"num_attention_heads={arch.num_heads} is not a multiple of num_key_value_heads={arch.num_kv_heads}\n"
+                "    fix: the config.json is not a GQA Llama-family config"
+            )
         kv_parts = split_sizes(arch.num_kv_heads, tp.world, "num_key_value_heads")  # whole GQA groups per rank
         group = arch.num_heads // arch.num_kv_heads
         q_sizes, kv_sizes = [n * group * d for n in kv_parts], [n * d for n in kv_parts]
         self.kv_heads = kv_parts[tp.rank]
         self.heads = self.kv_heads * group
         self.head_dim = d
-        self.scale = d ** -0.5
+        self.scale = d**-0.5
         self.sliding_window = arch.sliding_window
-        self.q_proj = ColumnParallelLinear(inp, arch.num_heads * d, arch.qkv_bias, tp, dt, device, "num_attention_heads*head_dim", q_sizes)
-        self.k_proj = ColumnParallelLinear(inp, arch.num_kv_heads * d, arch.qkv_bias, tp, dt, device, "num_key_value_heads*head_dim", kv_sizes)
-        self.v_proj = ColumnParallelLinear(inp, arch.num_kv_heads * d, arch.qkv_bias, tp, dt, device, "num_key_value_heads*head_dim", kv_sizes)
-        self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, arch.o_bias, tp, dt, device, "num_attention_heads*head_dim", q_sizes)
+        self.q_proj = ColumnParallelLinear(
+            inp, arch.num_heads * d, arch.qkv_bias, tp, dt, device, "num_attention_heads*head_dim", q_sizes
+        )
+        self.k_proj = ColumnParallelLinear(
+            inp, arch.num_kv_heads * d, arch.qkv_bias, tp, dt, device, "num_key_value_heads*head_dim", kv_sizes
+        )
+        self.v_proj = ColumnParallelLinear(
+            inp, arch.num_kv_heads * d, arch.qkv_bias, tp, dt, device, "num_key_value_heads*head_dim", kv_sizes
+        )
+        self.o_proj = RowParallelLinear(
+            arch.num_heads * d, arch.hidden_size, arch.o_bias, tp, dt, device, "num_attention_heads*head_dim", q_sizes
+        )
         self.q_norm = RMSNorm(d, arch.rms_norm_eps, dt, device) if arch.qk_norm else None
         self.k_norm = RMSNorm(d, arch.rms_norm_eps, dt, device) if arch.qk_norm else None
         self.rotary = RotaryEmbedding(arch.rope, d, device)
@@ -95,8 +105,9 @@ class SelfAttention(nn.Module):
         """Inference: q, k and v in one GEMM."""
         self.qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                cache: KVLayer | None) -> torch.Tensor:  # x [T, in] -> [T, H]
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, cache: KVLayer | None
+    ) -> torch.Tensor:  # x [T, in] -> [T, H]
         t = x.shape[0]
         q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         q = q.reshape(t, self.heads, self.head_dim)  # [T, Hq/tp, D]
@@ -119,8 +130,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.dtype, device)
         self.mlp = MLP(arch, tp, device)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                cache: KVLayer | None) -> torch.Tensor:  # h [T, H] -> [T, H]
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, cache: KVLayer | None
+    ) -> torch.Tensor:  # h [T, H] -> [T, H]
         h = h + self.self_attn(self.input_layernorm(h), positions, attn, cache)  # [T, H]
         return h + self.mlp(self.post_attention_layernorm(h))  # [T, H]
 

@@ -36,8 +36,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class LlamaModel(nn.Module):
     """Llama/Mistral/Qwen2/Qwen3 decoder. Parameter names equal the HF names minus ``model.``."""
 
-    def __init__(self, arch: LlamaArch, tp: TPInfo | None = None, device=None,
-                 aux_layer_ids: list[int] | None = None):
+    def __init__(self, arch: LlamaArch, tp: TPInfo | None = None, device=None, aux_layer_ids: list[int] | None = None):
         super().__init__()
         self.arch = arch
         self.tp = tp or TPInfo.current()
@@ -52,8 +51,15 @@ class LlamaModel(nn.Module):
         self.set_aux_layers(aux_layer_ids or [])
 
     @classmethod
-    def from_dir(cls, path: str | Path, *, dtype: str | torch.dtype | None = None, device=None,
-                 tp: TPInfo | None = None, aux_layer_ids: list[int] | None = None) -> "LlamaModel":
+    def from_dir(
+        cls,
+        path: str | Path,
+        *,
+        dtype: str | torch.dtype | None = None,
+        device=None,
+        tp: TPInfo | None = None,
+        aux_layer_ids: list[int] | None = None,
+    ) -> "LlamaModel":
         """Build from a HF directory (config.json + *.safetensors); ``dtype`` defaults to the config's."""
         spec = TargetSpec.from_dir(path)
         arch = LlamaArch.from_config(spec.config)
@@ -65,9 +71,17 @@ class LlamaModel(nn.Module):
         return model.eval()
 
     @classmethod
-    def from_config(cls, config: dict, *, dtype: str | torch.dtype | None = None, device=None,
-                    tp: TPInfo | None = None, aux_layer_ids: list[int] | None = None, seed: int = 0,
-                    std: float = 0.02) -> "LlamaModel":
+    def from_config(
+        cls,
+        config: dict,
+        *,
+        dtype: str | torch.dtype | None = None,
+        device=None,
+        tp: TPInfo | None = None,
+        aux_layer_ids: list[int] | None = None,
+        seed: int = 0,
+        std: float = 0.02,
+    ) -> "LlamaModel":
         """Random weights for a HF config dict, made on ``device`` (for speed work: values don't matter).
 
         Linear and embedding weights ~ N(0, std), biases 0, norm weights 1.
@@ -90,10 +104,12 @@ class LlamaModel(nn.Module):
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Load (and shard) HF-named safetensors weights; a tied lm_head may be absent."""
+
         def rename(name: str) -> str | None:
             if name.endswith(_IGNORED_SUFFIXES):
                 return None
             return name.removeprefix("model.")
+
         load_weights(self, iter_safetensors(Path(path)), rename=rename, what=f"target {path}")
 
     def set_aux_layers(self, ids: list[int]) -> None:
@@ -101,8 +117,10 @@ class LlamaModel(nn.Module):
         n = self.arch.num_layers
         bad = [i for i in ids if not 0 <= int(i) <= n]
         if bad:
-            raise EaglerayError(f"aux_layer_ids {bad} are outside [0, {n}] (the target has {n} layers)\n"
-                                f"    fix: use ids between 0 (embeddings) and {n} (final pre-norm state)")
+            raise EaglerayError(
+                f"aux_layer_ids {bad} are outside [0, {n}] (the target has {n} layers)\n"
+                f"    fix: use ids between 0 (embeddings) and {n} (final pre-norm state)"
+            )
         self.aux_layer_ids = sorted({int(i) for i in ids})
 
     @property
@@ -112,8 +130,9 @@ class LlamaModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids, positions [T] -> final-normed hidden [T, H], aux [T, n_aux*H] (None if no ids)."""
         if input_ids.shape[0] != attn.num_tokens:
             raise EaglerayError(f"forward: {input_ids.shape[0]} tokens but attention metadata describes {attn.num_tokens}")
@@ -142,10 +161,10 @@ class LlamaModel(nn.Module):
         logits = self.compute_logits(hidden).view(b, t, -1)  # [B, T, V]
         return logits, (None if aux is None else aux.view(b, t, -1))
 
-    def make_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
-                      device=None) -> KVCache:
+    def make_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None, device=None) -> KVCache:
         """A zeroed paged cache for this rank: [L, num_blocks, block_size, Hkv/tp, D]."""
         attn = self.layers[0].self_attn
         device = device or self.norm.weight.device
-        return KVCache.allocate(self.arch.num_layers, num_blocks, block_size, attn.kv_heads, attn.head_dim,
-                                dtype or self.arch.dtype, device)
+        return KVCache.allocate(
+            self.arch.num_layers, num_blocks, block_size, attn.kv_heads, attn.head_dim, dtype or self.arch.dtype, device
+        )

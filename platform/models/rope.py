@@ -19,8 +19,10 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 def _require(rope: dict[str, Any], key: str) -> float:
     if key not in rope:
-        raise EaglerayError(f"config.rope_scaling.{key} is missing for rope_type={rope['rope_type']!r}\n"
-                            f"    fix: add {key} to rope_scaling (or rope_parameters) in config.json")
+        raise EaglerayError(
+            f"config.rope_scaling.{key} is missing for rope_type={rope['rope_type']!r}\n"
+            f"    fix: add {key} to rope_scaling (or rope_parameters) in config.json"
+        )
     return float(rope[key])
 
 
@@ -41,11 +43,15 @@ def inv_frequencies(rope: dict[str, Any], head_dim: int) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] (fp32) for a :func:`eagleray.platform.target.rope_of` dict."""
     kind = rope.get("rope_type", "default")
     if kind not in SUPPORTED_ROPE_TYPES:
-        raise EaglerayError(f"config.rope_scaling.rope_type={kind!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})\n"
-                            f"    fix: use a model with one of the supported rope types")
+        raise EaglerayError(
+            f"config.rope_scaling.rope_type={kind!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})\n"
+            f"    fix: use a model with one of the supported rope types"
+        )
     if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise EaglerayError(f"config.partial_rotary_factor={rope['partial_rotary_factor']} is not supported\n"
-                            f"    fix: only full rotary embeddings (partial_rotary_factor=1.0) are implemented")
+        raise EaglerayError(
+            f"config.partial_rotary_factor={rope['partial_rotary_factor']} is not supported\n"
+            f"    fix: only full rotary embeddings (partial_rotary_factor=1.0) are implemented"
+        )
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim  # [D/2]
     inv_freq = 1.0 / (float(rope["rope_theta"]) ** exponent)  # [D/2]
     if kind == "linear":
@@ -76,8 +82,9 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [T, 1, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: dict | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``cache``: a per-forward dict (``AttentionMetadata.layouts``) so every layer reuses one cos/sin."""
         key = ("rope", self._freq_key, q.dtype)
         cos_sin = None if cache is None else cache.get(key)

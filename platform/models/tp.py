@@ -49,16 +49,20 @@ class TPInfo:
 def divide(n: int, world: int, what: str) -> int:
     """``n // world``, or a clear error when ``n`` does not split evenly."""
     if n % world:
-        raise EaglerayError(f"{what}={n} is not divisible by the tensor-parallel size {world}\n"
-                            f"    fix: choose a tensor-parallel size that divides {what}")
+        raise EaglerayError(
+            f"{what}={n} is not divisible by the tensor-parallel size {world}\n"
+            f"    fix: choose a tensor-parallel size that divides {what}"
+        )
     return n // world
 
 
 def split_sizes(n: int, world: int, what: str) -> list[int]:
     """``n`` items dealt to ``world`` ranks as evenly as possible (lower ranks get the extra one)."""
     if n < world:
-        raise EaglerayError(f"{what}={n} cannot be split over tensor-parallel size {world} (every rank needs at least one)\n"
-                            f"    fix: choose a tensor-parallel size <= {n}")
+        raise EaglerayError(
+            f"{what}={n} cannot be split over tensor-parallel size {world} (every rank needs at least one)\n"
+            f"    fix: choose a tensor-parallel size <= {n}"
+        )
     return [n // world + (1 if r < n % world else 0) for r in range(world)]
 
 
@@ -80,8 +84,10 @@ def all_gather_last(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
 
 def _copy_loader(param: torch.Tensor, full: torch.Tensor) -> None:
     if tuple(param.shape) != tuple(full.shape):
-        raise EaglerayError(f"weight shape {tuple(full.shape)} does not match the model's {tuple(param.shape)}\n"
-                            f"    fix: the checkpoint does not belong to this config.json")
+        raise EaglerayError(
+            f"weight shape {tuple(full.shape)} does not match the model's {tuple(param.shape)}\n"
+            f"    fix: the checkpoint does not belong to this config.json"
+        )
     param.data.copy_(full)
 
 
@@ -91,9 +97,12 @@ def _shard_loader(dim: int, rank: int, sizes: list[int]):
 
     def load(param: torch.Tensor, full: torch.Tensor) -> None:
         if full.shape[dim] != sum(sizes) or param.shape[dim] != sizes[rank]:
-            raise EaglerayError(f"weight shape {tuple(full.shape)} does not shard into {tuple(param.shape)} "
-                                f"(parts {sizes}) along dim {dim}\n    fix: the checkpoint does not belong to this config.json")
+            raise EaglerayError(
+                f"weight shape {tuple(full.shape)} does not shard into {tuple(param.shape)} "
+                f"(parts {sizes}) along dim {dim}\n    fix: the checkpoint does not belong to this config.json"
+            )
         _copy_loader(param, full.narrow(dim, offset, sizes[rank]))
+
     return load
 
 
@@ -120,8 +129,17 @@ def default_weight_loader(param: torch.Tensor, full: torch.Tensor) -> None:
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by output rows: x [T, in] -> y [T, out/tp]."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo,
-                 dtype: torch.dtype, device=None, what: str = "out_features", sizes: list[int] | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TPInfo,
+        dtype: torch.dtype,
+        device=None,
+        what: str = "out_features",
+        sizes: list[int] | None = None,
+    ):
         super().__init__()
         self.tp = tp
         parts = _sizes(out_features, tp, what, sizes)
@@ -150,9 +168,9 @@ class FusedLinear:
             self.bias = torch.cat([p.bias for p in parts]) if all(biased) else None  # [sum(out)]
         offset = 0
         for part, n in zip(parts, self.sizes):
-            part.weight = _view_param(part.weight, self.weight[offset:offset + n])
+            part.weight = _view_param(part.weight, self.weight[offset : offset + n])
             if self.bias is not None:
-                part.bias = _view_param(part.bias, self.bias[offset:offset + n])
+                part.bias = _view_param(part.bias, self.bias[offset : offset + n])
             offset += n
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # x [T, in] -> one [T, out_i] per part
@@ -168,8 +186,17 @@ def _view_param(old: nn.Parameter, view: torch.Tensor) -> nn.Parameter:
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by input columns: x [T, in/tp] -> y [T, out] (all-reduced)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo,
-                 dtype: torch.dtype, device=None, what: str = "in_features", sizes: list[int] | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TPInfo,
+        dtype: torch.dtype,
+        device=None,
+        what: str = "in_features",
+        sizes: list[int] | None = None,
+    ):
         super().__init__()
         self.tp = tp
         parts = _sizes(in_features, tp, what, sizes)
@@ -184,14 +211,18 @@ class RowParallelLinear(nn.Module):
 
 def _vocab_loader(rank: int, local: int, vocab: int):
     """Copy rows [rank*local, rank*local+local) of a [vocab, H] tensor; padding rows become 0."""
+
     def load(param: torch.Tensor, full: torch.Tensor) -> None:
         if full.shape[0] != vocab or full.shape[1:] != param.shape[1:]:
-            raise EaglerayError(f"vocab weight shape {tuple(full.shape)} does not match ({vocab}, {param.shape[1]})\n"
-                                f"    fix: the checkpoint does not belong to this config.json")
+            raise EaglerayError(
+                f"vocab weight shape {tuple(full.shape)} does not match ({vocab}, {param.shape[1]})\n"
+                f"    fix: the checkpoint does not belong to this config.json"
+            )
         start = rank * local
-        rows = full[start:start + local]  # [<=local, H]
+        rows = full[start : start + local]  # [<=local, H]
         param.data.zero_()
         param.data[: rows.shape[0]].copy_(rows)
+
     return load
 
 

@@ -25,13 +25,7 @@ from eagleray.platform.prompts.json_stream import iter_json_array
 from eagleray.platform.prompts.records import PromptRecord
 from eagleray.platform.prompts.report import LoadReport
 
-SUFFIXES = {
-    ".jsonl": "jsonl",
-    ".ndjson": "jsonl",
-    ".parquet": "parquet",
-    ".pq": "parquet",
-    ".json": "json",
-}
+SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet", ".json": "json"}
 _COMPRESSION_SUFFIXES = (".gz", ".bz2", ".zst", ".lz4")
 PARQUET_BATCH_ROWS = 1024
 

@@ -51,8 +51,7 @@ def detect_form(row: Any, where: str) -> str:
         where,
         "<row>",
         f"none of the prompt fields {list(FORMS)} is present (keys: {sorted(row)[:10]})",
-        "give each row 'messages' (OpenAI role/content list), 'conversations' (ShareGPT from/value list) "
-        "or 'prompt' (a string)",
+        "give each row 'messages' (OpenAI role/content list), 'conversations' (ShareGPT from/value list) or 'prompt' (a string)",
     )
 
 
@@ -66,9 +65,7 @@ def _text(value: Any, where: str, field: str) -> str:
 
 def _turn_list(turns: Any, where: str, field: str) -> list[Any]:
     if not isinstance(turns, (list, tuple)):
-        raise data_error(
-            where, field, f"expected a list of turns, got {type(turns).__name__} ({turns!r:.60})", "give a list"
-        )
+        raise data_error(where, field, f"expected a list of turns, got {type(turns).__name__} ({turns!r:.60})", "give a list")
     return list(turns)
 
 

@@ -126,12 +126,7 @@ def _record_cut(buf: _TextBuffer, index: int, offset: int, report: LoadReport, a
 
 
 def iter_json_array(
-    stream: BinaryIO,
-    *,
-    name: str,
-    report: LoadReport,
-    allow_truncated: bool,
-    chunk_bytes: int = CHUNK_BYTES,
+    stream: BinaryIO, *, name: str, report: LoadReport, allow_truncated: bool, chunk_bytes: int = CHUNK_BYTES
 ) -> Iterator[ArrayItem]:
     """Yield the items of the JSON array in ``stream`` (binary, UTF-8) one at a time.
 

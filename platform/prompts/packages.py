@@ -50,9 +50,7 @@ class PackagedFile:
         try:
             dist = metadata.distribution(self.distribution)
         except metadata.PackageNotFoundError:
-            raise MissingPackageError(
-                self.distribution, self.what, f"pip install {self.distribution}=={self.version}"
-            ) from None
+            raise MissingPackageError(self.distribution, self.what, f"pip install {self.distribution}=={self.version}") from None
         for entry in dist.files or ():
             if str(entry).replace("\\", "/").endswith(self.suffix):
                 return Path(str(dist.locate_file(entry)))

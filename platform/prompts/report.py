@@ -42,9 +42,7 @@ class LoadReport:
         if self.role_aliases:
             parts.append("roles mapped " + ", ".join(f"{k}={v}" for k, v in sorted(self.role_aliases.items())))
         if self.truncated:
-            parts.append(
-                f"input truncated at byte {self.file_bytes}: partial record from byte {self.truncated_at_byte} dropped"
-            )
+            parts.append(f"input truncated at byte {self.file_bytes}: partial record from byte {self.truncated_at_byte} dropped")
         if self.stopped_at_limit:
             parts.append("stopped at limit")
         return "; ".join(parts)

@@ -32,11 +32,7 @@ def _records_of(source: str, report: LoadReport, mtbench_turns: str | None) -> G
 
 
 def iter_prompts(
-    source: str,
-    *,
-    limit: int | None = None,
-    report: LoadReport | None = None,
-    mtbench_turns: str | None = None,
+    source: str, *, limit: int | None = None, report: LoadReport | None = None, mtbench_turns: str | None = None
 ) -> Iterator[PromptRecord]:
     """Stream the prompt records of ``source``.
 
@@ -77,13 +73,7 @@ class LoadResult:
         return len(self.records)
 
 
-def load_prompts(
-    source: str,
-    *,
-    limit: int | None = None,
-    mtbench_turns: str | None = None,
-    dedupe: bool = False,
-) -> LoadResult:
+def load_prompts(source: str, *, limit: int | None = None, mtbench_turns: str | None = None, dedupe: bool = False) -> LoadResult:
     """Load all prompt records of ``source`` (see :func:`iter_prompts`) into memory.
 
     ``dedupe``: drop records whose ``prompt_id`` repeats (first wins), counted in

@@ -30,8 +30,7 @@ class Tokenized:
 
 
 def _ids(tok, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    out = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                  return_dict=True)
+    out = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True)
     return list(out["input_ids"])
 
 
@@ -45,12 +44,15 @@ def tokenize_with_mask(tok, messages: list[dict], response: str, max_seq_len: in
     prefix = prompt_ids(tok, messages)  # [P]
     full = _ids(tok, [*messages, {"role": "assistant", "content": response}], add_generation_prompt=False)  # [T]
     if full[: len(prefix)] != prefix:
-        raise RowError("template_mismatch", "the chat template of prompt+response does not start with the "
-                       "templated prompt, so the assistant tokens cannot be located")
+        raise RowError(
+            "template_mismatch",
+            "the chat template of prompt+response does not start with the "
+            "templated prompt, so the assistant tokens cannot be located",
+        )
     end = len(full)
     eos = tok.eos_token_id
     if eos is not None:
-        tail = full[len(prefix):]
+        tail = full[len(prefix) :]
         if eos in tail:
             end = len(prefix) + tail.index(eos) + 1  # include the end-of-turn token
     mask = [0] * len(prefix) + [1] * (end - len(prefix)) + [0] * (len(full) - end)

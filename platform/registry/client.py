@@ -96,12 +96,19 @@ def _client():
 
 
 def _version(mv: Any) -> DraftVersion:
-    return DraftVersion(name=mv.name, version=str(mv.version), source=mv.source, run_id=mv.run_id,
-                        tags=dict(mv.tags or {}), aliases=tuple(getattr(mv, "aliases", None) or ()))
+    return DraftVersion(
+        name=mv.name,
+        version=str(mv.version),
+        source=mv.source,
+        run_id=mv.run_id,
+        tags=dict(mv.tags or {}),
+        aliases=tuple(getattr(mv, "aliases", None) or ()),
+    )
 
 
-def register_draft(name: str, run_id: str, artifact_path: str, tags: dict[str, Any] | None = None,
-                   description: str | None = None) -> DraftVersion:
+def register_draft(
+    name: str, run_id: str, artifact_path: str, tags: dict[str, Any] | None = None, description: str | None = None
+) -> DraftVersion:
     """Register the run artifact directory ``artifact_path`` (a draft dir) as a new version of ``name``.
 
     Tag values are stringified (lists as comma-joined ids). The registered model is created if needed.
@@ -138,9 +145,11 @@ def get_alias(name: str, alias: str) -> DraftVersion:
     try:
         return _version(_client().get_model_version_by_alias(name, alias))
     except MlflowException as err:
-        raise EaglerayError(f"registry: models:/{name}@{alias} does not exist ({err.message.splitlines()[0]})\n"
-                            f"    fix: register a draft (eagleray train) and set the alias, or check the name and "
-                            f"MLFLOW_TRACKING_URI={os.environ.get('MLFLOW_TRACKING_URI')}") from None
+        raise EaglerayError(
+            f"registry: models:/{name}@{alias} does not exist ({err.message.splitlines()[0]})\n"
+            f"    fix: register a draft (eagleray train) and set the alias, or check the name and "
+            f"MLFLOW_TRACKING_URI={os.environ.get('MLFLOW_TRACKING_URI')}"
+        ) from None
 
 
 def get_version(name: str, version: str | int) -> DraftVersion:
@@ -150,8 +159,10 @@ def get_version(name: str, version: str | int) -> DraftVersion:
     try:
         return _version(_client().get_model_version(name, str(version)))
     except MlflowException as err:
-        raise EaglerayError(f"registry: models:/{name}/{version} does not exist ({err.message.splitlines()[0]})\n"
-                            f"    fix: list versions in the MLflow UI, or check MLFLOW_TRACKING_URI") from None
+        raise EaglerayError(
+            f"registry: models:/{name}/{version} does not exist ({err.message.splitlines()[0]})\n"
+            f"    fix: list versions in the MLflow UI, or check MLFLOW_TRACKING_URI"
+        ) from None
 
 
 def is_registry_uri(source: str) -> bool:
@@ -162,7 +173,9 @@ def lookup(uri: str) -> DraftVersion:
     """``models:/name@alias`` or ``models:/name/version`` -> :class:`DraftVersion`."""
     m = _MODELS_URI.match(uri)
     if m is None:
-        raise EaglerayError(f"registry: {uri!r} is not a model URI\n    fix: use models:/<name>@<alias> or models:/<name>/<version>")
+        raise EaglerayError(
+            f"registry: {uri!r} is not a model URI\n    fix: use models:/<name>@<alias> or models:/<name>/<version>"
+        )
     if m["alias"]:
         return get_alias(m["name"], m["alias"])
     return get_version(m["name"], m["version"])
@@ -180,6 +193,8 @@ def find_draft_dir(root: Path) -> Path:
     """The directory under ``root`` holding the draft's config.json and safetensors."""
     hits = sorted({p.parent for p in Path(root).rglob("config.json") if any(p.parent.glob("*.safetensors"))})
     if len(hits) != 1:
-        raise EaglerayError(f"expected one draft checkpoint (config.json + *.safetensors) under {root}, found {len(hits)}: "
-                            f"{[str(h) for h in hits][:4]}\n    fix: register the draft directory itself as the model version's artifact")
+        raise EaglerayError(
+            f"expected one draft checkpoint (config.json + *.safetensors) under {root}, found {len(hits)}: "
+            f"{[str(h) for h in hits][:4]}\n    fix: register the draft directory itself as the model version's artifact"
+        )
     return hits[0]

@@ -37,8 +37,9 @@ class ResolvedDraft:
     source: str  # what was asked for
 
 
-def resolve_draft(source: str | Path, target: TargetSpec | None = None, *, tracking_uri: str | None = None,
-                  workdir: str | Path | None = None) -> ResolvedDraft:
+def resolve_draft(
+    source: str | Path, target: TargetSpec | None = None, *, tracking_uri: str | None = None, workdir: str | Path | None = None
+) -> ResolvedDraft:
     """``source`` ('random', ``models:/...`` or a directory) -> :class:`ResolvedDraft`.
 
     ``target`` is needed for 'random' only; ``tracking_uri`` picks the registry (default:
@@ -48,8 +49,10 @@ def resolve_draft(source: str | Path, target: TargetSpec | None = None, *, track
     source = str(source)
     if source == "random":
         if target is None:
-            raise EaglerayError("draft source 'random' needs the target it drafts for\n"
-                                "    fix: pass a draft directory or models:/<name>@<alias>, or resolve 'random' with the target")
+            raise EaglerayError(
+                "draft source 'random' needs the target it drafts for\n"
+                "    fix: pass a draft directory or models:/<name>@<alias>, or resolve 'random' with the target"
+            )
         out = Path(workdir or tempfile.mkdtemp(prefix="eagleray-random-draft-")) / "random-draft"
         return ResolvedDraft(make_random_draft(target, out), "random", source)
     if client.is_registry_uri(source):
@@ -57,8 +60,10 @@ def resolve_draft(source: str | Path, target: TargetSpec | None = None, *, track
         return _cached_download(source)
     path = Path(source)
     if not path.is_dir():
-        raise EaglerayError(f"draft: {path} is not a directory\n"
-                            f"    fix: pass a draft directory, models:/<name>@<alias>, models:/<name>/<version> or 'random'")
+        raise EaglerayError(
+            f"draft: {path} is not a directory\n"
+            f"    fix: pass a draft directory, models:/<name>@<alias>, models:/<name>/<version> or 'random'"
+        )
     return ResolvedDraft(path, path.name, source)
 
 

@@ -23,5 +23,18 @@ from eagleray.serve.engine.profile import PHASES
 from eagleray.serve.engine.sampling import SamplingParams
 from eagleray.serve.engine.tp_workers import TPLaunch
 
-__all__ = ["PHASES", "AsyncEngine", "EngineConfig", "EngineMetrics", "LLMEngine", "RequestFailed", "RequestOutput",
-           "SamplingParams", "TPLaunch", "bucket", "close_target", "load_draft", "load_models"]
+__all__ = [
+    "PHASES",
+    "AsyncEngine",
+    "EngineConfig",
+    "EngineMetrics",
+    "LLMEngine",
+    "RequestFailed",
+    "RequestOutput",
+    "SamplingParams",
+    "TPLaunch",
+    "bucket",
+    "close_target",
+    "load_draft",
+    "load_models",
+]

@@ -143,18 +143,31 @@ class AsyncEngine:
         self.last_error = type(err).__name__
         suspects = list(self._unproven)
         if len(suspects) == 1:
-            logger.error("engine step failed; request %s is the only one not yet through a successful step: it alone "
-                         "fails, %d other(s) continue", suspects[0], len(self._queues) - 1, exc_info=err)
+            logger.error(
+                "engine step failed; request %s is the only one not yet through a successful step: it alone "
+                "fails, %d other(s) continue",
+                suspects[0],
+                len(self._queues) - 1,
+                exc_info=err,
+            )
             await self._fail(suspects, err, alone=True)
         elif suspects:
-            logger.warning("engine step failed (%s) with %d new requests in it; re-admitting them one at a time to find "
-                           "the one it cannot run", type(err).__name__, len(suspects))
+            logger.warning(
+                "engine step failed (%s) with %d new requests in it; re-admitting them one at a time to find "
+                "the one it cannot run",
+                type(err).__name__,
+                len(suspects),
+            )
             await self._call(lambda: [self.engine.abort(i) for i in suspects])
             self._probation.extendleft((rid, *self._unproven.pop(rid)) for rid in reversed(suspects))
         else:
             ids = [rid for rid in self._queues if rid not in {e[0] for e in self._probation}]
-            logger.error("engine step failed on requests that had run before; failing the %d request(s) in the engine: %s",
-                         len(ids), ids, exc_info=err)
+            logger.error(
+                "engine step failed on requests that had run before; failing the %d request(s) in the engine: %s",
+                len(ids),
+                ids,
+                exc_info=err,
+            )
             await self._fail(ids, err, alone=False)
 
     async def _fail(self, ids: list[str], err: Exception, *, alone: bool) -> None:
@@ -167,8 +180,9 @@ class AsyncEngine:
                 queue.put_nowait(RequestFailed(rid, err, alone))
 
     # ----------------------------------------------------------------- requests
-    async def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                          request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs (one per step that advanced it) until it finishes."""
         self.ensure_started()
         rid = request_id or uuid.uuid4().hex
@@ -203,8 +217,9 @@ class AsyncEngine:
 
     stream = add_request  # the deployment's name for it
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> RequestOutput:
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> RequestOutput:
         """Run one request to completion; returns its final output."""
         last = None
         async for out in self.add_request(prompt, params, request_id):

@@ -37,8 +37,10 @@ class BlockManager:
         """Grow ``seq.block_table`` so that positions 0..num_positions-1 have a slot."""
         need = self.blocks_for(num_positions) - len(seq.block_table)
         if need > self.num_free:
-            raise EaglerayError(f"KV cache full: sequence {seq.seq_id} needs {need} more blocks, {self.num_free} free\n"
-                                f"    fix: raise engine.num_kv_blocks or lower engine.max_num_seqs")
+            raise EaglerayError(
+                f"KV cache full: sequence {seq.seq_id} needs {need} more blocks, {self.num_free} free\n"
+                f"    fix: raise engine.num_kv_blocks or lower engine.max_num_seqs"
+            )
         for _ in range(max(need, 0)):
             block = self._free.popleft()
             self._owner[block] = seq.seq_id

@@ -16,14 +16,29 @@ class EngineConfig(StrictModel):
     max_num_seqs: int = Field(16, ge=1, description="Maximum sequences in one engine step (continuous batching).")
     max_num_batched_tokens: int = Field(8192, ge=16, description="Token budget of one prefill step.")
     block_size: int = Field(16, ge=1, description="Tokens per paged KV block.")
-    num_kv_blocks: int | None = Field(None, ge=1, description="KV blocks (shared by target and draft); default: as many as kv_cache_gib holds, at most enough for max_num_seqs full-length sequences.")
+    num_kv_blocks: int | None = Field(
+        None,
+        ge=1,
+        description="KV blocks (shared by target and draft); default: as many as kv_cache_gib holds, at most enough for max_num_seqs full-length sequences.",
+    )
     kv_cache_gib: float = Field(1.0, gt=0, description="Memory for the target + draft KV caches when num_kv_blocks is unset.")
     verify_backend: Literal["auto", "kernel", "reference"] = Field(
-        "auto", description="Verification implementation: Triton kernel on CUDA and PyTorch reference on CPU ('auto'), or forced.")
+        "auto", description="Verification implementation: Triton kernel on CUDA and PyTorch reference on CPU ('auto'), or forced."
+    )
     seed: int = Field(0, description="Seed of the engine generator that seeds requests without their own seed.")
-    plain_probe_interval: int = Field(32, ge=2, description="Adaptive policy: while speculation does not pay, probe it after this many plain steps (the interval doubles after each probe that does not pay, up to 1024).")
+    plain_probe_interval: int = Field(
+        32,
+        ge=2,
+        description="Adaptive policy: while speculation does not pay, probe it after this many plain steps (the interval doubles after each probe that does not pay, up to 1024).",
+    )
     cpu_kernels: Literal["auto", "native", "torch"] = Field(
-        "auto", description="CPU fp32 linear layers and paged attention of decode/verify/draft steps: the native AVX-512 kernels (kernels/cpu_decode.c) where it builds ('auto'), forced ('native'), or PyTorch/MKL ('torch').")
+        "auto",
+        description="CPU fp32 linear layers and paged attention of decode/verify/draft steps: the native AVX-512 kernels (kernels/cpu_decode.c) where it builds ('auto'), forced ('native'), or PyTorch/MKL ('torch').",
+    )
     decode_path: Literal["auto", "rows", "varlen"] = Field(
-        "auto", description="How plain decode and chain verification run the target. 'rows': the batch-invariant fused step over fixed-shape row buffers, replayed from CUDA graphs on CUDA (lossless greedy speculation in bf16; on CPU the same step runs eagerly); 'varlen': the eager varlen forward; 'auto': rows on CUDA for one-rank targets without q/k norms, varlen elsewhere.")
-    profile_steps: bool = Field(False, description="Time every phase of every step (bench spec turns it on; on CUDA it adds a sync per phase).")
+        "auto",
+        description="How plain decode and chain verification run the target. 'rows': the batch-invariant fused step over fixed-shape row buffers, replayed from CUDA graphs on CUDA (lossless greedy speculation in bf16; on CPU the same step runs eagerly); 'varlen': the eager varlen forward; 'auto': rows on CUDA for one-rank targets without q/k norms, varlen elsewhere.",
+    )
+    profile_steps: bool = Field(
+        False, description="Time every phase of every step (bench spec turns it on; on CUDA it adds a sync per phase)."
+    )

@@ -1,7 +1,7 @@
 """LLMEngine: add requests, step (prefill | plain decode | speculative decode), stream, generate.
 
-    engine = LLMEngine.from_config(EngineConfig(draft=DraftConfig(source="random")))
-    outs = engine.generate(["Hello"], SamplingParams(max_tokens=32))
+engine = LLMEngine.from_config(EngineConfig(draft=DraftConfig(source="random")))
+outs = engine.generate(["Hello"], SamplingParams(max_tokens=32))
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ class LLMEngine:
         self.device = target.norm.weight.device
         self.linear_backend = cpu_decode.configure(config.cpu_kernels) if self.device.type == "cpu" else "cuda"
         self.threads = _CpuThreads(self.linear_backend == "native")
-        self.max_model_len = min(config.target.max_model_len or target.arch.max_positions or 4096, target.arch.max_positions or 1 << 30)
+        self.max_model_len = min(
+            config.target.max_model_len or target.arch.max_positions or 4096, target.arch.max_positions or 1 << 30
+        )
         nblocks = config.num_kv_blocks or default_num_blocks(config, target, draft, self.max_model_len)
         dcfg = config.draft
         self.tree = dcfg.tree if dcfg is not None else None
@@ -69,12 +71,15 @@ class LLMEngine:
         self._draft_aux: list[int] = []  # the target layers the serving draft reads
         self._pending_rollback = False
         self._last_accepted: list[int] = []  # accepted drafts per sequence of the last speculative step
-        self.policy = AdaptivePolicy(k_max, dcfg.policy.adaptive if dcfg else False, config.plain_probe_interval,
-                                     can_lower_k=self.tree is None)
+        self.policy = AdaptivePolicy(
+            k_max, dcfg.policy.adaptive if dcfg else False, config.plain_probe_interval, can_lower_k=self.tree is None
+        )
         self.watchdog = AcceptanceWatchdog(dcfg.policy, self._on_low_acceptance) if dcfg else None
         if draft is not None:
             if dcfg is None:
-                raise EaglerayError("a draft model was given but config.draft is None\n    fix: set config.draft (num_speculative_tokens, tree, policy)")
+                raise EaglerayError(
+                    "a draft model was given but config.draft is None\n    fix: set config.draft (num_speculative_tokens, tree, policy)"
+                )
             self._install_draft(draft)
 
     @classmethod
@@ -86,19 +91,28 @@ class LLMEngine:
         return cls(target, tokenizer, config, draft)
 
     # ----------------------------------------------------------------- requests
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    on_output: Callable[[RequestOutput], None] | None = None) -> str:
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> str:
         """Queue a request; ``on_output`` is called with each step's delta (streaming)."""
         params = params or SamplingParams()
         ids = self._tokenize(prompt)
         if not ids:
             raise EaglerayError("prompt is empty\n    fix: pass a non-empty prompt")
         if len(ids) >= self.max_model_len:
-            raise EaglerayError(f"prompt has {len(ids)} tokens, max_model_len is {self.max_model_len}\n    fix: shorten the prompt")
+            raise EaglerayError(
+                f"prompt has {len(ids)} tokens, max_model_len is {self.max_model_len}\n    fix: shorten the prompt"
+            )
         need = self.blocks.blocks_for(len(ids) + params.max_tokens + self._lookahead(self.policy.k_max))
         if need > self.blocks.num_blocks:
-            raise EaglerayError(f"request needs up to {need} KV blocks (prompt {len(ids)} + max_tokens {params.max_tokens} tokens), "
-                                f"the cache has {self.blocks.num_blocks}\n    fix: raise engine.num_kv_blocks or lower max_tokens")
+            raise EaglerayError(
+                f"request needs up to {need} KV blocks (prompt {len(ids)} + max_tokens {params.max_tokens} tokens), "
+                f"the cache has {self.blocks.num_blocks}\n    fix: raise engine.num_kv_blocks or lower max_tokens"
+            )
         rid = request_id or f"req-{len(self._seqs)}-{self._rng.getrandbits(32):08x}"
         if rid in self._seqs:
             raise EaglerayError(f"request_id {rid!r} is already in use\n    fix: pass a unique request_id")
@@ -134,8 +148,9 @@ class LLMEngine:
         if runner.rows is not None:  # CUDA: every bucket's graph now, not inside the first requests' steps
             runner.rows.capture(self.policy.k_max - 1 if self.tree is None else 0)
         self._draft_aux = list(self.target.model.aux_layer_ids)
-        self.spec = SpecContext(self.target, runner, ChainVerifier(self.config.verify_backend, draft.d2t, self.target.vocab_size),
-                                self.prof)
+        self.spec = SpecContext(
+            self.target, runner, ChainVerifier(self.config.verify_backend, draft.d2t, self.target.vocab_size), self.prof
+        )
         self.metrics.speculation_enabled = True
 
     def _draft_rows(self) -> tuple[int, int]:
@@ -238,10 +253,16 @@ class LLMEngine:
 
     def _prefill(self, seqs: list[Sequence]) -> list[SeqResult]:
         with self.prof.phase("prepare"), self.threads.for_gemm():
-            tokens = [s.tokens[s.num_cached:] for s in seqs]
+            tokens = [s.tokens[s.num_cached :] for s in seqs]
             positions = [list(range(s.num_cached, s.num_tokens)) for s in seqs]
-            batch = ForwardBatch.build(tokens, positions, [s.num_cached for s in seqs], [s.block_table for s in seqs],
-                                       self.blocks.block_size, self.device)
+            batch = ForwardBatch.build(
+                tokens,
+                positions,
+                [s.num_cached for s in seqs],
+                [s.block_table for s in seqs],
+                self.blocks.block_size,
+                self.device,
+            )
         with self.prof.phase("target"), self.threads.for_gemm():
             logits, aux = self.target.forward(batch, batch.last_index)  # [B, V], [T, A]
         with self.prof.phase("sample"):
@@ -254,8 +275,14 @@ class LLMEngine:
         with self.prof.phase("prepare"):
             starts = [s.num_tokens - 1 for s in seqs]
             ids = torch.tensor([s.last_token for s in seqs], dtype=torch.int64, device=self.device)  # [B]
-            batch = ForwardBatch.of(ids, torch.tensor(starts, dtype=torch.int64, device=self.device), [1] * len(seqs), starts,
-                                    [s.block_table for s in seqs], self.blocks.block_size)
+            batch = ForwardBatch.of(
+                ids,
+                torch.tensor(starts, dtype=torch.int64, device=self.device),
+                [1] * len(seqs),
+                starts,
+                [s.block_table for s in seqs],
+                self.blocks.block_size,
+            )
         with self.prof.phase("target"):
             logits, aux = self.target.forward(batch)  # [B, V], [B, A]
         with self.prof.phase("sample"):
@@ -265,8 +292,9 @@ class LLMEngine:
     def _plain_rows(self, seqs: list[Sequence]) -> list[SeqResult]:
         """Plain decode on CUDA: one row per sequence through the target's graphs."""
         with self.prof.phase("prepare"):
-            ids_pos = torch.tensor([[s.last_token for s in seqs], [s.num_tokens - 1 for s in seqs]],
-                                   dtype=torch.int64).to(self.device)  # [2, B]: one host -> device copy
+            ids_pos = torch.tensor([[s.last_token for s in seqs], [s.num_tokens - 1 for s in seqs]], dtype=torch.int64).to(
+                self.device
+            )  # [2, B]: one host -> device copy
             tables = block_table_tensor([s.block_table for s in seqs], self.device)  # [B, MB]
             rows = DecodeRows.of(ids_pos[0], ids_pos[1], tables, self.blocks.block_size)
         with self.prof.phase("target"):
@@ -293,14 +321,14 @@ class LLMEngine:
         """Append accepted tokens, keep committed KV (compacting tree paths), roll back the rest -> tokens kept."""
         old_cached = seq.num_cached
         room = self.max_model_len - seq.num_tokens
-        kept = seq.append_tokens(res.tokens[:max(room, 1)], self.eos_id)
+        kept = seq.append_tokens(res.tokens[: max(room, 1)], self.eos_id)
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         if res.src_positions is not None:
-            self._compact(seq, res.src_positions[:len(kept)], old_cached)
+            self._compact(seq, res.src_positions[: len(kept)], old_cached)
         seq.num_cached = seq.num_tokens - 1
         if self.spec is not None and res.aux is not None:
-            seq.append_aux(res.aux[:seq.num_cached - old_cached])  # [n, A] rows of the newly committed positions
+            seq.append_aux(res.aux[: seq.num_cached - old_cached])  # [n, A] rows of the newly committed positions
         seq.step += 1
         self.blocks.truncate(seq, seq.num_tokens)
         return kept
@@ -334,12 +362,16 @@ class LLMEngine:
         self.target.close()
 
     # ----------------------------------------------------------------- offline API
-    def generate(self, prompts: Iterable[Prompt], params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Iterable[Prompt], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
         """Run prompts to completion (continuous batching); outputs in prompt order."""
         prompts = list(prompts)
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
-            raise EaglerayError(f"{len(prompts)} prompts but {len(plist)} sampling params\n    fix: pass one SamplingParams or one per prompt")
+            raise EaglerayError(
+                f"{len(prompts)} prompts but {len(plist)} sampling params\n    fix: pass one SamplingParams or one per prompt"
+            )
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
@@ -363,8 +395,13 @@ def use_rows(config: EngineConfig, target: LlamaModel, device: torch.device) -> 
     """Whether decode and verification run the fixed-shape row step (``engine.decode_path``)."""
     if config.decode_path == "varlen" or (config.decode_path == "auto" and device.type != "cuda"):
         return False
-    why = (f"the target has q/k norms ({target.arch.model_type})" if target.arch.qk_norm else
-           "the target is tensor-parallel" if target.tp.world != 1 else None)
+    why = (
+        f"the target has q/k norms ({target.arch.model_type})"
+        if target.arch.qk_norm
+        else "the target is tensor-parallel"
+        if target.tp.world != 1
+        else None
+    )
     if why is None:
         return True
     if config.decode_path == "rows":

@@ -49,19 +49,23 @@ def load_models(target_cfg: TargetConfig, draft_cfg: DraftConfig | None, workdir
     return target, draft, tokenizer, device
 
 
-def load_target(target_dir: Path, target_cfg: TargetConfig, device: torch.device, aux_ids: list[int],
-                launch: TPLaunch) -> LlamaModel:
+def load_target(
+    target_dir: Path, target_cfg: TargetConfig, device: torch.device, aux_ids: list[int], launch: TPLaunch
+) -> LlamaModel:
     """One rank (``TPInfo()``, never an ambient process group) or rank 0 of ``tensor_parallel_size`` ranks."""
     world = target_cfg.tensor_parallel_size
     if world == 1:
         return LlamaModel.from_dir(target_dir, dtype=target_cfg.dtype, device=device, tp=TPInfo(), aux_layer_ids=aux_ids)
     if launch.backend == "mp" and device.type == "cuda" and torch.cuda.device_count() < world:
-        raise EaglerayError(f"target.tensor_parallel_size={world} but {torch.cuda.device_count()} GPUs are visible\n"
-                            f"    fix: lower target.tensor_parallel_size or expose more GPUs")
+        raise EaglerayError(
+            f"target.tensor_parallel_size={world} but {torch.cuda.device_count()} GPUs are visible\n"
+            f"    fix: lower target.tensor_parallel_size or expose more GPUs"
+        )
     workers = start_workers(launch, str(target_dir), world, target_cfg.dtype, device)
     try:
-        target = LlamaModel.from_dir(target_dir, dtype=target_cfg.dtype, device=rank_device(device, 0), tp=workers.tp,
-                                     aux_layer_ids=aux_ids)
+        target = LlamaModel.from_dir(
+            target_dir, dtype=target_cfg.dtype, device=rank_device(device, 0), tp=workers.tp, aux_layer_ids=aux_ids
+        )
     except BaseException:
         workers.close()
         raise
@@ -79,8 +83,10 @@ def load_draft(draft_dir: Path, target: LlamaModel, device: torch.device) -> Eag
         emb = VocabParallelEmbedding(target.arch.vocab_size, target.hidden_size, TPInfo(), target.arch.dtype, device)
         full = next((t for n, t in iter_safetensors(Path(workers.target_dir)) if n.endswith("embed_tokens.weight")), None)
         if full is None:
-            raise EaglerayError(f"target {workers.target_dir} has no embed_tokens.weight for the draft to share\n"
-                                f"    fix: use a draft checkpoint that has its own embed_tokens.weight")
+            raise EaglerayError(
+                f"target {workers.target_dir} has no embed_tokens.weight for the draft to share\n"
+                f"    fix: use a draft checkpoint that has its own embed_tokens.weight"
+            )
         emb.weight.weight_loader(emb.weight, full)
         draft.share_embedding(emb)
     return draft

@@ -7,8 +7,12 @@ from dataclasses import dataclass, field
 
 from eagleray.serve.engine.sequence import SpecStats
 
-VLLM_NAMES = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
-              "spec_decode_num_accepted_tokens_per_pos")
+VLLM_NAMES = (
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
+    "spec_decode_num_accepted_tokens_per_pos",
+)
 
 
 @dataclass

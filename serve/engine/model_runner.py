@@ -32,17 +32,31 @@ class ForwardBatch:
     last_index: torch.Tensor  # [B] index in T of each sequence's last new token
 
     @classmethod
-    def build(cls, tokens: list[list[int]], positions: list[list[int]], context_lens: list[int],
-              block_tables: list[list[int]], block_size: int, device: torch.device,
-              tree_masks: list[torch.Tensor | None] | None = None) -> "ForwardBatch":
+    def build(
+        cls,
+        tokens: list[list[int]],
+        positions: list[list[int]],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device,
+        tree_masks: list[torch.Tensor | None] | None = None,
+    ) -> "ForwardBatch":
         ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.int64, device=device)  # [T]
         pos = torch.tensor([p for seq in positions for p in seq], dtype=torch.int64, device=device)  # [T]
         return cls.of(ids, pos, [len(t) for t in tokens], context_lens, block_tables, block_size, tree_masks)
 
     @classmethod
-    def of(cls, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: list[int], context_lens: list[int],
-           block_tables: list[list[int]] | torch.Tensor, block_size: int,
-           tree_masks: list[torch.Tensor | None] | None = None) -> "ForwardBatch":
+    def of(
+        cls,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]] | torch.Tensor,
+        block_size: int,
+        tree_masks: list[torch.Tensor | None] | None = None,
+    ) -> "ForwardBatch":
         """From token tensors already on the device: input_ids, positions [T] int64, sequence by sequence;
         ``block_tables`` as lists or as a :func:`block_table_tensor` made once for several forwards."""
         device = input_ids.device
@@ -64,8 +78,14 @@ class DecodeRows:
     slots: torch.Tensor  # [R] int64 cache slot of each row's token
 
     @classmethod
-    def of(cls, input_ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, block_size: int,
-           row_seq: torch.Tensor | None = None) -> "DecodeRows":
+    def of(
+        cls,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        tables: torch.Tensor,
+        block_size: int,
+        row_seq: torch.Tensor | None = None,
+    ) -> "DecodeRows":
         """tables [B, MB]; ``row_seq`` [R] the sequence of each row (default: row r is sequence r)."""
         rows = tables if row_seq is None else tables.index_select(0, row_seq)  # [R, MB]
         block = rows.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1).to(torch.int64)  # [R]
@@ -108,8 +128,9 @@ class TargetRunner:
             self.workers.call("kv", self.runner_id, num_blocks, block_size)
         self.rows: DecodeGraphRunner | None = None
         if max_rows > 0:
-            self.rows = DecodeGraphRunner(self.model, self.kv, max_blocks, buckets=row_buckets(max_rows),
-                                          invariant=True, lazy=True)
+            self.rows = DecodeGraphRunner(
+                self.model, self.kv, max_blocks, buckets=row_buckets(max_rows), invariant=True, lazy=True
+            )
 
     @torch.inference_mode()
     def decode(self, rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -164,8 +185,7 @@ class DraftRunner:
     def decode(self, rows: DecodeRows, hidden: torch.Tensor, from_aux: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [R, n_aux*H_t] (from_aux) or [R, H] -> logits [R, Vd] in the draft's dtype (argmax needs no fp32
         copy; sampling converts), next hidden [R, H] (views valid until the next call)."""
-        return self.rows.run(rows.input_ids, rows.positions, rows.block_tables, rows.seq_lens, rows.slots,
-                             hidden, from_aux)
+        return self.rows.run(rows.input_ids, rows.positions, rows.block_tables, rows.seq_lens, rows.slots, hidden, from_aux)
 
     @property
     def num_aux(self) -> int:

@@ -50,12 +50,12 @@ class Detokenizer:
         if st.stopped:
             return old, ""
         ids = seq.output_token_ids
-        window = self._decode(ids[st.anchor:])
+        window = self._decode(ids[st.anchor :])
         if len(window) > len(st.seen) and (not window.endswith("\ufffd") or seq.finish_reason):
-            st.text, st.seen = old + window[len(st.seen):], window
+            st.text, st.seen = old + window[len(st.seen) :], window
             if len(ids) - st.anchor > self.REANCHOR:
                 st.anchor = len(ids) - self.CONTEXT
-                st.seen = self._decode(ids[st.anchor:])
+                st.seen = self._decode(ids[st.anchor :])
         text = st.text
         if seq.params.stop and seq.stop_text_index is None:
             longest = max(len(s) for s in seq.params.stop)
@@ -65,9 +65,9 @@ class Detokenizer:
                 seq.stop_text_index = min(hits)
                 seq.finish_reason = "stop"
         if seq.stop_text_index is not None:
-            text = st.text = text[:seq.stop_text_index]
+            text = st.text = text[: seq.stop_text_index]
             st.stopped = True
-        delta = text[len(old):] if text.startswith(old) else text
+        delta = text[len(old) :] if text.startswith(old) else text
         return text, delta
 
     def _decode(self, ids: list[int]) -> str:
@@ -90,8 +90,20 @@ def make_output(seq: Sequence, delta: list[int], text: str, delta_text: str) -> 
     now = time.perf_counter()
     elapsed = now - seq.arrival
     n = len(seq.output_token_ids)
-    metrics = {"ttft_s": None if seq.first_token_time is None else seq.first_token_time - seq.arrival,
-               "elapsed_s": elapsed, "tokens_per_s": n / elapsed if elapsed > 0 else 0.0}
-    return RequestOutput(seq.request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), text, list(delta),
-                         delta_text, seq.finished or seq.finish_reason is not None, seq.finish_reason,
-                         seq.spec.to_dict(), metrics)
+    metrics = {
+        "ttft_s": None if seq.first_token_time is None else seq.first_token_time - seq.arrival,
+        "elapsed_s": elapsed,
+        "tokens_per_s": n / elapsed if elapsed > 0 else 0.0,
+    }
+    return RequestOutput(
+        seq.request_id,
+        list(seq.prompt_token_ids),
+        list(seq.output_token_ids),
+        text,
+        list(delta),
+        delta_text,
+        seq.finished or seq.finish_reason is not None,
+        seq.finish_reason,
+        seq.spec.to_dict(),
+        metrics,
+    )

@@ -52,9 +52,14 @@ class AcceptanceWatchdog:
         if self.fired or len(self._taus) < self.window or self.mean_tau >= self.min_tau:
             return False
         self.fired = True
-        logger.warning("speculative acceptance watchdog: mean acceptance length τ=%.3f over the last %d verifications "
-                       "is below %.3f; the draft is untrained, mis-wired (EAGLE vs EAGLE3?) or stale. action=%s",
-                       self.mean_tau, self.window, self.min_tau, self.action)
+        logger.warning(
+            "speculative acceptance watchdog: mean acceptance length τ=%.3f over the last %d verifications "
+            "is below %.3f; the draft is untrained, mis-wired (EAGLE vs EAGLE3?) or stale. action=%s",
+            self.mean_tau,
+            self.window,
+            self.min_tau,
+            self.action,
+        )
         if self.on_fire is not None:
             self.on_fire(self.action, self.mean_tau)
         return True
@@ -83,8 +88,16 @@ class _Costs:
 class AdaptivePolicy:
     """Chooses k per decode step from measured step costs and per-position acceptance (see module doc)."""
 
-    def __init__(self, k_max: int, adaptive: bool = True, probe_interval: int = 32, margin: float = 0.03,
-                 can_lower_k: bool = True, ema: float = 0.2, max_probe_interval: int = 1024):
+    def __init__(
+        self,
+        k_max: int,
+        adaptive: bool = True,
+        probe_interval: int = 32,
+        margin: float = 0.03,
+        can_lower_k: bool = True,
+        ema: float = 0.2,
+        max_probe_interval: int = 1024,
+    ):
         self.k_max = k_max
         self.adaptive = adaptive
         self.margin = margin
@@ -132,7 +145,11 @@ class AdaptivePolicy:
         self._set(0)
         self._since_probe += 1
         # a probe where speculating costs r plain steps loses about r - 1 of them: probe r times less often
-        ratio = 1.0 if c.plain is None or c.verify is None or c.draft is None else max(1.0, (c.verify + c.draft * self.k_max) / c.plain)
+        ratio = (
+            1.0
+            if c.plain is None or c.verify is None or c.draft is None
+            else max(1.0, (c.verify + c.draft * self.k_max) / c.plain)
+        )
         interval = self.max_probe_interval if self._hopeless() else self._probe_interval  # a draft never accepted: rarely
         if self._since_probe >= interval * ratio:
             self._since_probe = 0
@@ -173,8 +190,7 @@ class AdaptivePolicy:
         c.plain = self._ema(c.plain, seconds)
         c.plain_steps += 1
 
-    def observe_spec(self, batch: int, k: int, verify_seconds: float, draft_seconds: float,
-                     accepted: list[int]) -> None:
+    def observe_spec(self, batch: int, k: int, verify_seconds: float, draft_seconds: float, accepted: list[int]) -> None:
         """A speculative step: its verify and draft time, and each sequence's accepted count (of k drafts)."""
         c = self.costs.setdefault(bucket(batch), _Costs())
         c.verify = self._ema(c.verify, verify_seconds)
@@ -215,8 +231,11 @@ class AdaptivePolicy:
         out = {}
         for b, c in sorted(self.costs.items()):
             k, speedup = self.best(b)
-            out[b] = {"plain_ms": None if c.plain is None else round(c.plain * 1e3, 3),
-                      "verify_ms": None if c.verify is None else round(c.verify * 1e3, 3),
-                      "draft_ms": None if c.draft is None else round(c.draft * 1e3, 3),
-                      "k": k, "predicted_speedup": round(speedup, 4)}
+            out[b] = {
+                "plain_ms": None if c.plain is None else round(c.plain * 1e3, 3),
+                "verify_ms": None if c.verify is None else round(c.verify * 1e3, 3),
+                "draft_ms": None if c.draft is None else round(c.draft * 1e3, 3),
+                "k": k,
+                "predicted_speedup": round(speedup, 4),
+            }
         return {"acceptance_per_pos": [round(a, 4) for a in self.accept], "buckets": out}

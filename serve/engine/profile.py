@@ -68,7 +68,10 @@ class StepProfiler:
             row = {f"{p}_ms": round(phases[p] / steps * 1e3, 3) for p in PHASES if p in phases}
             total = sum(phases.values())
             compute = sum(phases.get(p, 0.0) for p in COMPUTE)
-            row.update(steps=steps, step_ms=round(total / steps * 1e3, 3),
-                       host_fraction=round(1 - compute / total, 4) if total > 0 else 0.0)
+            row.update(
+                steps=steps,
+                step_ms=round(total / steps * 1e3, 3),
+                host_fraction=round(1 - compute / total, 4) if total > 0 else 0.0,
+            )
             out.setdefault(kind, {})[batch] = row
         return out

@@ -81,9 +81,11 @@ class Scheduler:
                 self._preempt(self.running[-1])
             if not self.blocks.can_ensure(seq, need):
                 if len(self.running) == 1:
-                    raise EaglerayError(f"KV cache too small: sequence {seq.seq_id} alone needs {self.blocks.blocks_for(need)} "
-                                        f"blocks of {self.blocks.block_size} tokens, the cache has {self.blocks.num_blocks}\n"
-                                        f"    fix: raise engine.num_kv_blocks or lower max_tokens")
+                    raise EaglerayError(
+                        f"KV cache too small: sequence {seq.seq_id} alone needs {self.blocks.blocks_for(need)} "
+                        f"blocks of {self.blocks.block_size} tokens, the cache has {self.blocks.num_blocks}\n"
+                        f"    fix: raise engine.num_kv_blocks or lower max_tokens"
+                    )
                 self._preempt(seq)
                 continue
             self.blocks.ensure(seq, need)

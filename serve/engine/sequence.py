@@ -44,9 +44,13 @@ class SpecStats:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
     def to_dict(self) -> dict:
-        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens, "accepted_per_pos": list(self.accepted_per_pos),
-                "mean_acceptance_length": round(self.mean_acceptance_length, 4)}
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_pos": list(self.accepted_per_pos),
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+        }
 
 
 @dataclass(eq=False)  # identity: a request is itself (list membership, removal)

@@ -96,25 +96,28 @@ class RowParams:
     def of(cls, seqs: list[Sequence], device) -> "RowParams":
         seeds = [(s.seed * 1_000_003 + s.step * 7919 + len(s.output_token_ids)) % (1 << 62) for s in seqs]
         ints = torch.tensor([[s.params.top_k for s in seqs], seeds], dtype=torch.int64).to(device)  # [2, B]: one copy
-        floats = torch.tensor([[s.params.temperature for s in seqs], [s.params.top_p for s in seqs]],
-                              dtype=torch.float32).to(device)  # [2, B]
+        floats = torch.tensor([[s.params.temperature for s in seqs], [s.params.top_p for s in seqs]], dtype=torch.float32).to(
+            device
+        )  # [2, B]
         return cls(floats[0], ints[0], floats[1], ints[1])
 
 
-def _draft_batch(seqs: list[Sequence], tokens: list[list[int]], starts: list[int], runner, device,
-                 tree_masks=None, context_lens=None) -> ForwardBatch:
+def _draft_batch(
+    seqs: list[Sequence], tokens: list[list[int]], starts: list[int], runner, device, tree_masks=None, context_lens=None
+) -> ForwardBatch:
     positions = [list(range(s, s + len(t))) for s, t in zip(starts, tokens)]
     ctx = context_lens if context_lens is not None else starts
     return ForwardBatch.build(tokens, positions, ctx, [s.block_table for s in seqs], runner.block_size, device, tree_masks)
 
 
-def draft_catch_up(ctx: SpecContext, seqs: list[Sequence],
-                   tables: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_catch_up(
+    ctx: SpecContext, seqs: list[Sequence], tables: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Feed the draft every committed position it has not seen -> draft logits [B, Vd], hidden [B, H] at N-2.
 
     ``tables`` [B, MB]: the block tables on the draft's device, for the row step (short catch-ups)."""
     with ctx.prof.phase("prepare"):
-        tokens = [s.tokens[s.draft_cached + 1:s.num_tokens] for s in seqs]
+        tokens = [s.tokens[s.draft_cached + 1 : s.num_tokens] for s in seqs]
         aux = torch.cat([s.take_aux() for s in seqs], dim=0)  # [T, n_aux*H_t]
         if not ctx.aux_checked:
             assert_aux_shape(aux, ctx.draft.num_aux, ctx.target.model.hidden_size)
@@ -142,15 +145,17 @@ def draft_catch_up(ctx: SpecContext, seqs: list[Sequence],
     return logits, hidden
 
 
-def _catch_up_rows(seqs: list[Sequence], tokens: list[list[int]], lens: list[int], tables: torch.Tensor,
-                   runner: DraftRunner) -> tuple[DecodeRows, torch.Tensor]:
+def _catch_up_rows(
+    seqs: list[Sequence], tokens: list[list[int]], lens: list[int], tables: torch.Tensor, runner: DraftRunner
+) -> tuple[DecodeRows, torch.Tensor]:
     """Catch-up as rows: row (b, i) is token tokens[b][i] at position draft_cached_b + i -> rows, last row of each b."""
     dev = tables.device
-    host = torch.tensor([t for seq in tokens for t in seq] +
-                        [s.draft_cached + i for s, n in zip(seqs, lens) for i in range(n)] + lens,
-                        dtype=torch.int64).to(dev)  # one host -> device copy: ids [T], positions [T], lens [B]
+    host = torch.tensor(
+        [t for seq in tokens for t in seq] + [s.draft_cached + i for s, n in zip(seqs, lens) for i in range(n)] + lens,
+        dtype=torch.int64,
+    ).to(dev)  # one host -> device copy: ids [T], positions [T], lens [B]
     t = sum(lens)
-    ids, pos, counts = host[:t], host[t:2 * t], host[2 * t:]
+    ids, pos, counts = host[:t], host[t : 2 * t], host[2 * t :]
     row_seq = torch.repeat_interleave(torch.arange(len(seqs), device=dev), counts, output_size=t)  # [T]
     return DecodeRows.of(ids, pos, tables, runner.block_size, row_seq), counts.cumsum(0) - 1
 
@@ -167,8 +172,9 @@ def sample_draft(logits: torch.Tensor, rows: RowParams, seqs: list[Sequence]) ->
     return ids, q
 
 
-def draft_chain(ctx: SpecContext, seqs: list[Sequence], k: int, rows: RowParams,
-                tables: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def draft_chain(
+    ctx: SpecContext, seqs: list[Sequence], k: int, rows: RowParams, tables: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """k draft tokens per sequence: target ids [B, k], draft probs [B, k, Vd] (None if every row is greedy).
     ``tables``: the block tables [B, MB] on the device, if the caller made them already."""
     if tables is None:
@@ -184,16 +190,22 @@ def draft_chain(ctx: SpecContext, seqs: list[Sequence], k: int, rows: RowParams,
             rest = ctx.draft.rows.chain(ctx.draft.to_target_ids(ids), hidden, first, tables, k - 1)  # [B, k-1]
         return torch.cat([ctx.draft.to_target_ids(ids)[:, None], rest], dim=1), None
     if ctx.draft.rows is not None and k > 1:  # the k-1 chain steps' rows at once: step j is column j-1
-        chain = DecodeRows.of(first.repeat_interleave(k - 1), (first[:, None] + torch.arange(k - 1, device=first.device)).reshape(-1),
-                              tables, ctx.draft.block_size, torch.arange(len(seqs), device=first.device).repeat_interleave(k - 1))
+        chain = DecodeRows.of(
+            first.repeat_interleave(k - 1),
+            (first[:, None] + torch.arange(k - 1, device=first.device)).reshape(-1),
+            tables,
+            ctx.draft.block_size,
+            torch.arange(len(seqs), device=first.device).repeat_interleave(k - 1),
+        )
     for j in range(1, k):
         with ctx.prof.phase("prepare"):
             if ctx.draft.rows is not None:
                 step = chain.column(j - 1, k - 1, ctx.draft.to_target_ids(ids))
             else:
                 ctx_lens = [s.num_tokens - 2 + j for s in seqs]
-                batch = ForwardBatch.of(ctx.draft.to_target_ids(ids), first + (j - 1), ones, ctx_lens, tables,
-                                        ctx.draft.block_size)
+                batch = ForwardBatch.of(
+                    ctx.draft.to_target_ids(ids), first + (j - 1), ones, ctx_lens, tables, ctx.draft.block_size
+                )
         with ctx.prof.phase("draft"):
             if ctx.draft.rows is not None:
                 logits, hidden = ctx.draft.decode(step, hidden, from_aux=False)  # [B, Vd], [B, H]
@@ -209,8 +221,9 @@ def draft_chain(ctx: SpecContext, seqs: list[Sequence], k: int, rows: RowParams,
     return ctx.draft.to_target_ids(draft_ids), probs
 
 
-def target_verify_forward(ctx: SpecContext, seqs: list[Sequence], drafts: list[list[int]],
-                          trees: list[DraftTree] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def target_verify_forward(
+    ctx: SpecContext, seqs: list[Sequence], drafts: list[list[int]], trees: list[DraftTree] | None = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """One target forward over [last, drafts...] per sequence -> logits [K_b+1, V] and aux [K_b+1, A] per sequence."""
     tokens = [[s.last_token] + d for s, d in zip(seqs, drafts)]
     starts = [s.num_tokens - 1 for s in seqs]
@@ -221,8 +234,9 @@ def target_verify_forward(ctx: SpecContext, seqs: list[Sequence], drafts: list[l
         positions = [[st] + (st + tr.depths).tolist() for st, tr in zip(starts, trees)]
         masks = [tr.mask() for tr in trees]
     with ctx.prof.phase("prepare"):
-        batch = ForwardBatch.build(tokens, positions, starts, [s.block_table for s in seqs], ctx.target.block_size,
-                                   ctx.target.device, masks)
+        batch = ForwardBatch.build(
+            tokens, positions, starts, [s.block_table for s in seqs], ctx.target.block_size, ctx.target.device, masks
+        )
     with ctx.prof.phase("target"):
         logits, aux = ctx.target.forward(batch)  # [T, V], [T, A]
     sizes = [len(t) for t in tokens]
@@ -230,8 +244,9 @@ def target_verify_forward(ctx: SpecContext, seqs: list[Sequence], drafts: list[l
     return list(logits.split(sizes)), aux_parts
 
 
-def target_verify_rows(ctx: SpecContext, seqs: list[Sequence], draft_tokens: torch.Tensor, k: int,
-                       tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def target_verify_rows(
+    ctx: SpecContext, seqs: list[Sequence], draft_tokens: torch.Tensor, k: int, tables: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chain verification as k+1 rows a sequence (the target's row step, no host sync); ``tables`` [B, MB]
     -> logits [B*(k+1), V] fp32, aux [B*(k+1), A] or None."""
     dev, b = ctx.target.device, len(seqs)
@@ -265,10 +280,12 @@ def chain_step(ctx: SpecContext, seqs: list[Sequence], k: int) -> list[SeqResult
         if any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in seqs):  # a host check: no device sync
             p = filter_logits(p, rows.top_k.repeat_interleave(k + 1), rows.top_p.repeat_interleave(k + 1))
         p = p.view(len(seqs), k + 1, -1)  # [B, k+1, V]
-        tokens, nacc = ctx.verifier(p, draft_tokens.to(p.device), None if q is None else q.to(p.device), rows.temperature, rows.seed)
+        tokens, nacc = ctx.verifier(
+            p, draft_tokens.to(p.device), None if q is None else q.to(p.device), rows.temperature, rows.seed
+        )
         tokens, nacc = tokens.tolist(), nacc.tolist()  # the step's one device -> host transfer of results
     ctx.record_times(m0, m1, ctx.clock.mark())
-    return [SeqResult(tokens[b][:n + 1], aux[b][:n + 1], k, n) for b, n in enumerate(nacc)]
+    return [SeqResult(tokens[b][: n + 1], aux[b][: n + 1], k, n) for b, n in enumerate(nacc)]
 
 
 def tree_step(ctx: SpecContext, seqs: list[Sequence], depth: int, topk: int, num_nodes: int) -> list[SeqResult]:
@@ -283,8 +300,10 @@ def tree_step(ctx: SpecContext, seqs: list[Sequence], depth: int, topk: int, num
     m1 = ctx.clock.mark()
     logits, aux = target_verify_forward(ctx, seqs, drafts, trees)
     with ctx.prof.phase("verify"):
-        rows_p = [filter_logits(logits[b], rows.top_k[b].expand(t.size + 1), rows.top_p[b].expand(t.size + 1))
-                  for b, t in enumerate(trees)]  # [M_b+1, V] each
+        rows_p = [
+            filter_logits(logits[b], rows.top_k[b].expand(t.size + 1), rows.top_p[b].expand(t.size + 1))
+            for b, t in enumerate(trees)
+        ]  # [M_b+1, V] each
         verdicts = ctx.verifier.tree(rows_p, trees, rows.temperature, rows.seed)
     ctx.record_times(m0, m1, ctx.clock.mark())
     out = []

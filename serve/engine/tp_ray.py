@@ -46,13 +46,19 @@ class RankActor:
 
     def placement(self) -> dict:
         ctx = ray.get_runtime_context()
-        return {"rank": self.rank, "pid": os.getpid(), "node_id": ctx.get_node_id(), "actor_id": ctx.get_actor_id(),
-                "placement_group": ctx.get_placement_group_id()}
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "node_id": ctx.get_node_id(),
+            "actor_id": ctx.get_actor_id(),
+            "placement_group": ctx.get_placement_group_id(),
+        }
 
     def join(self, addr: str, port: int, backend: str) -> None:
         """Join rank 0's group, then load this rank's shard (Ray shows each actor only its own GPU: cuda:0)."""
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world,
-                                timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(
+            backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world, timeout=COLLECTIVE_TIMEOUT
+        )
         self.worker = RankWorker(self.rank, self.target_dir, self.dtype, rank_device(torch.device(self.device_type), 0))
 
     def run(self, cmd: str, args: tuple) -> None:
@@ -69,14 +75,20 @@ class RankActor:
 def _spawn(pg, world: int, target_dir: str, dtype: str, device: torch.device) -> list:
     bundles = pg.bundle_specs
     if len(bundles) < world:
-        raise TPWorkerError(f"target.tensor_parallel_size={world} but the placement group has {len(bundles)} bundles\n"
-                            f"    fix: deploy with eagleray.serve.app.build (one bundle per rank)")
+        raise TPWorkerError(
+            f"target.tensor_parallel_size={world} but the placement group has {len(bundles)} bundles\n"
+            f"    fix: deploy with eagleray.serve.app.build (one bundle per rank)"
+        )
     remote_cls = ray.remote(RankActor)
     actors = []
     for rank in range(1, world):
         bundle = bundles[rank]
-        opts = dict(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_restarts=0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank))
+        opts = dict(
+            num_cpus=bundle.get("CPU", 0),
+            num_gpus=bundle.get("GPU", 0),
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+        )
         actors.append(remote_cls.options(name=None, **opts).remote(rank, world, target_dir, dtype, device.type))
     return actors
 
@@ -100,29 +112,38 @@ class RayTPWorkers(Rank0Workers):
     def start(cls, pg, target_dir: str, world: int, dtype: str, device: torch.device) -> "RayTPWorkers":
         """Create the actors in ``pg`` and join their group as rank 0; any failure stops them and raises."""
         if not ray.is_initialized():
-            raise EaglerayError("the 'ray' tensor-parallel backend needs a running Ray (the engine is not in a Ray worker)\n"
-                                "    fix: use TPLaunch('mp') outside Ray Serve")
+            raise EaglerayError(
+                "the 'ray' tensor-parallel backend needs a running Ray (the engine is not in a Ray worker)\n"
+                "    fix: use TPLaunch('mp') outside Ray Serve"
+            )
         actors = _spawn(pg, world, target_dir, dtype, device)
         try:
             addr, backend = _master_addr(actors), backend_for(device)
             port = free_port(addr)
             joins = [a.join.remote(addr, port, backend) for a in actors]
-            dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=0, world_size=world,
-                                    timeout=COLLECTIVE_TIMEOUT)
+            dist.init_process_group(
+                backend, init_method=f"tcp://{addr}:{port}", rank=0, world_size=world, timeout=COLLECTIVE_TIMEOUT
+            )
             ray.get(joins, timeout=START_TIMEOUT_S)
             placement = ray.get([a.placement.remote() for a in actors], timeout=START_TIMEOUT_S)
         except (ray.exceptions.RayError, RuntimeError, OSError) as err:
             _kill(actors)
             if dist.is_initialized():
                 dist.destroy_process_group()
-            raise TPWorkerError(f"tensor-parallel worker actors failed to start: {err}\n"
-                                f"    fix: check the placement group's resources and the actors' logs") from err
+            raise TPWorkerError(
+                f"tensor-parallel worker actors failed to start: {err}\n"
+                f"    fix: check the placement group's resources and the actors' logs"
+            ) from err
         logger.info("tensor-parallel ranks 1..%d started as Ray actors in placement group %s", world - 1, pg.id.hex())
         return cls(actors, world, pg, placement)
 
     def describe(self) -> dict:
-        return {"backend": "ray", "world": self.world, "placement_group": self.placement_group.id.hex(),
-                "ranks": list(self.placement)}
+        return {
+            "backend": "ray",
+            "world": self.world,
+            "placement_group": self.placement_group.id.hex(),
+            "ranks": list(self.placement),
+        }
 
     def _send(self, cmd: str, payload: tuple) -> None:
         ref = ray.put(move(payload, torch.device("cpu")))  # serialised now, one copy for every rank
@@ -139,8 +160,9 @@ class RayTPWorkers(Rank0Workers):
             try:
                 ray.get(ref)
             except ray.exceptions.RayError as err:
-                raise TPWorkerError(f"tensor-parallel rank {rank} (Ray actor) failed:\n{err}\n"
-                                    f"    fix: see the traceback; restart the engine") from err
+                raise TPWorkerError(
+                    f"tensor-parallel rank {rank} (Ray actor) failed:\n{err}\n    fix: see the traceback; restart the engine"
+                ) from err
 
     def close(self, timeout: float = 30.0) -> None:
         """Leave the group on every rank and kill the actors (idempotent)."""
@@ -157,8 +179,10 @@ class RayTPWorkers(Rank0Workers):
         try:
             ray.get(leaves, timeout=timeout)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
-            raise TPWorkerError(f"tensor-parallel worker actors did not leave their group within {timeout}s: {err}\n"
-                                f"    fix: a worker is blocked in a collective; check the logs for the failing step") from err
+            raise TPWorkerError(
+                f"tensor-parallel worker actors did not leave their group within {timeout}s: {err}\n"
+                f"    fix: a worker is blocked in a collective; check the logs for the failing step"
+            ) from err
         finally:
             _kill(self.actors)
             self.pending.clear()

@@ -57,8 +57,10 @@ class TPLaunch:
         if self.backend not in ("mp", "ray"):
             raise EaglerayError(f"tensor-parallel backend {self.backend!r} is unknown\n    fix: use 'mp' or 'ray'")
         if (self.backend == "ray") != (self.placement_group is not None):
-            raise EaglerayError(f"tensor-parallel backend {self.backend!r} with placement_group={self.placement_group!r}\n"
-                                f"    fix: the 'ray' backend needs the deployment's placement group; 'mp' takes none")
+            raise EaglerayError(
+                f"tensor-parallel backend {self.backend!r} with placement_group={self.placement_group!r}\n"
+                f"    fix: the 'ray' backend needs the deployment's placement group; 'mp' takes none"
+            )
 
 
 def backend_for(device: torch.device) -> str:
@@ -76,8 +78,10 @@ def rank_device(device: torch.device, index: int) -> torch.device:
 def start_workers(launch: TPLaunch, target_dir: str, world: int, dtype: str, device: torch.device):
     """Start ranks 1..world-1 with ``launch.backend`` and join their group as rank 0."""
     if dist.is_initialized():
-        raise EaglerayError("target.tensor_parallel_size > 1 but this process already has a torch.distributed group\n"
-                            "    fix: close the other tensor-parallel engine first (engine.close())")
+        raise EaglerayError(
+            "target.tensor_parallel_size > 1 but this process already has a torch.distributed group\n"
+            "    fix: close the other tensor-parallel engine first (engine.close())"
+        )
     if launch.backend == "ray":
         from eagleray.serve.engine.tp_ray import RayTPWorkers
 
@@ -92,8 +96,9 @@ class RankWorker:
         from eagleray.platform.models.llama import LlamaModel
 
         self.rank, self.device = rank, device
-        self.model = LlamaModel.from_dir(target_dir, dtype=dtype, device=device,
-                                         tp=TPInfo(rank=rank, world=dist.get_world_size()))
+        self.model = LlamaModel.from_dir(
+            target_dir, dtype=dtype, device=device, tp=TPInfo(rank=rank, world=dist.get_world_size())
+        )
         self.runners: dict = {}
 
     def handle(self, cmd: str, args: tuple) -> bool:
@@ -136,7 +141,9 @@ class Rank0Workers:
     def call(self, cmd: str, *args) -> None:
         """Send a command to every worker; rank 0 then does its own part (the collectives pair them)."""
         if self.closed:
-            raise EaglerayError(f"tensor-parallel workers are closed; cannot run {cmd!r}\n    fix: do not use an engine after close()")
+            raise EaglerayError(
+                f"tensor-parallel workers are closed; cannot run {cmd!r}\n    fix: do not use an engine after close()"
+            )
         self.check()
         self._send(cmd, args)
 
@@ -161,8 +168,9 @@ def move(obj, device: torch.device, copy: bool = False):
     if isinstance(obj, torch.Tensor):
         return obj.to(device, copy=copy)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: move(getattr(obj, f.name), device, copy)
-                                          for f in dataclasses.fields(obj) if f.init})
+        return dataclasses.replace(
+            obj, **{f.name: move(getattr(obj, f.name), device, copy) for f in dataclasses.fields(obj) if f.init}
+        )
     if isinstance(obj, (list, tuple)):
         return type(obj)(move(x, device, copy) for x in obj)
     return obj
@@ -182,13 +190,20 @@ class TPWorkers(Rank0Workers):
         port, backend = free_port(), backend_for(device)
         queues = [ctx.Queue() for _ in range(world - 1)]
         errors = ctx.Queue()
-        procs = [ctx.Process(target=_worker_main, daemon=True, name=f"eagleray-tp{r}",
-                             args=(r, world, port, backend, str(target_dir), dtype, device.type, queues[r - 1], errors))
-                 for r in range(1, world)]
+        procs = [
+            ctx.Process(
+                target=_worker_main,
+                daemon=True,
+                name=f"eagleray-tp{r}",
+                args=(r, world, port, backend, str(target_dir), dtype, device.type, queues[r - 1], errors),
+            )
+            for r in range(1, world)
+        ]
         for p in procs:
             p.start()
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world,
-                                timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world, timeout=COLLECTIVE_TIMEOUT
+        )
         return cls(procs, queues, errors, world)
 
     def describe(self) -> dict:
@@ -208,7 +223,9 @@ class TPWorkers(Rank0Workers):
         except queue_mod.Empty:
             dead = [p.name for p in self.procs if not p.is_alive()]
             if dead:
-                raise TPWorkerError(f"tensor-parallel workers {dead} exited\n    fix: see their log; restart the engine") from None
+                raise TPWorkerError(
+                    f"tensor-parallel workers {dead} exited\n    fix: see their log; restart the engine"
+                ) from None
             return
         raise TPWorkerError(f"tensor-parallel rank {rank} failed:\n{tb}\n    fix: see the traceback; restart the engine")
 
@@ -229,16 +246,20 @@ class TPWorkers(Rank0Workers):
         if dist.is_initialized():
             dist.destroy_process_group()
         if stuck:
-            raise TPWorkerError(f"tensor-parallel workers {stuck} did not stop within {timeout}s and were terminated\n"
-                                f"    fix: a worker is blocked in a collective; check the logs for the failing step")
+            raise TPWorkerError(
+                f"tensor-parallel workers {stuck} did not stop within {timeout}s and were terminated\n"
+                f"    fix: a worker is blocked in a collective; check the logs for the failing step"
+            )
 
 
-def _worker_main(rank: int, world: int, port: int, backend: str, target_dir: str, dtype: str, device_type: str,
-                 commands, errors) -> None:
+def _worker_main(
+    rank: int, world: int, port: int, backend: str, target_dir: str, dtype: str, device_type: str, commands, errors
+) -> None:
     """Worker process: join the group, load this rank's shard, then serve commands until 'stop'."""
     torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
+    )
     try:
         _serve(rank, target_dir, dtype, rank_device(torch.device(device_type), rank), commands)
     except Exception:  # noqa: BLE001 - reported to rank 0, which raises it as TPWorkerError

@@ -59,6 +59,8 @@ def build_tree(cand_tokens: list[int], cand_parents: list[int], cand_depths: lis
     """A DraftTree from the chosen candidate indices (parents-first)."""
     node_of = {c: n + 1 for n, c in enumerate(chosen)}
     parents = [0 if cand_parents[c] < 0 else node_of[cand_parents[c]] for c in chosen]
-    return DraftTree(torch.tensor([cand_tokens[c] for c in chosen], dtype=torch.int64),
-                     torch.tensor(parents, dtype=torch.int64),
-                     torch.tensor([cand_depths[c] for c in chosen], dtype=torch.int64))
+    return DraftTree(
+        torch.tensor([cand_tokens[c] for c in chosen], dtype=torch.int64),
+        torch.tensor(parents, dtype=torch.int64),
+        torch.tensor([cand_depths[c] for c in chosen], dtype=torch.int64),
+    )

@@ -44,8 +44,9 @@ class _Candidates:
         return mask
 
 
-def draft_tree(runner: DraftRunner, seqs: list[Sequence], logits0: torch.Tensor, hidden0: torch.Tensor,
-               depth: int, topk: int, num_nodes: int) -> list[DraftTree]:
+def draft_tree(
+    runner: DraftRunner, seqs: list[Sequence], logits0: torch.Tensor, hidden0: torch.Tensor, depth: int, topk: int, num_nodes: int
+) -> list[DraftTree]:
     """logits0 [B, Vd], hidden0 [B, H] from the draft catch-up -> one DraftTree per sequence."""
     bsz, h = hidden0.shape
     k = min(topk, logits0.shape[-1])
@@ -74,22 +75,23 @@ def draft_tree(runner: DraftRunner, seqs: list[Sequence], logits0: torch.Tensor,
     return trees
 
 
-def _forward_fed(runner: DraftRunner, seqs: list[Sequence], cands: list[_Candidates], fed: list[list[int]],
-                 fed_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_fed(
+    runner: DraftRunner, seqs: list[Sequence], cands: list[_Candidates], fed: list[list[int]], fed_hidden: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the draft over the fed nodes of every sequence -> normed, next_hidden [B, F, H]."""
     bsz, f, h = fed_hidden.shape
     tokens = [[c.tokens[i] for i in nodes] for c, nodes in zip(cands, fed)]
     starts = [s.num_tokens - 1 for s in seqs]
     positions = [[st + c.depths[i] - 1 for i in nodes] for st, c, nodes in zip(starts, cands, fed)]
     masks = [c.ancestor_mask(nodes) for c, nodes in zip(cands, fed)]
-    batch = ForwardBatch.build(tokens, positions, starts, [s.block_table for s in seqs], runner.block_size,
-                               runner.device, masks)
+    batch = ForwardBatch.build(tokens, positions, starts, [s.block_table for s in seqs], runner.block_size, runner.device, masks)
     normed, nxt = runner.forward(batch, fed_hidden.reshape(bsz * f, h), from_aux=False)  # [B*F, H] each
     return normed.view(bsz, f, h), nxt.view(bsz, f, h)
 
 
-def _expand(cands: list[_Candidates], frontier: list[list[int]], v: torch.Tensor, ix: torch.Tensor,
-            d: int, k: int) -> tuple[list[list[int]], torch.Tensor]:
+def _expand(
+    cands: list[_Candidates], frontier: list[list[int]], v: torch.Tensor, ix: torch.Tensor, d: int, k: int
+) -> tuple[list[list[int]], torch.Tensor]:
     """Add the k*k children of each sequence; return the next frontier and each one's parent slot [B, k]."""
     bsz = len(cands)
     parent_scores = torch.tensor([[cands[b].scores[c] for c in frontier[b]] for b in range(bsz)])  # [B, k]

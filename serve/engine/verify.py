@@ -33,8 +33,14 @@ class ChainVerifier:
         self.d2t = d2t  # [Vd] int64 offsets (draft id -> target id)
         self._t2d = None if d2t is None or vocab_size is None else t2d_index(d2t, vocab_size)  # [V] int32
 
-    def __call__(self, target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-                 temperature: torch.Tensor, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self,
+        target_logits: torch.Tensor,
+        draft_tokens: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        temperature: torch.Tensor,
+        seed: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """target_logits [B, K+1, V] fp32, draft_tokens [B, K] int64 target ids, draft_probs [B, K, Vd] or None,
         temperature [B] f32, seed [B] i64 -> tokens [B, K+1] (padded -1), num_accepted [B]."""
         all_greedy = bool((temperature == 0).all())
@@ -44,13 +50,16 @@ class ChainVerifier:
                 return verify_chain(target_logits, draft_tokens, None, temperature=temperature, seed=seed, all_greedy=all_greedy)
             return verify_chain_reference(target_logits, draft_tokens, None, temperature=temperature, seed=seed)
         if kernel:
-            return verify_chain_reduced(target_logits, draft_tokens, draft_probs.contiguous(), self.d2t,
-                                        temperature=temperature, seed=seed, t2d=self._t2d)
-        return verify_chain_reduced_reference(target_logits, draft_tokens, draft_probs, self.d2t,
-                                              temperature=temperature, seed=seed)
+            return verify_chain_reduced(
+                target_logits, draft_tokens, draft_probs.contiguous(), self.d2t, temperature=temperature, seed=seed, t2d=self._t2d
+            )
+        return verify_chain_reduced_reference(
+            target_logits, draft_tokens, draft_probs, self.d2t, temperature=temperature, seed=seed
+        )
 
-    def tree(self, logits: list[torch.Tensor], trees: list[DraftTree], temperature: torch.Tensor,
-             seed: torch.Tensor) -> list[tuple[list[int], list[int]]]:
+    def tree(
+        self, logits: list[torch.Tensor], trees: list[DraftTree], temperature: torch.Tensor, seed: torch.Tensor
+    ) -> list[tuple[list[int], list[int]]]:
         """Per sequence logits [M_b+1, V] (filtered) and tree -> (path node ids incl. root 0, emitted tokens).
 
         The engine's trees number nodes 1..M with parent 0 = root; the kernels number them 0..N-1 with
@@ -62,13 +71,13 @@ class ChainVerifier:
         tokens = torch.full((bsz, n), -1, dtype=torch.int64, device=dev)  # [B, N]
         parents = torch.full((bsz, n), -1, dtype=torch.int64, device=dev)  # [B, N]
         for b, (row, t) in enumerate(zip(logits, trees)):
-            p[b, :t.size + 1] = row
-            tokens[b, :t.size] = t.tokens.to(dev)
-            parents[b, :t.size] = t.parents.to(dev) - 1
+            p[b, : t.size + 1] = row
+            tokens[b, : t.size] = t.tokens.to(dev)
+            parents[b, : t.size] = t.parents.to(dev) - 1
         fn = verify_tree if use_kernel(self.backend, dev) else verify_tree_reference
         out, nacc, path = fn(p, tokens, parents, temperature=temperature.to(dev), seed=seed.to(dev))
         result = []
         for b in range(bsz):
             k = int(nacc[b])
-            result.append(([0] + (path[b, :k] + 1).tolist(), out[b, :k + 1].tolist()))
+            result.append(([0] + (path[b, :k] + 1).tolist(), out[b, : k + 1].tolist()))
         return result

@@ -12,8 +12,20 @@ import pytest
 @pytest.mark.slow
 def test_quickstart_whole_loop(tmp_path, smollm2_fp32):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [str(Path(sys.executable).parent / "eagleray"), "quickstart", "--workdir", str(tmp_path), "--prompts", "8",
-           "--max-tokens", "16", "--train-steps", "4", "--eval-prompts", "1"]
+    cmd = [
+        str(Path(sys.executable).parent / "eagleray"),
+        "quickstart",
+        "--workdir",
+        str(tmp_path),
+        "--prompts",
+        "8",
+        "--max-tokens",
+        "16",
+        "--train-steps",
+        "4",
+        "--eval-prompts",
+        "1",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-6000:]

@@ -12,8 +12,16 @@ from eagleray.platform.models.llama import LlamaModel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-CFG = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
-           num_key_value_heads=2, tie_word_embeddings=False, rope_theta=10000.0)
+CFG = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+)
 BLOCK, LENS = 16, (37, 5, 80, 16, 1)
 
 
@@ -73,8 +81,8 @@ def test_triton_decode_attention_bf16_matches_torch(head_dim, group, length):
     q = torch.randn(4, hkv * group, head_dim, device=dev, dtype=torch.bfloat16)
     tables = torch.randperm(4 * blocks, device=dev).view(4, blocks).to(torch.int32)
     lens = torch.tensor([length, 1, length // 2 + 1, length + 5], device=dev, dtype=torch.int32)
-    ref = decode_attention_torch(q.float(), k_cache.float(), v_cache.float(), tables, lens, head_dim ** -0.5)
-    got = decode_attention_triton(q, k_cache, v_cache, tables, lens, head_dim ** -0.5).float()
+    ref = decode_attention_torch(q.float(), k_cache.float(), v_cache.float(), tables, lens, head_dim**-0.5)
+    got = decode_attention_triton(q, k_cache, v_cache, tables, lens, head_dim**-0.5).float()
     rel = float((got - ref).norm() / ref.norm())
     print(f"attention D={head_dim} G={group} L={length}: relative error {rel:.2e}")
     assert rel < 1e-2

@@ -55,8 +55,13 @@ def free_range(n: int) -> int:
 def ray_env() -> dict[str, str]:
     """The environment of every Ray process: this one's (PYTHONPATH included, so a worktree's code is
     what the cluster imports), with the venv's bin first on PATH."""
-    return {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-            "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "TOKENIZERS_PARALLELISM": "false"}
+    return {
+        **os.environ,
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = None, every: float = 0.2):
@@ -73,10 +78,16 @@ def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = No
 
 def _node_ports() -> list[str]:
     base = free_range(24)
-    return [f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-            f"--min-worker-port={base}", f"--max-worker-port={base + 23}",
-            f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-            f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
+    return [
+        f"--node-manager-port={free_port()}",
+        f"--object-manager-port={free_port()}",
+        f"--min-worker-port={base}",
+        f"--max-worker-port={base + 23}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}",
+    ]
 
 
 @dataclass
@@ -115,8 +126,7 @@ class TwoNodeCluster:
         return list(body.get("data", {}).get("result", {}).get("result", []))
 
     def alive_workers(self) -> list[dict]:
-        return [n for n in self.nodes() if n.get("state") == "ALIVE"
-                and WORKER_RESOURCE in (n.get("resources_total") or {})]
+        return [n for n in self.nodes() if n.get("state") == "ALIVE" and WORKER_RESOURCE in (n.get("resources_total") or {})]
 
     def start_worker(self, num_cpus: int = 2, timeout: float = 120.0, attempts: int = 2) -> Node:
         """A worker node with {WORKER_RESOURCE: 1}; returns once the head lists it ALIVE.
@@ -136,14 +146,29 @@ class TwoNodeCluster:
         self.workers_started += 1
         log = self.logs / f"worker-{self.workers_started}.log"
         before = {n["node_id"] for n in self.alive_workers()}
-        cmd = [str(BIN / "ray"), "start", f"--address={self.gcs}", "--block", "--node-ip-address=127.0.0.1",
-               f"--num-cpus={num_cpus}", "--num-gpus=0", f"--resources={json.dumps({WORKER_RESOURCE: 1})}",
-               "--object-store-memory=150000000", "--disable-usage-stats", *_node_ports()]
+        cmd = [
+            str(BIN / "ray"),
+            "start",
+            f"--address={self.gcs}",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--num-cpus={num_cpus}",
+            "--num-gpus=0",
+            f"--resources={json.dumps({WORKER_RESOURCE: 1})}",
+            "--object-store-memory=150000000",
+            "--disable-usage-stats",
+            *_node_ports(),
+        ]
         with open(log, "w") as f:
             proc = subprocess.Popen(cmd, env=ray_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         self.worker = Node(proc, log)
-        wait_for(lambda: [n for n in self.alive_workers() if n["node_id"] not in before], timeout,
-                 "the worker node to join", proc, every=0.5)
+        wait_for(
+            lambda: [n for n in self.alive_workers() if n["node_id"] not in before],
+            timeout,
+            "the worker node to join",
+            proc,
+            every=0.5,
+        )
         self.worker.record_pids()
         return self.worker
 
@@ -195,10 +220,25 @@ def two_nodes(tmp_path_factory):
     logs = tmp_path_factory.mktemp("ray-two-nodes")
     port, dash, client = free_port(), free_port(), free_port()
     temp = Path(f"/tmp/ray-nl-{os.getpid()}")  # short: Ray's unix socket paths must stay < 108 chars
-    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
-           f"--ray-client-server-port={client}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-           "--include-dashboard=true", "--num-cpus=2", "--num-gpus=0", "--object-store-memory=150000000",
-           f"--temp-dir={temp}", "--disable-usage-stats", f"--system-config={json.dumps(HEALTH_CHECKS)}", *_node_ports()]
+    cmd = [
+        str(BIN / "ray"),
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        f"--port={port}",
+        f"--ray-client-server-port={client}",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dash}",
+        "--include-dashboard=true",
+        "--num-cpus=2",
+        "--num-gpus=0",
+        "--object-store-memory=150000000",
+        f"--temp-dir={temp}",
+        "--disable-usage-stats",
+        f"--system-config={json.dumps(HEALTH_CHECKS)}",
+        *_node_ports(),
+    ]
     with open(logs / "head.log", "w") as f:
         head = subprocess.Popen(cmd, env=ray_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     cluster = TwoNodeCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", Node(head, logs / "head.log"), logs)

@@ -27,6 +27,7 @@ def test_models_prints_ready_directory(smollm2_fp32):
 def test_bf16_and_fp32_share_a_fingerprint(smollm2_fp32):
     from eagleray.platform.checkpoints.smollm2 import smollm2_dir
     from eagleray.platform.checkpoints.target import TargetSpec
+
     bf16 = TargetSpec.from_dir(smollm2_dir("bf16"))
     assert bf16.fingerprint == TargetSpec.from_dir(smollm2_fp32).fingerprint
     assert '"dtype": "bfloat16"' in (bf16.path / "config.json").read_text()

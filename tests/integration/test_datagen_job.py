@@ -26,8 +26,13 @@ BIN = Path(sys.executable).parent
 
 
 def _env() -> dict:
-    return {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-            "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "TOKENIZERS_PARALLELISM": "false"}
+    return {
+        **os.environ,
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 def _wait_for(pred, timeout: float, what: str, proc=None):
@@ -45,9 +50,21 @@ def _wait_for(pred, timeout: float, what: str, proc=None):
 def cluster(tmp_path_factory):
     port, dash = free_port(), free_port()
     temp = Path(f"/tmp/ray-dg-{os.getpid()}")
-    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
-           "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true", "--num-cpus=2",
-           "--object-store-memory=200000000", f"--temp-dir={temp}", "--disable-usage-stats"]
+    cmd = [
+        str(BIN / "ray"),
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        f"--port={port}",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dash}",
+        "--include-dashboard=true",
+        "--num-cpus=2",
+        "--object-store-memory=200000000",
+        f"--temp-dir={temp}",
+        "--disable-usage-stats",
+    ]
     log = open(tmp_path_factory.mktemp("ray") / "ray-start.log", "w")
     head = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{dash}"
@@ -97,8 +114,9 @@ def test_driver_killed_then_ray_job_submit_resumes(cluster, tiny_target, tmp_pat
 
     # 1. A driver connected to the cluster, SIGKILLed as soon as its first shard lands.
     driver_log = open(tmp_path / "driver.log", "w")
-    driver = subprocess.Popen(job, env={**_env(), "RAY_ADDRESS": cluster["gcs"]}, stdout=driver_log,
-                              stderr=subprocess.STDOUT, start_new_session=True)
+    driver = subprocess.Popen(
+        job, env={**_env(), "RAY_ADDRESS": cluster["gcs"]}, stdout=driver_log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         try:
             _wait_for(lambda: shards.shard_files(out), 90, "the first shard", driver)
@@ -115,8 +133,17 @@ def test_driver_killed_then_ray_job_submit_resumes(cluster, tiny_target, tmp_pat
     assert 0 < len(first) < 10
 
     # 2. The same config through the real `ray job submit` CLI (blocking; streams the job's output).
-    submit = [str(BIN / "ray"), "job", "submit", "--address", cluster["dashboard"], "--",
-              *job, "--set", "testing.chunk_delay_s=0"]
+    submit = [
+        str(BIN / "ray"),
+        "job",
+        "submit",
+        "--address",
+        cluster["dashboard"],
+        "--",
+        *job,
+        "--set",
+        "testing.chunk_delay_s=0",
+    ]
     res = _submit(submit)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "already done" in res.stdout and "datagen summary" in res.stdout, res.stdout[-3000:]

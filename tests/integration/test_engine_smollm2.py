@@ -25,10 +25,14 @@ def smol(tmp_path_factory, smollm2_fp32):
     return target, draft, tok, prompts, plain
 
 
-@pytest.mark.parametrize("draft_cfg", [
-    DraftConfig(source="random", num_speculative_tokens=3, policy=POLICY),
-    DraftConfig(source="random", tree=TreeConfig(depth=3, topk=2, num_draft_tokens=4), policy=POLICY),
-], ids=["chain", "tree"])
+@pytest.mark.parametrize(
+    "draft_cfg",
+    [
+        DraftConfig(source="random", num_speculative_tokens=3, policy=POLICY),
+        DraftConfig(source="random", tree=TreeConfig(depth=3, topk=2, num_draft_tokens=4), policy=POLICY),
+    ],
+    ids=["chain", "tree"],
+)
 def test_smollm2_lossless(smol, draft_cfg):
     target, draft, tok, prompts, plain = smol
     engine = LLMEngine(target, tok, EngineConfig(draft=draft_cfg, max_num_seqs=2), draft)

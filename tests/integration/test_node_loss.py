@@ -42,8 +42,13 @@ WORKER_RESOURCE = "node_loss_worker"  # conftest.WORKER_RESOURCE (conftest modul
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-            "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "TOKENIZERS_PARALLELISM": "false"}
+    return {
+        **os.environ,
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 def _get(url: str) -> dict:
@@ -60,8 +65,12 @@ def _actors(cluster, name_part: str) -> list[dict]:
 def _pending_groups(cluster, resource: str) -> list[dict]:
     """Placement groups waiting for a node (state PENDING/RESCHEDULING) with a bundle that needs ``resource``."""
     body = _get(f"{cluster.dashboard}/api/v0/placement_groups?limit=1000&detail=1")
-    return [g for g in body["data"]["result"]["result"] if g.get("state") in ("PENDING", "RESCHEDULING")
-            and any(resource in (b.get("unit_resources") or {}) for b in g.get("bundles") or [])]
+    return [
+        g
+        for g in body["data"]["result"]["result"]
+        if g.get("state") in ("PENDING", "RESCHEDULING")
+        and any(resource in (b.get("unit_resources") or {}) for b in g.get("bundles") or [])
+    ]
 
 
 def _worker_node_ids(cluster) -> set[str]:
@@ -71,11 +80,22 @@ def _worker_node_ids(cluster) -> set[str]:
 # ----------------------------------------------------------------------------------------------- datagen
 def _datagen_config(target: Path, out: Path) -> dict:
     """20 prompts, 2 per shard (10 shards), 1 s per shard in the hidden-state stage so the kill lands mid-run."""
-    return {"prompts": [str(FIXTURE)], "output_dir": str(out), "backend": "transformers",
-            "target": {"model": str(target), "dtype": "fp32", "device": "cpu"},
-            "generation": {"max_tokens": 8}, "max_seq_len": 160, "max_prompt_tokens": 96,
-            "rows_per_shard": 2, "batch_size": 2, "num_workers": 1, "cpus_per_worker": 0.5, "progress_seconds": 1,
-            "prefer_resource": WORKER_RESOURCE, "testing": {"chunk_delay_s": 1.0}}
+    return {
+        "prompts": [str(FIXTURE)],
+        "output_dir": str(out),
+        "backend": "transformers",
+        "target": {"model": str(target), "dtype": "fp32", "device": "cpu"},
+        "generation": {"max_tokens": 8},
+        "max_seq_len": 160,
+        "max_prompt_tokens": 96,
+        "rows_per_shard": 2,
+        "batch_size": 2,
+        "num_workers": 1,
+        "cpus_per_worker": 0.5,
+        "progress_seconds": 1,
+        "prefer_resource": WORKER_RESOURCE,
+        "testing": {"chunk_delay_s": 1.0},
+    }
 
 
 def _job_status(cluster, job_id: str) -> dict:
@@ -86,8 +106,24 @@ def _submit(cluster, cmd: list[str], job_id: str, agent_wait_s: float = 180.0) -
     """`ray job submit --no-wait`, again while the head's job agent is still starting ("No available agent")."""
     end = time.monotonic() + agent_wait_s
     while True:
-        res = subprocess.run([str(BIN / "ray"), "job", "submit", "--address", cluster.dashboard, "--submission-id", job_id,
-                              "--no-wait", "--", *cmd], env=_env(), capture_output=True, text=True, timeout=120)
+        res = subprocess.run(
+            [
+                str(BIN / "ray"),
+                "job",
+                "submit",
+                "--address",
+                cluster.dashboard,
+                "--submission-id",
+                job_id,
+                "--no-wait",
+                "--",
+                *cmd,
+            ],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if res.returncode == 0:
             return
         if "No available agent" not in res.stderr + res.stdout or time.monotonic() > end:
@@ -126,7 +162,9 @@ def test_datagen_survives_losing_the_worker_node(two_nodes, tiny_target, tmp_pat
 
     end = time.monotonic() + 240
     while poll() < 3:
-        assert time.monotonic() < end and not job_failed(), f"no 3 shards before the kill:\n{_job_logs(two_nodes, job_id)[-4000:]}"
+        assert time.monotonic() < end and not job_failed(), (
+            f"no 3 shards before the kill:\n{_job_logs(two_nodes, job_id)[-4000:]}"
+        )
         time.sleep(0.1)
     workers = _worker_node_ids(two_nodes)
     placed = {a["node_id"] for a in _actors(two_nodes, "ExtractStage") if a["state"] == "ALIVE"}
@@ -142,7 +180,9 @@ def test_datagen_survives_losing_the_worker_node(two_nodes, tiny_target, tmp_pat
         status = _job_status(two_nodes, job_id)
         if status["status"] in ("SUCCEEDED", "FAILED", "STOPPED"):
             break
-        assert time.monotonic() < killed_at + 240, f"datagen did not finish after the node loss:\n{_job_logs(two_nodes, job_id)[-4000:]}"
+        assert time.monotonic() < killed_at + 240, (
+            f"datagen did not finish after the node loss:\n{_job_logs(two_nodes, job_id)[-4000:]}"
+        )
         time.sleep(0.2)
     finished_at = time.monotonic()
     poll()
@@ -172,12 +212,15 @@ def test_datagen_survives_losing_the_worker_node(two_nodes, tiny_target, tmp_pat
     # Slowdown: the time from the first shard to the last, against the same shards at the pre-kill rate.
     span = max(t for _, t in seen.values()) - first_shard_at
     ideal = (len(seen) - 1) / rate_before if rate_before == rate_before and rate_before > 0 else float("nan")
-    print(f"\nnode-loss datagen: first shard to last {span:.1f} s vs {ideal:.1f} s at the pre-kill rate "
-          f"(+{span - ideal:.1f} s from the node loss); {len(expected)} prompts in, {manifest['rows']} rows + {manifest['errors']} errors out, "
-          f"0 lost, 0 duplicated, {len(seen)} shards ({before} before the kill); node declared dead {dead_after:.1f} s "
-          f"after the kill; first shard after the kill {after_kill[0] - killed_at if after_kill else float('nan'):.1f} s after it; "
-          f"{rate_before:.2f} shards/s before, {rate_after:.2f} shards/s after (kill to end); "
-          f"job {finished_at - t0:.1f} s", flush=True)
+    print(
+        f"\nnode-loss datagen: first shard to last {span:.1f} s vs {ideal:.1f} s at the pre-kill rate "
+        f"(+{span - ideal:.1f} s from the node loss); {len(expected)} prompts in, {manifest['rows']} rows + {manifest['errors']} errors out, "
+        f"0 lost, 0 duplicated, {len(seen)} shards ({before} before the kill); node declared dead {dead_after:.1f} s "
+        f"after the kill; first shard after the kill {after_kill[0] - killed_at if after_kill else float('nan'):.1f} s after it; "
+        f"{rate_before:.2f} shards/s before, {rate_after:.2f} shards/s after (kill to end); "
+        f"job {finished_at - t0:.1f} s",
+        flush=True,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -205,18 +248,35 @@ def test_training_resumes_from_its_checkpoint_after_losing_the_worker_node(two_n
     from eagleray.training.trainer import train
 
     two_nodes.ensure_worker()
-    target = make_tiny_llama(tmp_path / "target", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2,
-                             intermediate_size=96)
+    target = make_tiny_llama(tmp_path / "target", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96)
     data = _synth().write_synthetic(target, tmp_path / "data", rows=16, gen_len=18)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     max_steps, every = 8, 2
     cfg = TrainingConfig(
-        data_dir=str(data), target={"model": str(target)}, output_dir=str(tmp_path / "out"), draft_vocab_size=128,
-        learning_rate=3e-3, warmup_steps=1, max_steps=max_steps, batch_size=4, ttt_steps=3, log_every=1,
-        checkpoint_every=every, eval_fraction=0.2, eval_batches=2, backend="ray", num_workers=1, cpus_per_worker=1,
-        resources_per_worker={WORKER_RESOURCE: 1}, after_node_loss=after, max_failures=1, alias="candidate",
-        ray_address=two_nodes.gcs, mlflow={"tracking_uri": uri, "experiment": "node-loss", "registered_model": "nl-draft"},
-        testing={"step_delay_s": 0.7})
+        data_dir=str(data),
+        target={"model": str(target)},
+        output_dir=str(tmp_path / "out"),
+        draft_vocab_size=128,
+        learning_rate=3e-3,
+        warmup_steps=1,
+        max_steps=max_steps,
+        batch_size=4,
+        ttt_steps=3,
+        log_every=1,
+        checkpoint_every=every,
+        eval_fraction=0.2,
+        eval_batches=2,
+        backend="ray",
+        num_workers=1,
+        cpus_per_worker=1,
+        resources_per_worker={WORKER_RESOURCE: 1},
+        after_node_loss=after,
+        max_failures=1,
+        alias="candidate",
+        ray_address=two_nodes.gcs,
+        mlflow={"tracking_uri": uri, "experiment": "node-loss", "registered_model": "nl-draft"},
+        testing={"step_delay_s": 0.7},
+    )
     ray.init(address=two_nodes.gcs, log_to_driver=False, configure_logging=False)
     lines: list[str] = []
     box: dict = {}
@@ -244,7 +304,9 @@ def test_training_resumes_from_its_checkpoint_after_losing_the_worker_node(two_n
             assert thread.is_alive() and time.monotonic() < end, f"training did not reach step 3: {box} {lines}"
             time.sleep(0.2)
         workers = _worker_node_ids(two_nodes)
-        on = {a["node_id"] for a in _actors(two_nodes, "RayTrainWorker") if a["state"] == "ALIVE" and a["actor_id"] not in earlier}
+        on = {
+            a["node_id"] for a in _actors(two_nodes, "RayTrainWorker") if a["state"] == "ALIVE" and a["actor_id"] not in earlier
+        }
         assert on and on <= workers, f"the Ray Train worker is not on the worker node: {on} vs {workers}"
         at_kill = max(steps())
         killed_at = two_nodes.kill_worker()
@@ -260,7 +322,9 @@ def test_training_resumes_from_its_checkpoint_after_losing_the_worker_node(two_n
                 time.sleep(0.5)
             waited_s = time.monotonic() - killed_at
             time.sleep(3.0)
-            assert thread.is_alive() and not two_nodes.alive_workers(), f"training ended without a node that has {WORKER_RESOURCE}: {box} {lines}"
+            assert thread.is_alive() and not two_nodes.alive_workers(), (
+                f"training ended without a node that has {WORKER_RESOURCE}: {box} {lines}"
+            )
             two_nodes.start_worker()
             joined_s = time.monotonic() - killed_at
         thread.join(timeout=300)
@@ -287,25 +351,36 @@ def test_training_resumes_from_its_checkpoint_after_losing_the_worker_node(two_n
     logged = client.get_metric_history(result.run_id, "lr")
     assert sorted({m.step for m in logged}) == list(range(1, max_steps + 1)), "the step count is not continuous"
     # The restarted worker ran on the node that is left (anywhere) or on the replacement node (wait).
-    later = {a["node_id"] for a in _actors(two_nodes, "RayTrainWorker")
-             if a["node_id"] not in workers and a["actor_id"] not in earlier}
+    later = {
+        a["node_id"] for a in _actors(two_nodes, "RayTrainWorker") if a["node_id"] not in workers and a["actor_id"] not in earlier
+    }
     replacement = _worker_node_ids(two_nodes) - workers
     assert later and (later <= replacement if after == "wait" else not later & replacement), (later, replacement)
     first_after = min((m.timestamp for m in logged if m.timestamp / 1000 > killed_wall and m.step > resumed), default=None)
     resume_s = restarts[0].timestamp / 1000 - killed_wall
     step_s = first_after / 1000 - killed_wall if first_after else float("nan")
-    where = "on the head" if after == "anywhere" else (
-        f"on the replacement node (the group's placement group waited for a node with {WORKER_RESOURCE} from "
-        f"{waited_s:.1f} s after the kill; the replacement, started 3 s later, joined {joined_s:.1f} s after the kill)")
-    print(f"\nnode-loss training ({after}): killed after step {at_kill}; resumed from the step-{resumed} checkpoint {where} "
-          f"{resume_s:.1f} s after the kill (first new step {step_s:.1f} s after it); {at_kill - resumed} step(s) redone; "
-          f"steps 1..{max_steps} continuous; run {done_at - t0:.1f} s (kill to end {done_at - killed_at:.1f} s)\n"
-          + "\n".join(lines), flush=True)
+    where = (
+        "on the head"
+        if after == "anywhere"
+        else (
+            f"on the replacement node (the group's placement group waited for a node with {WORKER_RESOURCE} from "
+            f"{waited_s:.1f} s after the kill; the replacement, started 3 s later, joined {joined_s:.1f} s after the kill)"
+        )
+    )
+    print(
+        f"\nnode-loss training ({after}): killed after step {at_kill}; resumed from the step-{resumed} checkpoint {where} "
+        f"{resume_s:.1f} s after the kill (first new step {step_s:.1f} s after it); {at_kill - resumed} step(s) redone; "
+        f"steps 1..{max_steps} continuous; run {done_at - t0:.1f} s (kill to end {done_at - killed_at:.1f} s)\n"
+        + "\n".join(lines),
+        flush=True,
+    )
 
 
 # ----------------------------------------------------------------------------------------------- serving
-INTERNALS = re.compile(r"Traceback|RayTaskError|RayActorError|ActorDiedError|NodeDiedError|/site-packages/|\x1b\[|"
-                       r"\bpid[=:]|File \"|actor_id|node_id|namespace|\b\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}\b")
+INTERNALS = re.compile(
+    r"Traceback|RayTaskError|RayActorError|ActorDiedError|NodeDiedError|/site-packages/|\x1b\[|"
+    r"\bpid[=:]|File \"|actor_id|node_id|namespace|\b\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}\b"
+)
 
 
 def _clean_error(err: dict) -> dict:
@@ -330,9 +405,15 @@ def test_serving_survives_losing_the_engine_node(two_nodes, tiny_target):
     from eagleray.serve.serving_config import ServingConfig
 
     two_nodes.ensure_worker()
-    cfg = ServingConfig.model_validate({
-        "target": {"model": str(tiny_target), "device": "cpu", "max_model_len": 128}, "model_name": "tiny",
-        "max_num_seqs": 8, "engine_resources": {WORKER_RESOURCE: 1}, "ingress_resources": {"node:__internal_head__": 0.01}})
+    cfg = ServingConfig.model_validate(
+        {
+            "target": {"model": str(tiny_target), "device": "cpu", "max_model_len": 128},
+            "model_name": "tiny",
+            "max_num_seqs": 8,
+            "engine_resources": {WORKER_RESOURCE: 1},
+            "ingress_resources": {"node:__internal_head__": 0.01},
+        }
+    )
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     ray.init(address=two_nodes.gcs, log_to_driver=False, configure_logging=False)
@@ -361,8 +442,11 @@ def test_serving_survives_losing_the_engine_node(two_nodes, tiny_target):
                         buf += chunk
                         started[i].set()
                     status = r.status_code
-                events = [e[6:] if e[6:] == "[DONE]" else json.loads(e[6:]) for e in buf.split("\n\n") if e] \
-                    if status == 200 else [json.loads(buf)]
+                events = (
+                    [e[6:] if e[6:] == "[DONE]" else json.loads(e[6:]) for e in buf.split("\n\n") if e]
+                    if status == 200
+                    else [json.loads(buf)]
+                )
                 results[i] = (status, events)
             finally:
                 started[i].set()
@@ -407,8 +491,11 @@ def test_serving_survives_losing_the_engine_node(two_nodes, tiny_target):
 
         def early() -> None:
             t = time.monotonic()
-            r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                                                             "max_tokens": 4}, timeout=240)
+            r = httpx.post(
+                url + "/v1/chat/completions",
+                json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+                timeout=240,
+            )
             during.update(status=r.status_code, body=r.json(), seconds=time.monotonic() - t)
 
         early_thread = threading.Thread(target=early, daemon=True)
@@ -423,8 +510,11 @@ def test_serving_survives_losing_the_engine_node(two_nodes, tiny_target):
         while first_ok is None:
             assert time.monotonic() < deadline, states
             health()
-            r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                                                             "max_tokens": 4}, timeout=120)
+            r = httpx.post(
+                url + "/v1/chat/completions",
+                json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+                timeout=120,
+            )
             if r.status_code == 200:
                 first_ok = time.monotonic() - killed_at
             else:
@@ -438,12 +528,15 @@ def test_serving_survives_losing_the_engine_node(two_nodes, tiny_target):
         assert len(engine) == 1 and engine[0]["node_id"] in _worker_node_ids(two_nodes) - workers, engine
         seen_states = [s for _, s in states]  # after the kill: 'restarting' until the new replica answers, then 'ok'
         assert seen_states[0] == "restarting" and seen_states[-1] == "ok" and set(seen_states) == {"restarting", "ok"}, states
-        print(f"\nnode-loss serving: {len(results)} streams in flight at the kill, {failed} ended with a clean "
-              f"engine_unavailable ({len(results) - failed} finished) within {streams_done:.1f} s; /health 'restarting' "
-              f"{restarting_s:.1f} s after the kill; a request sent during the outage: HTTP {during['status']} after "
-              f"{during['seconds']:.1f} s; replacement node joined {joined_s:.1f} s after the kill "
-              f"(`ray start` to joined {join_took:.1f} s); first "
-              f"successful request {first_ok:.1f} s after the kill; /health states {states}", flush=True)
+        print(
+            f"\nnode-loss serving: {len(results)} streams in flight at the kill, {failed} ended with a clean "
+            f"engine_unavailable ({len(results) - failed} finished) within {streams_done:.1f} s; /health 'restarting' "
+            f"{restarting_s:.1f} s after the kill; a request sent during the outage: HTTP {during['status']} after "
+            f"{during['seconds']:.1f} s; replacement node joined {joined_s:.1f} s after the kill "
+            f"(`ray start` to joined {join_took:.1f} s); first "
+            f"successful request {first_ok:.1f} s after the kill; /health states {states}",
+            flush=True,
+        )
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -33,10 +33,18 @@ def versions(tiny_target, tmp_path, monkeypatch):
 
 
 def _cfg(tiny_target, uri, candidate, prompts, **kw) -> PromotionConfig:
-    return PromotionConfig.model_validate({
-        "candidate": candidate, "target": {"model": str(tiny_target), "device": "cpu"}, "prompts": [prompts],
-        "limit": 3, "max_tokens": 8, "num_speculative_tokens": 2,
-        "mlflow": {"tracking_uri": uri, "registered_model": "tiny-draft"}, **kw})
+    return PromotionConfig.model_validate(
+        {
+            "candidate": candidate,
+            "target": {"model": str(tiny_target), "device": "cpu"},
+            "prompts": [prompts],
+            "limit": 3,
+            "max_tokens": 8,
+            "num_speculative_tokens": 2,
+            "mlflow": {"tracking_uri": uri, "registered_model": "tiny-draft"},
+            **kw,
+        }
+    )
 
 
 @pytest.mark.slow

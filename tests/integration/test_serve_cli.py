@@ -46,7 +46,11 @@ def _session_pids(sid: int) -> list[int]:
     pids = []
     for d in Path("/proc").iterdir():
         try:
-            if d.name.isdigit() and os.getsid(int(d.name)) == sid and (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            if (
+                d.name.isdigit()
+                and os.getsid(int(d.name)) == sid
+                and (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            ):
                 pids.append(int(d.name))
         except (OSError, IndexError):
             continue  # exited meanwhile
@@ -88,16 +92,32 @@ def test_serve_run_shipped_yaml(smollm2_fp32, tmp_path):
     url, model = f"http://127.0.0.1:{port}", serving["model_name"]
     with open(log, "wb") as out:
         # cwd: a scratch directory, so `serve run`'s default --app-dir "." puts nothing of the repo on sys.path
-        proc = subprocess.Popen([str(SERVE), "run", str(cfg_path), "--address", "local"], cwd=tmp_path, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_default_sigint)
+        proc = subprocess.Popen(
+            [str(SERVE), "run", str(cfg_path), "--address", "local"],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_default_sigint,
+        )
     try:
-        health = _wait(lambda: (lambda r: r.json() if r.status_code == 200 else None)(httpx.get(f"{url}/health", timeout=10)),
-                       240, "GET /health", proc, log)
+        health = _wait(
+            lambda: (lambda r: r.json() if r.status_code == 200 else None)(httpx.get(f"{url}/health", timeout=10)),
+            240,
+            "GET /health",
+            proc,
+            log,
+        )
         assert health["status"] == "ok" and health["model"] == model and health["draft_version"] == "random"
         models = httpx.get(f"{url}/v1/models", timeout=30).json()
         assert [m["id"] for m in models["data"]] == [model]
-        body = {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                "max_tokens": 8, "temperature": 0}
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 8,
+            "temperature": 0,
+        }
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         answer = r.json()

@@ -32,26 +32,40 @@ CTX = 128
 def drafts(tiny_target, tmp_path_factory):
     spec = TargetSpec.from_dir(tiny_target)
     root = tmp_path_factory.mktemp("drafts")
-    return {"d1": make_random_draft(spec, root / "d1", seed=1), "d2": make_random_draft(spec, root / "d2", seed=2),
-            "bad": make_random_draft(spec, root / "bad-aux", aux_layer_ids=[1, 4, 99], seed=3),
-            "other-aux": make_random_draft(spec, root / "other-aux", aux_layer_ids=[1, 3, 6], seed=4)}
+    return {
+        "d1": make_random_draft(spec, root / "d1", seed=1),
+        "d2": make_random_draft(spec, root / "d2", seed=2),
+        "bad": make_random_draft(spec, root / "bad-aux", aux_layer_ids=[1, 4, 99], seed=3),
+        "other-aux": make_random_draft(spec, root / "other-aux", aux_layer_ids=[1, 3, 6], seed=4),
+    }
 
 
 @pytest.fixture(scope="module")
 def server(tiny_target, drafts):
     from eagleray.serve.local import start_local, stop_local
 
-    cfg = ServingConfig.model_validate({
-        "target": {"model": str(tiny_target), "device": "cpu", "max_model_len": CTX},
-        "draft": {"source": str(drafts["d1"]), "num_speculative_tokens": 3, "policy": {"adaptive": False}},  # the tests count drafts
-        "model_name": "tiny", "api_key": KEY, "max_num_seqs": 8})
+    cfg = ServingConfig.model_validate(
+        {
+            "target": {"model": str(tiny_target), "device": "cpu", "max_model_len": CTX},
+            "draft": {
+                "source": str(drafts["d1"]),
+                "num_speculative_tokens": 3,
+                "policy": {"adaptive": False},
+            },  # the tests count drafts
+            "model_name": "tiny",
+            "api_key": KEY,
+            "max_num_seqs": 8,
+        }
+    )
     url = start_local(cfg, num_cpus=2)
     yield url, cfg
     stop_local()
 
 
-INTERNALS = re.compile(r"Traceback|RayTaskError|RayActorError|ActorDiedError|/site-packages/|\x1b\[|\bpid[=:]|"
-                       r"File \"|actor_id|namespace|\b\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}\b")
+INTERNALS = re.compile(
+    r"Traceback|RayTaskError|RayActorError|ActorDiedError|/site-packages/|\x1b\[|\bpid[=:]|"
+    r"File \"|actor_id|namespace|\b\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}\b"
+)
 ERROR_BODIES: list[str] = []  # every error body seen by this module (checked as it arrives)
 
 
@@ -112,8 +126,14 @@ def test_openai_client_completion_and_stream(server):
 
 def test_sse_wire_format(server):
     url, _ = server
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True,
-            "temperature": 0, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5,
+        "stream": True,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         raw = r.read().decode()
@@ -139,44 +159,58 @@ LONG = "word " * (CTX * 2)
 SURROGATE = b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 4}'
 
 
-@pytest.mark.parametrize("path, body, headers, status, param", [
-    ("/v1/chat/completions", b"{not json", AUTH, 400, None),
-    ("/v1/chat/completions", {**CHAT, "max_token": 3}, AUTH, 400, "max_token"),
-    ("/v1/chat/completions", {**CHAT, "max_tokens": "three"}, AUTH, 400, "max_tokens"),
-    ("/v1/chat/completions", {**CHAT, "messages": []}, AUTH, 400, "messages"),
-    ("/v1/chat/completions", {**CHAT, "max_tokens": CTX * 10}, AUTH, 400, "max_tokens"),
-    ("/v1/chat/completions", {**CHAT, "temperature": -1}, AUTH, 400, "temperature"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": LONG}]}, AUTH, 400, "messages"),
-    ("/v1/completions", {"model": "tiny", "prompt": LONG}, AUTH, 400, "prompt"),
-    ("/v1/chat/completions", {**CHAT, "model": "gpt-17"}, AUTH, 404, "model"),
-    ("/v1/chat/completions", CHAT, {}, 401, None),
-    ("/v1/chat/completions", CHAT, {"Authorization": "Bearer wrong"}, 401, None),
-    ("/admin/draft", {"source": "/nowhere"}, {}, 401, None),
-    ("/admin/draft", {"src": "/nowhere"}, AUTH, 400, "source"),
-    ("/v1/nothing", CHAT, AUTH, 404, None),
-    # the probes of issue 17: each was a 500 with a traceback (or worse) before
-    ("/v1/chat/completions", SURROGATE, AUTH, 400, "messages.0.content"),
-    ("/v1/chat/completions", SURROGATE.replace(b'"max_tokens": 4', b'"max_tokens": 4, "stream": true'), AUTH, 400,
-     "messages.0.content"),
-    ("/v1/completions", b'{"model": "tiny", "prompt": "a\\udfffb"}', AUTH, 400, "prompt"),
-    ("/v1/chat/completions", {**CHAT, "seed": 2**64}, AUTH, 400, "seed"),
-    ("/v1/chat/completions", {**CHAT, "seed": 2**64, "stream": True}, AUTH, 400, "seed"),
-    ("/v1/chat/completions", {**CHAT, "top_k": 2**63}, AUTH, 400, "top_k"),
-    ("/v1/completions", {**COMP, "top_k": 2**63, "stream": True}, AUTH, 400, "top_k"),
-    ("/v1/chat/completions", {**CHAT, "temperature": 2.5}, AUTH, 400, "temperature"),
-    ("/v1/chat/completions", {**CHAT, "max_tokens": 2**64}, AUTH, 400, "max_tokens"),
-    ("/v1/chat/completions", {**CHAT, "max_tokens": 2**40}, AUTH, 400, "max_tokens"),
-    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": NaN}', AUTH, 400, None),
-    ("/v1/chat/completions", b"[" * 50_000 + b"]" * 50_000, AUTH, 400, None),
-    ("/v1/chat/completions", b"\xff\xfe\x00\xd8", AUTH, 400, None),
-    ("/v1/completions", {**COMP, "prompt": [1, 2, 10**12]}, AUTH, 400, "prompt"),
-    ("/v1/completions", {**COMP, "prompt": [1, -1]}, AUTH, 400, "prompt"),
-    ("/v1/completions", {**COMP, "stop_token_ids": [10**6]}, AUTH, 400, "stop_token_ids"),
-    ("/v1/completions", {**COMP, "repetition_penalty": 1.3}, AUTH, 400, "repetition_penalty"),
-    ("/v1/chat/completions", {**CHAT, "logprobs": True}, AUTH, 400, "logprobs"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": None}]}, AUTH, 400, "messages.0.content"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, AUTH, 400, "messages.0.role"),
-])
+@pytest.mark.parametrize(
+    "path, body, headers, status, param",
+    [
+        ("/v1/chat/completions", b"{not json", AUTH, 400, None),
+        ("/v1/chat/completions", {**CHAT, "max_token": 3}, AUTH, 400, "max_token"),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": "three"}, AUTH, 400, "max_tokens"),
+        ("/v1/chat/completions", {**CHAT, "messages": []}, AUTH, 400, "messages"),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": CTX * 10}, AUTH, 400, "max_tokens"),
+        ("/v1/chat/completions", {**CHAT, "temperature": -1}, AUTH, 400, "temperature"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": LONG}]}, AUTH, 400, "messages"),
+        ("/v1/completions", {"model": "tiny", "prompt": LONG}, AUTH, 400, "prompt"),
+        ("/v1/chat/completions", {**CHAT, "model": "gpt-17"}, AUTH, 404, "model"),
+        ("/v1/chat/completions", CHAT, {}, 401, None),
+        ("/v1/chat/completions", CHAT, {"Authorization": "Bearer wrong"}, 401, None),
+        ("/admin/draft", {"source": "/nowhere"}, {}, 401, None),
+        ("/admin/draft", {"src": "/nowhere"}, AUTH, 400, "source"),
+        ("/v1/nothing", CHAT, AUTH, 404, None),
+        # the probes of issue 17: each was a 500 with a traceback (or worse) before
+        ("/v1/chat/completions", SURROGATE, AUTH, 400, "messages.0.content"),
+        (
+            "/v1/chat/completions",
+            SURROGATE.replace(b'"max_tokens": 4', b'"max_tokens": 4, "stream": true'),
+            AUTH,
+            400,
+            "messages.0.content",
+        ),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "a\\udfffb"}', AUTH, 400, "prompt"),
+        ("/v1/chat/completions", {**CHAT, "seed": 2**64}, AUTH, 400, "seed"),
+        ("/v1/chat/completions", {**CHAT, "seed": 2**64, "stream": True}, AUTH, 400, "seed"),
+        ("/v1/chat/completions", {**CHAT, "top_k": 2**63}, AUTH, 400, "top_k"),
+        ("/v1/completions", {**COMP, "top_k": 2**63, "stream": True}, AUTH, 400, "top_k"),
+        ("/v1/chat/completions", {**CHAT, "temperature": 2.5}, AUTH, 400, "temperature"),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 2**64}, AUTH, 400, "max_tokens"),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 2**40}, AUTH, 400, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": NaN}',
+            AUTH,
+            400,
+            None,
+        ),
+        ("/v1/chat/completions", b"[" * 50_000 + b"]" * 50_000, AUTH, 400, None),
+        ("/v1/chat/completions", b"\xff\xfe\x00\xd8", AUTH, 400, None),
+        ("/v1/completions", {**COMP, "prompt": [1, 2, 10**12]}, AUTH, 400, "prompt"),
+        ("/v1/completions", {**COMP, "prompt": [1, -1]}, AUTH, 400, "prompt"),
+        ("/v1/completions", {**COMP, "stop_token_ids": [10**6]}, AUTH, 400, "stop_token_ids"),
+        ("/v1/completions", {**COMP, "repetition_penalty": 1.3}, AUTH, 400, "repetition_penalty"),
+        ("/v1/chat/completions", {**CHAT, "logprobs": True}, AUTH, 400, "logprobs"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": None}]}, AUTH, 400, "messages.0.content"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, AUTH, 400, "messages.0.role"),
+    ],
+)
 def test_bad_input_is_4xx_and_server_keeps_serving(server, path, body, headers, status, param):
     url, _ = server
     r = post(url, path, body, headers)
@@ -200,22 +234,52 @@ def test_every_openai_field_at_its_default_is_served(server):
     from eagleray.serve.protocol import CHAT_DEFAULT_ONLY, COMPLETION_DEFAULT_ONLY
 
     url, cfg = server
-    extra = {"n": 1, "user": "u1", "metadata": {"k": "v"}, "seed": 7, "top_k": -1, "stop_token_ids": [],
-             "stream_options": {"include_usage": True, "continuous_usage_stats": False}}
-    r = post(url, "/v1/chat/completions", {**CHAT, **_at_defaults(CHAT_DEFAULT_ONLY), **extra,
-                                           "messages": [{"role": "system", "content": "be brief"},
-                                                        {"role": "user", "content": "hi"},
-                                                        {"role": "assistant", "content": None, "tool_calls": None, "refusal": None},
-                                                        {"role": "user", "content": [{"type": "text", "text": "again"}]}]})
+    extra = {
+        "n": 1,
+        "user": "u1",
+        "metadata": {"k": "v"},
+        "seed": 7,
+        "top_k": -1,
+        "stop_token_ids": [],
+        "stream_options": {"include_usage": True, "continuous_usage_stats": False},
+    }
+    r = post(
+        url,
+        "/v1/chat/completions",
+        {
+            **CHAT,
+            **_at_defaults(CHAT_DEFAULT_ONLY),
+            **extra,
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": None, "refusal": None},
+                {"role": "user", "content": [{"type": "text", "text": "again"}]},
+            ],
+        },
+    )
     assert r.status_code == 200, r.text
     r = post(url, "/v1/completions", {**COMP, **_at_defaults(COMPLETION_DEFAULT_ONLY), **extra})
     assert r.status_code == 200, r.text
     c = client(url, cfg)
-    out = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                    frequency_penalty=0, presence_penalty=0, logprobs=False, top_logprobs=0,
-                                    response_format={"type": "text"}, tools=[], tool_choice="none", store=False,
-                                    seed=3, stop=None, temperature=None, top_p=None,
-                                    extra_body={"repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": [0]})
+    out = c.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        frequency_penalty=0,
+        presence_penalty=0,
+        logprobs=False,
+        top_logprobs=0,
+        response_format={"type": "text"},
+        tools=[],
+        tool_choice="none",
+        store=False,
+        seed=3,
+        stop=None,
+        temperature=None,
+        top_p=None,
+        extra_body={"repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": [0]},
+    )
     assert out.choices[0].finish_reason in ("length", "stop")
 
 
@@ -233,12 +297,31 @@ def test_vllm_benchmark_client(server, monkeypatch):
 
     async def run():
         async with aiohttp.ClientSession() as session:
-            comp = [async_request_openai_completions(RequestFuncInput(prompt=f"hello {i}", api_url=url + "/v1/completions",
-                                                                      prompt_len=3, output_len=6, model="tiny",
-                                                                      ignore_eos=True), session) for i in range(4)]
-            chat = async_request_openai_chat_completions(RequestFuncInput(prompt="hello", api_url=url + "/v1/chat/completions",
-                                                                          prompt_len=3, output_len=6, model="tiny",
-                                                                          ignore_eos=True), session)
+            comp = [
+                async_request_openai_completions(
+                    RequestFuncInput(
+                        prompt=f"hello {i}",
+                        api_url=url + "/v1/completions",
+                        prompt_len=3,
+                        output_len=6,
+                        model="tiny",
+                        ignore_eos=True,
+                    ),
+                    session,
+                )
+                for i in range(4)
+            ]
+            chat = async_request_openai_chat_completions(
+                RequestFuncInput(
+                    prompt="hello",
+                    api_url=url + "/v1/chat/completions",
+                    prompt_len=3,
+                    output_len=6,
+                    model="tiny",
+                    ignore_eos=True,
+                ),
+                session,
+            )
             return await asyncio.gather(*comp, chat)
 
     outs = asyncio.run(run())
@@ -250,13 +333,17 @@ def _load(url: str, total: int, clients: int, on_halfway) -> dict:
     results, lock, done = [], threading.Lock(), threading.Event()
 
     def one(i: int) -> None:
-        body = {"model": "tiny", "prompt": f"request {i} hello", "max_tokens": 6 + i % 7, "temperature": 0.7 * (i % 2),
-                "seed": i}
+        body = {"model": "tiny", "prompt": f"request {i} hello", "max_tokens": 6 + i % 7, "temperature": 0.7 * (i % 2), "seed": i}
         t0 = time.perf_counter()
         r = post(url, "/v1/completions", body, timeout=120)
         with lock:
-            results.append((r.status_code, time.perf_counter() - t0,
-                            r.json().get("eagleray", {}).get("draft_version") if r.status_code == 200 else r.text))
+            results.append(
+                (
+                    r.status_code,
+                    time.perf_counter() - t0,
+                    r.json().get("eagleray", {}).get("draft_version") if r.status_code == 200 else r.text,
+                )
+            )
             if len(results) == total // 2:
                 done.set()
 
@@ -272,13 +359,19 @@ def test_load_with_hot_swap_loses_nothing(server, drafts):
     url, _ = server
     post(url, "/admin/draft", {"source": str(drafts["d1"])})  # start from d1 whatever ran before
     swap = {}
-    out = _load(url, total=128, clients=16,
-                on_halfway=lambda: swap.update(post(url, "/admin/draft", {"source": str(drafts["d2"])}, timeout=120).json()))
+    out = _load(
+        url,
+        total=128,
+        clients=16,
+        on_halfway=lambda: swap.update(post(url, "/admin/draft", {"source": str(drafts["d2"])}, timeout=120).json()),
+    )
     codes = [c for c, _, _ in out["results"]]
     lat = sorted(t for _, t, _ in out["results"])
     versions = [v for c, _, v in out["results"] if c == 200]
-    print(f"\nload: {len(codes)} requests, 5xx={sum(c >= 500 for c in codes)}, non-200={sum(c != 200 for c in codes)}, "
-          f"p50={statistics.median(lat):.3f}s p95={lat[int(0.95 * len(lat)) - 1]:.3f}s max={lat[-1]:.3f}s; swap={swap}")
+    print(
+        f"\nload: {len(codes)} requests, 5xx={sum(c >= 500 for c in codes)}, non-200={sum(c != 200 for c in codes)}, "
+        f"p50={statistics.median(lat):.3f}s p95={lat[int(0.95 * len(lat)) - 1]:.3f}s max={lat[-1]:.3f}s; swap={swap}"
+    )
     assert len(codes) == 128 and all(c == 200 for c in codes), [r for r in out["results"] if r[0] != 200][:3]
     assert swap["outcome"] == "swapped" and swap["version"] == "d2"
     assert "d1" in versions and versions.count("d2") > 0
@@ -357,8 +450,12 @@ def open_url(server):
     url, cfg = server
     open_cfg = cfg.model_copy(update={"api_key": None})
     engine = serve.get_deployment_handle("EagleRayEngine", app_name="eagleray")
-    serve.run(ingress_deployment(open_cfg).bind(engine, open_cfg.model_dump(mode="json")), name="eagleray-open",
-              route_prefix="/open", blocking=False)
+    serve.run(
+        ingress_deployment(open_cfg).bind(engine, open_cfg.model_dump(mode="json")),
+        name="eagleray-open",
+        route_prefix="/open",
+        blocking=False,
+    )
     wait_ready(url + "/open", None, 120)
     yield url + "/open"
     serve.delete("eagleray-open")
@@ -369,8 +466,12 @@ def test_every_admin_route_is_closed(server, open_url, method, path):
     """Without an api_key the admin routes are off (403); with one they need it (401 without, 401 wrong)."""
     url, _ = server
     body = {"source": "/nowhere"} if method == "POST" else None
-    for base, headers, status in ((open_url, {}, 403), (open_url, AUTH, 403), (url, {}, 401),
-                                  (url, {"Authorization": "Bearer wrong"}, 401)):
+    for base, headers, status in (
+        (open_url, {}, 403),
+        (open_url, AUTH, 403),
+        (url, {}, 401),
+        (url, {"Authorization": "Bearer wrong"}, 401),
+    ):
         r = httpx.request(method, base + path, json=body, headers=headers, timeout=30)
         assert r.status_code == status, (base, path, r.text)
         clean(r.text)

@@ -39,8 +39,11 @@ NAME = "tiny-draft"
 URI = f"models:/{NAME}@champion"
 # The vLLM names (``vllm:spec_decode_*``) as Ray exports them: ':' is not allowed, Ray adds ``ray_``,
 # and the Prometheus exporter adds ``_total`` to counters.
-VLLM_COUNTERS = ("ray_spec_decode_num_drafts_total", "ray_spec_decode_num_draft_tokens_total",
-                 "ray_spec_decode_num_accepted_tokens_total")
+VLLM_COUNTERS = (
+    "ray_spec_decode_num_drafts_total",
+    "ray_spec_decode_num_draft_tokens_total",
+    "ray_spec_decode_num_accepted_tokens_total",
+)
 PER_POS = "ray_spec_decode_num_accepted_tokens_per_pos_total"
 TAU = "ray_eagleray_mean_acceptance_length"
 DRAFT_INFO = "ray_eagleray_draft_info"
@@ -88,8 +91,11 @@ def reg(constant_target, tmp_path_factory):
     root = tmp_path_factory.mktemp("registry")
     uri = registry.configure(f"sqlite:///{root / 'mlflow.db'}", experiment="serve-alias")
     spec = TargetSpec.from_dir(constant_target)
-    drafts = [make_random_draft(spec, root / "d1", seed=1), make_random_draft(spec, root / "d2", seed=2),
-              make_random_draft(spec, root / "bad", aux_layer_ids=[1, 4, 99], seed=3)]
+    drafts = [
+        make_random_draft(spec, root / "d1", seed=1),
+        make_random_draft(spec, root / "d2", seed=2),
+        make_random_draft(spec, root / "bad", aux_layer_ids=[1, 4, 99], seed=3),
+    ]
     _zero(drafts[0], "norm.weight")
     versions = []
     for d in drafts:
@@ -115,13 +121,26 @@ def server(constant_target, reg):
     # The replica inherits the driver's environment: downloaded drafts go under this module's tmp dir.
     os.environ["EAGLERAY_HOME"] = str(root / "home")
     metrics_port = free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
-    cfg = ServingConfig.model_validate({
-        "target": {"model": str(constant_target), "device": "cpu", "max_model_len": CTX},
-        "draft": {"source": URI, "num_speculative_tokens": K, "policy": {"adaptive": False}},
-        "alias_poll_seconds": 1, "mlflow": {"tracking_uri": tracking_uri},
-        "model_name": "tiny", "api_key": KEY, "max_num_seqs": 8})
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
+    cfg = ServingConfig.model_validate(
+        {
+            "target": {"model": str(constant_target), "device": "cpu", "max_model_len": CTX},
+            "draft": {"source": URI, "num_speculative_tokens": K, "policy": {"adaptive": False}},
+            "alias_poll_seconds": 1,
+            "mlflow": {"tracking_uri": tracking_uri},
+            "model_name": "tiny",
+            "api_key": KEY,
+            "max_num_seqs": 8,
+        }
+    )
     try:
         url = start_local(cfg, num_cpus=2, timeout_s=180)
         yield url, cfg, f"http://127.0.0.1:{metrics_port}/metrics"
@@ -130,8 +149,7 @@ def server(constant_target, reg):
 
 
 def chat(url: str, content: str, max_tokens: int = 16) -> httpx.Response:
-    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0}
     return httpx.post(url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
 
 
@@ -195,8 +213,13 @@ def test_prometheus_export_has_vllm_spec_decode_counters(server):
         r = chat(url, prompt, max_tokens=24)
         assert r.status_code == 200, r.text
         exts.append(r.json()["eagleray"])
-    assert all(e["num_drafts"] > 0 and e["num_accepted_tokens"] == e["num_draft_tokens"] == K * e["num_drafts"]
-               and e["tau"] == K + 1 and e["draft_version"] == f"{NAME}/1" for e in exts), exts
+    assert all(
+        e["num_drafts"] > 0
+        and e["num_accepted_tokens"] == e["num_draft_tokens"] == K * e["num_drafts"]
+        and e["tau"] == K + 1
+        and e["draft_version"] == f"{NAME}/1"
+        for e in exts
+    ), exts
     own = health(url)["metrics"]  # the replica's own totals (every request of this module so far)
     want = {name: own.get(name.removeprefix("ray_").removesuffix("_total"), 0) for name in VLLM_COUNTERS}
 
@@ -206,15 +229,17 @@ def test_prometheus_export_has_vllm_spec_decode_counters(server):
 
     s = until(exported, 60, f"Prometheus counters equal to the engine's own {want}")
     drafts, proposed, accepted = (total(s, n) for n in VLLM_COUNTERS)
-    print(f"\nexported: {sorted(s)}\nlabels: {sorted(s[VLLM_COUNTERS[0]][0][0])}\n"
-          f"drafts={drafts} draft_tokens={proposed} accepted={accepted}")
+    print(
+        f"\nexported: {sorted(s)}\nlabels: {sorted(s[VLLM_COUNTERS[0]][0][0])}\n"
+        f"drafts={drafts} draft_tokens={proposed} accepted={accepted}"
+    )
     assert drafts >= sum(e["num_drafts"] for e in exts) and accepted >= sum(e["num_accepted_tokens"] for e in exts)
     assert 0 < accepted <= proposed <= K * drafts
     per_pos = {lbl["position"]: v for lbl, v in s[PER_POS]}
     assert set(per_pos) <= {str(i) for i in range(K)} and per_pos["0"] > 0 and sum(per_pos.values()) == accepted
     labels = s[VLLM_COUNTERS[0]][0][0]
     assert labels["application"] == "eagleray" and labels["deployment"] == "EagleRayEngine"
-    (_, tau), = s[TAU]
+    ((_, tau),) = s[TAU]
     assert tau == pytest.approx(own["tau"]) and 1.0 < tau <= K + 1  # the replica's τ over its recent window
     assert total(s, TOKENS_PER_S) > 0 and s[WATCHDOG][0][1] == 0  # watchdog ok
     assert {lbl["draft_version"] for lbl, v in s[DRAFT_INFO] if v == 1} == {f"{NAME}/1"}
@@ -243,8 +268,11 @@ def test_alias_poller_hot_swaps_when_the_alias_moves(server):
     try:
         until(lambda: len(results) >= 2, 60, "requests before the move")
         move_alias(cfg, "2")
-        until(lambda: (lambda h: h if h["draft_version"] == f"{NAME}/2" else None)(health(url)), 30,
-              "the poller moving to version 2")
+        until(
+            lambda: (lambda h: h if h["draft_version"] == f"{NAME}/2" else None)(health(url)),
+            30,
+            "the poller moving to version 2",
+        )
         n = len(results)
         until(lambda: len(results) >= n + 2, 60, "requests after the move")
     finally:
@@ -257,8 +285,8 @@ def test_alias_poller_hot_swaps_when_the_alias_moves(server):
     first_v2 = versions.index(f"{NAME}/2")
     assert set(versions[first_v2:]) == {f"{NAME}/2"}  # sequential requests: once swapped, never back
     # the new weights are really used: version 1 accepts every draft token, version 2 (random) almost none
-    assert all(t == K + 1 for _, v, t in results[:first_v2 - 1])  # (the last v1 request may span the swap)
-    assert all(t is None or t < K + 1 for _, _, t in results[first_v2 + 1:])
+    assert all(t == K + 1 for _, v, t in results[: first_v2 - 1])  # (the last v1 request may span the swap)
+    assert all(t is None or t < K + 1 for _, _, t in results[first_v2 + 1 :])
     swap = [r for r in swap_history(url) if r["outcome"] == "swapped"][-1]
     assert swap["source"] == URI and swap["version"] == f"{NAME}/2"
     assert chat(url, "after the swap").json()["eagleray"]["draft_version"] == f"{NAME}/2"
@@ -280,8 +308,11 @@ def test_alias_moved_to_incompatible_draft_is_refused_and_counted(server):
     assert serving in (f"{NAME}/1", f"{NAME}/2")
     refused_before = before["metrics"].get("swaps_refused_guard", 0)
     move_alias(cfg, "3")
-    h = until(lambda: (lambda h: h if h["metrics"].get("swaps_refused_guard", 0) > refused_before else None)(health(url)),
-              30, "the guard refusing version 3")
+    h = until(
+        lambda: (lambda h: h if h["metrics"].get("swaps_refused_guard", 0) > refused_before else None)(health(url)),
+        30,
+        "the guard refusing version 3",
+    )
     rec = [r for r in swap_history(url) if r["outcome"] == "refused_guard"][-1]
     assert rec["source"] == URI and "aux_hidden_state_layer_ids" in rec["message"]
     assert h["draft_version"] == serving

@@ -29,8 +29,9 @@ def tp1_answer(peaked_target) -> str:
     from eagleray.serve.engine import EngineConfig, LLMEngine, SamplingParams
 
     torch.set_num_threads(1)
-    engine = LLMEngine.from_config(EngineConfig(target=TargetConfig(model=str(peaked_target), device="cpu",
-                                                                    max_model_len=CTX), max_num_seqs=2))
+    engine = LLMEngine.from_config(
+        EngineConfig(target=TargetConfig(model=str(peaked_target), device="cpu", max_model_len=CTX), max_num_seqs=2)
+    )
     messages = [{"role": "user", "content": PROMPT}]
     ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
     out = engine.generate([list(ids["input_ids"])], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0]
@@ -43,10 +44,15 @@ def tp1_answer(peaked_target) -> str:
 def server(peaked_target):
     from eagleray.serve.local import start_local, stop_local
 
-    cfg = ServingConfig.model_validate({
-        "target": {"model": str(peaked_target), "device": "cpu", "max_model_len": CTX, "tensor_parallel_size": 2},
-        "draft": {"source": "random", "num_speculative_tokens": 3},
-        "model_name": "tiny", "api_key": KEY, "max_num_seqs": 4})
+    cfg = ServingConfig.model_validate(
+        {
+            "target": {"model": str(peaked_target), "device": "cpu", "max_model_len": CTX, "tensor_parallel_size": 2},
+            "draft": {"source": "random", "num_speculative_tokens": 3},
+            "model_name": "tiny",
+            "api_key": KEY,
+            "max_num_seqs": 4,
+        }
+    )
     try:
         url = start_local(cfg, num_cpus=2, timeout_s=120)
         yield url, cfg

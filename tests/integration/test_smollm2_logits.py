@@ -23,9 +23,9 @@ def test_smollm2_logits_aux_and_greedy_match_transformers(smollm2_fp32):
     torch.testing.assert_close(logits, out.logits, atol=5e-4, rtol=0)
     h = ours.hidden_size
     for j, k in enumerate([2, 15, 27]):
-        torch.testing.assert_close(aux[0, :, j * h:(j + 1) * h], out.hidden_states[k][0], atol=1e-3, rtol=1e-5)
+        torch.testing.assert_close(aux[0, :, j * h : (j + 1) * h], out.hidden_states[k][0], atol=1e-3, rtol=1e-5)
     # 8 greedy tokens through the paged cache == transformers' greedy generate
-    want = ref.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+    want = ref.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :]
     cache, table, n = ours.make_kv_cache(num_blocks=16, block_size=16), [list(range(16))], ids.shape[1]
     seq, got = ids[0], []
     with torch.inference_mode():

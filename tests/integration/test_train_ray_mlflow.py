@@ -33,16 +33,30 @@ def test_ray_train_resumes_after_killed_worker_and_registers(tmp_path, ray_local
     from eagleray.tests.support.tiny import make_tiny_llama
     from eagleray.training.trainer import train
 
-    target = make_tiny_llama(tmp_path / "target", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2,
-                             intermediate_size=96)
+    target = make_tiny_llama(tmp_path / "target", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96)
     data = write_synthetic(target, tmp_path / "data", rows=16, gen_len=18)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = TrainingConfig(
-        data_dir=str(data), target={"model": str(target)}, output_dir=str(tmp_path / "out"), draft_vocab_size=128,
-        learning_rate=3e-3, warmup_steps=1, max_steps=6, batch_size=4, ttt_steps=3, log_every=2, checkpoint_every=2,
-        eval_fraction=0.2, eval_batches=2, backend="ray", num_workers=2, max_failures=1, alias="candidate",
+        data_dir=str(data),
+        target={"model": str(target)},
+        output_dir=str(tmp_path / "out"),
+        draft_vocab_size=128,
+        learning_rate=3e-3,
+        warmup_steps=1,
+        max_steps=6,
+        batch_size=4,
+        ttt_steps=3,
+        log_every=2,
+        checkpoint_every=2,
+        eval_fraction=0.2,
+        eval_batches=2,
+        backend="ray",
+        num_workers=2,
+        max_failures=1,
+        alias="candidate",
         mlflow={"tracking_uri": uri, "experiment": "train-it", "registered_model": "it-draft"},
-        testing={"kill_worker_at_step": 3})
+        testing={"kill_worker_at_step": 3},
+    )
     import time
 
     t0 = time.perf_counter()
@@ -57,7 +71,9 @@ def test_ray_train_resumes_after_killed_worker_and_registers(tmp_path, ray_local
     assert run.data.params["ttt_steps"] == "3" and run.info.status == "FINISHED"
     assert {"loss", "acc_0", "acc_2", "ploss_1", "lr", "eval/sim_tau"} <= set(run.data.metrics)
     assert len(client.get_metric_history(result.run_id, "lr")) >= 3
-    arts = {a.path for a in client.list_artifacts(result.run_id)} | {a.path for a in client.list_artifacts(result.run_id, "plots")}
+    arts = {a.path for a in client.list_artifacts(result.run_id)} | {
+        a.path for a in client.list_artifacts(result.run_id, "plots")
+    }
     assert {"draft", "plots/acceptance.png"} <= arts
 
     version = get_alias("it-draft", "candidate")

@@ -15,10 +15,31 @@ from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.platform.errors import EaglerayError
 
 K, MAX_TOKENS, PROMPTS = 3, 16, 2
-ENGINE_KEYS = {"tokens", "seconds", "tokens_per_s", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-               "accepted_per_pos", "acceptance_per_pos", "tau"}
-TOP_KEYS = {"eagleray", "vllm", "outputs_equal", "outputs_equal_fraction", "common_prefix_tokens", "tau_rel_diff",
-            "agree_within_5pct", "aux_layer_ids", "k", "max_tokens", "num_prompts", "vllm_version"}
+ENGINE_KEYS = {
+    "tokens",
+    "seconds",
+    "tokens_per_s",
+    "num_drafts",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+    "accepted_per_pos",
+    "acceptance_per_pos",
+    "tau",
+}
+TOP_KEYS = {
+    "eagleray",
+    "vllm",
+    "outputs_equal",
+    "outputs_equal_fraction",
+    "common_prefix_tokens",
+    "tau_rel_diff",
+    "agree_within_5pct",
+    "aux_layer_ids",
+    "k",
+    "max_tokens",
+    "num_prompts",
+    "vllm_version",
+}
 
 
 @pytest.mark.slow
@@ -27,9 +48,26 @@ def test_vllm_loads_the_eagleray_draft_and_reports_consistent_counters(smollm2_f
     draft = make_random_draft(spec, tmp_path / "draft", seed=5)  # full vocabulary: written without d2t/t2d
     assert "d2t" not in DraftCheckpoint.open(draft).shapes
     out = tmp_path / "interop.json"
-    r = bench_vllm.run(["--target", str(smollm2_fp32), "--draft", str(draft), "--prompts", "mtbench",
-                        "--limit", str(PROMPTS), "--max-tokens", str(MAX_TOKENS), "--k", str(K), "--threads", "1",
-                        "--json", str(out)])
+    r = bench_vllm.run(
+        [
+            "--target",
+            str(smollm2_fp32),
+            "--draft",
+            str(draft),
+            "--prompts",
+            "mtbench",
+            "--limit",
+            str(PROMPTS),
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--k",
+            str(K),
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     saved = json.loads(out.read_text())
     assert TOP_KEYS <= saved.keys() and all(ENGINE_KEYS <= saved[e].keys() for e in ("eagleray", "vllm"))
     assert r["vllm"]["num_drafts"] > 0, "vLLM did not speculate with the eagleray draft"
@@ -53,10 +91,10 @@ def _aux_only_in_metadata(path):
     (path / "config.json").write_text(json.dumps(cfg))
 
 
-@pytest.mark.parametrize("edit,aux,match", [
-    (_full_vocab_with_maps, None, "draft.weights.d2t"),
-    (_aux_only_in_metadata, [1, 3, 6], "eagle_aux_hidden_state_layer_ids"),
-])
+@pytest.mark.parametrize(
+    "edit,aux,match",
+    [(_full_vocab_with_maps, None, "draft.weights.d2t"), (_aux_only_in_metadata, [1, 3, 6], "eagle_aux_hidden_state_layer_ids")],
+)
 def test_drafts_vllm_would_load_differently_are_refused(tiny_target, tmp_path, edit, aux, match):
     spec = TargetSpec.from_dir(tiny_target)
     path = make_random_draft(spec, tmp_path / "d", aux_layer_ids=aux)

@@ -16,8 +16,9 @@ from eagleray.platform.models.llama import LlamaModel
 
 
 @torch.inference_mode()
-def write_synthetic(target_dir: Path, out: Path, *, rows: int = 24, prompt_len: int = 6, gen_len: int = 26,
-                    rows_per_shard: int = 8, seed: int = 0) -> Path:
+def write_synthetic(
+    target_dir: Path, out: Path, *, rows: int = 24, prompt_len: int = 6, gen_len: int = 26, rows_per_shard: int = 8, seed: int = 0
+) -> Path:
     spec = TargetSpec.from_dir(target_dir)
     aux_ids = spec.default_aux_layer_ids
     model = LlamaModel.from_dir(target_dir, aux_layer_ids=aux_ids)
@@ -31,14 +32,31 @@ def write_synthetic(target_dir: Path, out: Path, *, rows: int = 24, prompt_len: 
     out_rows = []
     for r in range(rows):
         final, aux = model(ids[r], torch.arange(t), AttentionMetadata.build([t]), None)  # [T, H], [T, A]
-        out_rows.append({"prompt_id": f"p{seed}-{r:04d}", "source": "synthetic", "response": "", "num_tokens": t,
-                         "truncated": False, "input_ids": ids[r].tolist(), "loss_mask": mask,
-                         "aux_hidden": shards.encode_bf16(aux), "final_hidden": shards.encode_bf16(final)})
+        out_rows.append(
+            {
+                "prompt_id": f"p{seed}-{r:04d}",
+                "source": "synthetic",
+                "response": "",
+                "num_tokens": t,
+                "truncated": False,
+                "input_ids": ids[r].tolist(),
+                "loss_mask": mask,
+                "aux_hidden": shards.encode_bf16(aux),
+                "final_hidden": shards.encode_bf16(final),
+            }
+        )
     for i in range(0, rows, rows_per_shard):
-        shards.write_shard(shards.shard_path(out, f"{i // rows_per_shard:05d}"), out_rows[i:i + rows_per_shard], {})
+        shards.write_shard(shards.shard_path(out, f"{i // rows_per_shard:05d}"), out_rows[i : i + rows_per_shard], {})
     counts = np.bincount(ids[:, prompt_len:].flatten().numpy(), minlength=spec.vocab_size)
     np.save(out / "vocab_counts.npy", counts.astype(np.int64))
-    manifest = {"dataset_id": f"synthetic-{seed}", "target_fingerprint": spec.fingerprint, "aux_layer_ids": aux_ids,
-                "hidden_size": spec.hidden_size, "rows": rows, "tokens": rows * t, "vocab_size": spec.vocab_size}
+    manifest = {
+        "dataset_id": f"synthetic-{seed}",
+        "target_fingerprint": spec.fingerprint,
+        "aux_layer_ids": aux_ids,
+        "hidden_size": spec.hidden_size,
+        "rows": rows,
+        "tokens": rows * t,
+        "vocab_size": spec.vocab_size,
+    }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return out

@@ -30,29 +30,54 @@ def tiny_tokenizer(vocab_size: int = 384):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", unk_token=None)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def make_tiny_llama(out_dir: str | Path, *, hidden_size: int = 64, num_layers: int = 8, num_heads: int = 4,
-                    num_kv_heads: int = 2, intermediate_size: int = 128, max_positions: int = 512,
-                    tie_word_embeddings: bool = True, rope_theta: float = 10000.0, rope_scaling: dict | None = None,
-                    seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+def make_tiny_llama(
+    out_dir: str | Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 8,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_positions: int = 512,
+    tie_word_embeddings: bool = True,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
     """Write a randomly initialised Llama (transformers' own implementation) with a real tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = tiny_tokenizer()
     rope = {"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})}
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
-                      num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                      max_position_embeddings=max_positions, tie_word_embeddings=tie_word_embeddings,
-                      rope_parameters=rope, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      bos_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_parameters=rope,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(dtype).eval()
     out = Path(out_dir)

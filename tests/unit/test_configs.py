@@ -9,8 +9,15 @@ from eagleray.serve import serving_config
 from eagleray.serve.engine import config as engine_config
 from eagleray.serve.serving_config import ServingConfig
 
-MODELS = sorted({c for m in (schemas, engine_config, serving_config) for c in vars(m).values()
-                 if isinstance(c, type) and issubclass(c, StrictModel) and c is not StrictModel}, key=lambda c: c.__name__)
+MODELS = sorted(
+    {
+        c
+        for m in (schemas, engine_config, serving_config)
+        for c in vars(m).values()
+        if isinstance(c, type) and issubclass(c, StrictModel) and c is not StrictModel
+    },
+    key=lambda c: c.__name__,
+)
 
 
 @pytest.mark.parametrize("cls", MODELS, ids=lambda c: c.__name__)
@@ -69,17 +76,28 @@ def test_set_overrides_apply_before_validation(tmp_path):
         load_yaml_config(schemas.DatagenConfig, f, ["limit"])
 
 
-@pytest.mark.parametrize("path", sorted((__import__("pathlib").Path(__file__).resolve().parents[2] / "jobs" / "configs").glob("*.yaml")),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    sorted((__import__("pathlib").Path(__file__).resolve().parents[2] / "jobs" / "configs").glob("*.yaml")),
+    ids=lambda p: p.name,
+)
 def test_example_configs_validate(path):
     import yaml
+
     kind = path.name.split("-")[0]
-    cls = {"datagen": schemas.DatagenConfig, "train": schemas.TrainingConfig, "serve": ServingConfig,
-           "promote": schemas.PromotionConfig}.get(kind)
+    cls = {
+        "datagen": schemas.DatagenConfig,
+        "train": schemas.TrainingConfig,
+        "serve": ServingConfig,
+        "promote": schemas.PromotionConfig,
+    }.get(kind)
     data = yaml.safe_load(path.read_text())
     if kind == "serve" and "applications" in data:  # a Ray Serve config with eagleray's ServingConfig inside
         from ray.serve.schema import ServeDeploySchema
-        ServeDeploySchema.model_validate(data) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(data)
+
+        ServeDeploySchema.model_validate(data) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(
+            data
+        )
         for app in data["applications"]:
             parse_config(ServingConfig, app["args"]["serving"], source=str(path))
         return

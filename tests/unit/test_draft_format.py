@@ -38,6 +38,7 @@ def test_round_trip_in_vllm_layout(tiny_target, tmp_path):
 
 def test_fingerprint_ignores_dtype_but_not_shapes(tiny_target, tmp_path):
     from eagleray.platform.checkpoints.fingerprint import target_fingerprint
+
     t = TargetSpec.from_dir(tiny_target)
     shapes = dict(t.weight_shapes)
     assert target_fingerprint({**t.config, "torch_dtype": "bfloat16"}, shapes) == t.fingerprint
@@ -45,22 +46,31 @@ def test_fingerprint_ignores_dtype_but_not_shapes(tiny_target, tmp_path):
     assert target_fingerprint(t.config, shapes) != t.fingerprint
 
 
-@pytest.mark.parametrize("config,shapes,expect", [
-    ({"architectures": ["LlamaForCausalLMEagle3"]}, {}, EAGLE3),
-    ({"architectures": ["LlamaForCausalLMEagle"]}, {}, EAGLE),
-    ({"hidden_size": 8}, {"midlayer.mlp.up_proj.weight": [16, 8]}, EAGLE3),
-    ({"hidden_size": 8}, {"fc.weight": [8, 16], "layers.0.mlp.up_proj.weight": [16, 8]}, EAGLE),
-    ({"hidden_size": 8}, {"fc.weight": [8, 24]}, EAGLE3),
-    ({"hidden_size": 8}, {"lm_head.weight": [4, 8]}, None),
-])
+@pytest.mark.parametrize(
+    "config,shapes,expect",
+    [
+        ({"architectures": ["LlamaForCausalLMEagle3"]}, {}, EAGLE3),
+        ({"architectures": ["LlamaForCausalLMEagle"]}, {}, EAGLE),
+        ({"hidden_size": 8}, {"midlayer.mlp.up_proj.weight": [16, 8]}, EAGLE3),
+        ({"hidden_size": 8}, {"fc.weight": [8, 16], "layers.0.mlp.up_proj.weight": [16, 8]}, EAGLE),
+        ({"hidden_size": 8}, {"fc.weight": [8, 24]}, EAGLE3),
+        ({"hidden_size": 8}, {"lm_head.weight": [4, 8]}, None),
+    ],
+)
 def test_derive_algorithm(config, shapes, expect):
     assert derive_algorithm(config, shapes) == expect
 
 
 def test_config_follows_target_rope_scaling(tmp_path):
     from eagleray.tests.support.tiny import make_tiny_llama
-    scaled = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 128}
+
+    scaled = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 128,
+    }
     t = TargetSpec.from_dir(make_tiny_llama(tmp_path / "t", rope_scaling=scaled))
     cfg = eagle3_config(t)
     assert cfg["rope_scaling"]["rope_type"] == "llama3" and cfg["rope_scaling"]["factor"] == 8.0

@@ -16,8 +16,9 @@ from eagleray.platform.checkpoints.target import TargetSpec
 @pytest.fixture(scope="module")
 def good_draft(tiny_target, tmp_path_factory) -> Path:
     counts = torch.arange(TargetSpec.from_dir(tiny_target).vocab_size, dtype=torch.float32)
-    return make_random_draft(TargetSpec.from_dir(tiny_target), tmp_path_factory.mktemp("d") / "good",
-                             draft_vocab_size=100, counts=counts)
+    return make_random_draft(
+        TargetSpec.from_dir(tiny_target), tmp_path_factory.mktemp("d") / "good", draft_vocab_size=100, counts=counts
+    )
 
 
 def _variant(src: Path, dst: Path, config=None, tensors=None) -> Path:
@@ -50,6 +51,7 @@ def _strip_meta(cfg):
 def _set(key, value):
     def edit(cfg):
         cfg[key] = value
+
     return edit
 
 
@@ -57,18 +59,21 @@ def _aux(ids):
     def edit(cfg):
         cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
         cfg["eagleray"]["aux_layer_ids"] = ids
+
     return edit
 
 
 def _meta(key, value):
     def edit(cfg):
         cfg["eagleray"][key] = value
+
     return edit
 
 
 def _drop(name):
     def edit(t):
         del t[name]
+
     return edit
 
 
@@ -83,6 +88,7 @@ def _eagle1_weights(t):
 
 def _heads(heads, kv, head_dim=16, hidden=64):
     """Config and matching attention weights for ``heads`` query heads and ``kv`` key/value heads."""
+
     def config(cfg):
         cfg.update(num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim)
 
@@ -92,12 +98,14 @@ def _heads(heads, kv, head_dim=16, hidden=64):
         t[a + "k_proj.weight"] = torch.zeros(kv * head_dim, 2 * hidden)
         t[a + "v_proj.weight"] = torch.zeros(kv * head_dim, 2 * hidden)
         t[a + "o_proj.weight"] = torch.zeros(hidden, heads * head_dim)
+
     return config, tensors
 
 
 def _shape(name, *shape):
     def edit(t):
         t[name] = torch.zeros(*shape)
+
     return edit
 
 
@@ -112,8 +120,20 @@ CASES = [
     ("draft-vocab-vs-lm-head", _set("draft_vocab_size", 120), None, [], "has 100 rows but draft_vocab_size is 120"),
     ("d2t-missing", None, _drop("d2t"), [], "missing ['d2t']"),
     ("d2t-out-of-range", None, _bad_d2t, [], "outside [0, 384)"),
-    ("eagle3-served-as-eagle", None, None, ["--algorithm", "eagle"], "configured algorithm 'eagle' but the draft checkpoint is an EAGLE3"),
-    ("eagle-served-as-eagle3", _eagle1, _eagle1_weights, ["--algorithm", "eagle3"], "configured algorithm 'eagle3' but the draft checkpoint is an EAGLE draft"),
+    (
+        "eagle3-served-as-eagle",
+        None,
+        None,
+        ["--algorithm", "eagle"],
+        "configured algorithm 'eagle' but the draft checkpoint is an EAGLE3",
+    ),
+    (
+        "eagle-served-as-eagle3",
+        _eagle1,
+        _eagle1_weights,
+        ["--algorithm", "eagle3"],
+        "configured algorithm 'eagle3' but the draft checkpoint is an EAGLE draft",
+    ),
     ("eagle-draft-default", _eagle1, _eagle1_weights, [], "eagleray serves EAGLE-3 drafts"),
     ("unknown-algorithm", None, None, ["--algorithm", "medusa"], "unknown speculative algorithm 'medusa'"),
     ("tokenizer-fingerprint", _meta("tokenizer_fingerprint", "tok-000000000000000000000000"), None, [], "tokenizer_fingerprint"),
@@ -126,10 +146,34 @@ CASES = [
     # the draft's own head geometry (the issue's 9 heads / 4 kv heads passed with exit 0)
     ("heads-9-kv-4", *_heads(9, 4), [], "draft.config.num_key_value_heads: 9 attention heads cannot be split into 4"),
     ("kv-more-than-heads", *_heads(2, 4), [], "2 attention heads cannot be split into 4"),
-    ("o-proj-shape", None, _shape("midlayer.self_attn.o_proj.weight", 64, 32), [], "midlayer.self_attn.o_proj.weight: has shape [64, 32]"),
-    ("k-proj-shape", None, _shape("midlayer.self_attn.k_proj.weight", 48, 128), [], "midlayer.self_attn.k_proj.weight: has shape [48, 128]"),
-    ("kv-heads-vs-weights", _set("num_key_value_heads", 4), None, [], "midlayer.self_attn.k_proj.weight: has shape [32, 128], config implies [64, 128]"),
-    ("heads-not-an-int", _set("num_attention_heads", "nine"), None, [], "draft.config.num_attention_heads: is 'nine', not a positive integer"),
+    (
+        "o-proj-shape",
+        None,
+        _shape("midlayer.self_attn.o_proj.weight", 64, 32),
+        [],
+        "midlayer.self_attn.o_proj.weight: has shape [64, 32]",
+    ),
+    (
+        "k-proj-shape",
+        None,
+        _shape("midlayer.self_attn.k_proj.weight", 48, 128),
+        [],
+        "midlayer.self_attn.k_proj.weight: has shape [48, 128]",
+    ),
+    (
+        "kv-heads-vs-weights",
+        _set("num_key_value_heads", 4),
+        None,
+        [],
+        "midlayer.self_attn.k_proj.weight: has shape [32, 128], config implies [64, 128]",
+    ),
+    (
+        "heads-not-an-int",
+        _set("num_attention_heads", "nine"),
+        None,
+        [],
+        "draft.config.num_attention_heads: is 'nine', not a positive integer",
+    ),
     ("heads-missing", lambda c: c.pop("num_attention_heads"), None, [], "draft.config.num_attention_heads: is missing"),
     ("hidden-not-an-int", _set("hidden_size", "64"), None, [], "draft.config.hidden_size: is '64', not a positive integer"),
 ]
@@ -163,6 +207,7 @@ def test_missing_file_refused(capsys, tmp_path, tiny_target, good_draft, name):
 def test_all_problems_reported_at_once(capsys, tmp_path, tiny_target, good_draft):
     def many(cfg):
         cfg.update(hidden_size=96, vocab_size=500, rope_theta=1.0)
+
     rc, text = _doctor(capsys, tiny_target, _variant(good_draft, tmp_path / "many", many))
     assert rc == 2
     for field in ("draft.config.hidden_size", "draft.config.vocab_size", "draft.config.rope_theta"):
@@ -177,9 +222,11 @@ def test_good_draft_passes(capsys, tiny_target, good_draft):
 
 def test_vllm_format_draft_without_metadata_passes(capsys, tmp_path, tiny_target, good_draft):
     """A draft as SpecForge/vLLM write it: no eagleray block, Eagle3LlamaForCausalLM arch name."""
+
     def vllm_style(cfg):
         cfg.pop("eagleray")
         cfg["architectures"] = ["Eagle3LlamaForCausalLM"]
+
     draft = _variant(good_draft, tmp_path / "vllm", vllm_style)
     rc, text = _doctor(capsys, tiny_target, draft)
     assert rc == 0, text
@@ -206,15 +253,21 @@ def _bad_target(tmp_path, tiny_target, edit) -> Path:
     return out
 
 
-@pytest.mark.parametrize("edit, expect", [
-    (lambda c: c.pop("hidden_size"), "target.config.hidden_size: is missing"),
-    (lambda c: c.pop("num_hidden_layers"), "target.config.num_hidden_layers: is missing"),
-    (lambda c: c.update(vocab_size="many"), "target.config.vocab_size: is 'many', not a positive integer"),
-    (lambda c: c.update(num_attention_heads=0), "target.config.num_attention_heads: is 0, not a positive integer"),
-    (lambda c: c.update(head_dim=-1), "target.config.head_dim: is -1"),
-    (lambda c: c.update(num_attention_heads=3, num_key_value_heads=2), "target.config.num_key_value_heads: 3 attention heads"),
-    (lambda c: c.update(num_attention_heads=3, num_key_value_heads=3, head_dim=None), "target.config.head_dim: is not set"),
-])
+@pytest.mark.parametrize(
+    "edit, expect",
+    [
+        (lambda c: c.pop("hidden_size"), "target.config.hidden_size: is missing"),
+        (lambda c: c.pop("num_hidden_layers"), "target.config.num_hidden_layers: is missing"),
+        (lambda c: c.update(vocab_size="many"), "target.config.vocab_size: is 'many', not a positive integer"),
+        (lambda c: c.update(num_attention_heads=0), "target.config.num_attention_heads: is 0, not a positive integer"),
+        (lambda c: c.update(head_dim=-1), "target.config.head_dim: is -1"),
+        (
+            lambda c: c.update(num_attention_heads=3, num_key_value_heads=2),
+            "target.config.num_key_value_heads: 3 attention heads",
+        ),
+        (lambda c: c.update(num_attention_heads=3, num_key_value_heads=3, head_dim=None), "target.config.head_dim: is not set"),
+    ],
+)
 def test_malformed_target_config_exits_2_naming_file_and_field(capsys, tmp_path, tiny_target, good_draft, edit, expect):
     """Was exit 1 with a KeyError traceback."""
     target = _bad_target(tmp_path, tiny_target, edit)

@@ -14,13 +14,16 @@ from eagleray.serve.serving_config import ServingConfig
 TRAIN = {"data_dir": "/data", "output_dir": "/out"}
 
 
-@pytest.mark.parametrize("model, field, value, words", [
-    (TrainingConfig, "resources_per_worker", {"CPU": 2}, ["resources_per_worker", "CPU", "cpus_per_worker"]),
-    (TrainingConfig, "resources_per_worker", {"trainer": 0}, ["resources_per_worker", "> 0"]),
-    (ServingConfig, "engine_resources", {"GPU": 1}, ["engine_resources", "GPU", "target.device"]),
-    (ServingConfig, "engine_resources", {"engine": -1}, ["engine_resources", "> 0"]),
-    (ServingConfig, "ingress_resources", {"memory": 1e9}, ["ingress_resources", "memory"]),
-])
+@pytest.mark.parametrize(
+    "model, field, value, words",
+    [
+        (TrainingConfig, "resources_per_worker", {"CPU": 2}, ["resources_per_worker", "CPU", "cpus_per_worker"]),
+        (TrainingConfig, "resources_per_worker", {"trainer": 0}, ["resources_per_worker", "> 0"]),
+        (ServingConfig, "engine_resources", {"GPU": 1}, ["engine_resources", "GPU", "target.device"]),
+        (ServingConfig, "engine_resources", {"engine": -1}, ["engine_resources", "> 0"]),
+        (ServingConfig, "ingress_resources", {"memory": 1e9}, ["ingress_resources", "memory"]),
+    ],
+)
 def test_custom_resource_fields_refuse_builtin_resources_and_bad_amounts(model, field, value, words):
     data = {**(TRAIN if model is TrainingConfig else {}), field: value}
     with pytest.raises(ConfigError) as err:
@@ -46,8 +49,9 @@ def test_serving_resources_reach_the_deployments():
     cfg = ServingConfig.model_validate({"engine_resources": {"engine": 1}, "ingress_resources": {"node:__internal_head__": 0.01}})
     assert engine_options(cfg)["ray_actor_options"]["resources"] == {"engine": 1.0}
     assert ingress_deployment(cfg).ray_actor_options["resources"] == {"node:__internal_head__": 0.01}
-    tp = engine_options(ServingConfig.model_validate({"target": {"tensor_parallel_size": 2, "device": "cuda"},
-                                                      "engine_resources": {"engine": 1}}))
+    tp = engine_options(
+        ServingConfig.model_validate({"target": {"tensor_parallel_size": 2, "device": "cuda"}, "engine_resources": {"engine": 1}})
+    )
     assert tp["placement_group_bundles"] == [{"CPU": 1, "GPU": 1, "engine": 1.0}, {"CPU": 1, "GPU": 1}]
     assert "resources" not in engine_options(ServingConfig())["ray_actor_options"]
 

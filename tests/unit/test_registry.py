@@ -21,7 +21,9 @@ def test_register_alias_and_resolve(tiny_target, tmp_path):
     client = mlflow.MlflowClient(uri)
     run = client.create_run(client.get_experiment_by_name("reg-test").experiment_id)
     client.log_artifacts(run.info.run_id, str(draft), "draft")
-    v = registry.register_draft("d", run.info.run_id, "draft", {"aux_layer_ids": [2, 4, 5], "target_fingerprint": spec.fingerprint})
+    v = registry.register_draft(
+        "d", run.info.run_id, "draft", {"aux_layer_ids": [2, 4, 5], "target_fingerprint": spec.fingerprint}
+    )
     registry.set_alias("d", "champion", v.version)
     got = registry.get_alias("d", "champion")
     assert got.version == v.version == "1" and got.tags["aux_layer_ids"] == "2,4,5" and "champion" in got.aliases

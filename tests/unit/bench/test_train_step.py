@@ -36,7 +36,11 @@ def test_quick_run_writes_the_json(tmp_path):
     assert p["trainable"] == p["fc"] + p["layer"] + p["lm_head"] > 0
     assert p["fc"] == 64 * 3 * 64 and p["lm_head"] == 128 * 64
     f = rec["model_flops_per_step"]
-    assert f["total"] > f["draft_matmuls"] > 0 and f["attention"] > 0 and f["target_logits"] == pytest.approx(2 * 2 * 32 * 256 * 64, rel=1e-3)
+    assert (
+        f["total"] > f["draft_matmuls"] > 0
+        and f["attention"] > 0
+        and f["target_logits"] == pytest.approx(2 * 2 * 32 * 256 * 64, rel=1e-3)
+    )
     assert rec["model_TFLOPs"] > 0 and 0 < rec["flop_fraction"] < 1
 
 

@@ -10,8 +10,14 @@ from pathlib import Path
 def test_bench_verify_quick_writes_json(tmp_path):
     out = tmp_path / "verify.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([str(Path(sys.executable).parent / "eagleray"), "bench", "verify", "--quick", "--out", str(out)],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [str(Path(sys.executable).parent / "eagleray"), "bench", "verify", "--quick", "--out", str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads(out.read_text())
     ours = [r for r in data["records"] if r["impl"] == "eagleray"]

@@ -22,12 +22,15 @@ def _a(text):
 
 def test_split_dedup_holdout(tmp_path):
     mt = next(iter_prompts("mtbench")).messages[0].content
-    src = _write(tmp_path / "p.jsonl", [
-        [_u("q1"), _a("a1"), _u("q2"), _a("a2")],  # two prompts
-        [_u("q1")],  # duplicate of the first turn above
-        [_u("  " + mt.upper() + " ")],  # MT-bench text, differently spaced/cased
-        [_u("q3")],
-    ])
+    src = _write(
+        tmp_path / "p.jsonl",
+        [
+            [_u("q1"), _a("a1"), _u("q2"), _a("a2")],  # two prompts
+            [_u("q1")],  # duplicate of the first turn above
+            [_u("  " + mt.upper() + " ")],  # MT-bench text, differently spaced/cased
+            [_u("q3")],
+        ],
+    )
     recs, stats = select_prompts(DatagenConfig(prompts=[src], output_dir=str(tmp_path)))
     assert [[m.content for m in r.messages] for r in recs] == [["q1"], ["q1", "a1", "q2"], ["q3"]]
     assert (stats.records, stats.turns, stats.duplicates, stats.held_out, stats.kept) == (4, 5, 1, 1, 3)

@@ -12,9 +12,17 @@ def _row(pid: str, t: int, n_aux: int = 3, h: int = 8, seed: int = 0) -> tuple[d
     g = torch.Generator().manual_seed(seed)
     aux = torch.randn(t, n_aux * h, generator=g) * 100  # [T, n_aux*H]
     final = torch.randn(t, h, generator=g)  # [T, H]
-    row = {"prompt_id": pid, "source": "s", "response": "r", "num_tokens": t, "truncated": False,
-           "input_ids": list(range(t)), "loss_mask": [0] * (t - 2) + [1, 1],
-           "aux_hidden": shards.encode_bf16(aux), "final_hidden": shards.encode_bf16(final)}
+    row = {
+        "prompt_id": pid,
+        "source": "s",
+        "response": "r",
+        "num_tokens": t,
+        "truncated": False,
+        "input_ids": list(range(t)),
+        "loss_mask": [0] * (t - 2) + [1, 1],
+        "aux_hidden": shards.encode_bf16(aux),
+        "final_hidden": shards.encode_bf16(final),
+    }
     return row, aux, final
 
 

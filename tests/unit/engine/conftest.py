@@ -49,8 +49,9 @@ def random_draft(tiny_dir, target, tmp_path_factory):
     from eagleray.platform.checkpoints.target import TargetSpec
     from eagleray.platform.models.eagle3 import Eagle3Draft
 
-    path = make_random_draft(TargetSpec.from_dir(tiny_dir), tmp_path_factory.mktemp("draft") / "random",
-                             aux_layer_ids=[1, 2, NUM_LAYERS])
+    path = make_random_draft(
+        TargetSpec.from_dir(tiny_dir), tmp_path_factory.mktemp("draft") / "random", aux_layer_ids=[1, 2, NUM_LAYERS]
+    )
     return Eagle3Draft.from_checkpoint(path, target)
 
 
@@ -63,13 +64,14 @@ def copy_draft(tiny_dir, target, tmp_path_factory):
     from eagleray.platform.checkpoints.target import TargetSpec
     from eagleray.platform.models.eagle3 import Eagle3Draft
 
-    path = make_random_draft(TargetSpec.from_dir(tiny_dir), tmp_path_factory.mktemp("draft") / "copy",
-                             aux_layer_ids=[1, 2, NUM_LAYERS])
+    path = make_random_draft(
+        TargetSpec.from_dir(tiny_dir), tmp_path_factory.mktemp("draft") / "copy", aux_layer_ids=[1, 2, NUM_LAYERS]
+    )
     draft = Eagle3Draft.from_checkpoint(path, target)
     h = target.hidden_size
     with torch.no_grad():
         draft.fc.weight.zero_()
-        draft.fc.weight[:, 2 * h:] = torch.eye(h)
+        draft.fc.weight[:, 2 * h :] = torch.eye(h)
         draft.midlayer.self_attn.o_proj.weight.zero_()
         draft.midlayer.mlp.down_proj.weight.zero_()
         draft.norm.weight.copy_(target.norm.weight)
@@ -83,8 +85,12 @@ def make_engine(target, tokenizer, draft=None, *, k=3, tree=None, policy=None, *
 
     dcfg = None
     if draft is not None:
-        dcfg = DraftConfig(source="test", num_speculative_tokens=k, tree=TreeConfig(**tree) if tree else None,
-                           policy=PolicyConfig(**({"adaptive": False} | (policy or {}))))
+        dcfg = DraftConfig(
+            source="test",
+            num_speculative_tokens=k,
+            tree=TreeConfig(**tree) if tree else None,
+            policy=PolicyConfig(**({"adaptive": False} | (policy or {}))),
+        )
     return LLMEngine(target, tokenizer, EngineConfig(draft=dcfg, **engine_kw), draft)
 
 

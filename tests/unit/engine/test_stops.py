@@ -28,18 +28,18 @@ def test_stop_token_id(target, tokenizer, copy_draft, reference, spec):
     first = reference.token_ids.index(stop_id)
     engine = make_engine(target, tokenizer, copy_draft if spec else None, k=4)
     out = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=16, ignore_eos=True, stop_token_ids=[stop_id]))[0]
-    assert out.token_ids == reference.token_ids[:first + 1]
+    assert out.token_ids == reference.token_ids[: first + 1]
     assert out.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("spec", [False, True])
 def test_stop_string(target, tokenizer, copy_draft, reference, spec):
     text = reference.text
-    stop = text[len(text) // 2:len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     engine = make_engine(target, tokenizer, copy_draft if spec else None, k=4)
     out = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=16, ignore_eos=True, stop=[stop]))[0]
     assert out.finish_reason == "stop"
-    assert out.text == text[:text.index(stop)]
+    assert out.text == text[: text.index(stop)]
     assert stop not in out.text and len(out.token_ids) <= len(reference.token_ids)
 
 

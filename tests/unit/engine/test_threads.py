@@ -22,8 +22,11 @@ def test_a_step_uses_every_thread_and_leaves_the_settings_as_they_were(target, t
         engine = make_engine(target, tokenizer)
         assert engine.linear_backend == "native" and engine.threads.count == 2
         seen = []
-        engine.add_request("hello world", SamplingParams(max_tokens=3), on_output=lambda out: seen.append(
-            (torch.get_num_threads(), cpu_decode.threads())))
+        engine.add_request(
+            "hello world",
+            SamplingParams(max_tokens=3),
+            on_output=lambda out: seen.append((torch.get_num_threads(), cpu_decode.threads())),
+        )
         while engine.has_unfinished():
             engine.step()
         assert seen and all(s == (1, 2) for s in seen), "inside a step: torch on one thread, the kernels on two"

@@ -58,13 +58,16 @@ def test_strided_rows_are_read_in_place():
     assert torch.equal(cpu_decode.linear(view, w), cpu_decode.linear(x, w))
 
 
-@pytest.mark.parametrize("bad,arg", [
-    (lambda x, w, b: (x.double(), w, b), "x"),
-    (lambda x, w, b: (x, w.t().contiguous().t(), b), "x/w"),
-    (lambda x, w, b: (x[:, :-1], w, b), "x"),
-    (lambda x, w, b: (x, w, b[:-1]), "b"),
-    (lambda x, w, b: (x.t(), w[:, :8], b), "x/w"),
-])
+@pytest.mark.parametrize(
+    "bad,arg",
+    [
+        (lambda x, w, b: (x.double(), w, b), "x"),
+        (lambda x, w, b: (x, w.t().contiguous().t(), b), "x/w"),
+        (lambda x, w, b: (x[:, :-1], w, b), "x"),
+        (lambda x, w, b: (x, w, b[:-1]), "b"),
+        (lambda x, w, b: (x.t(), w[:, :8], b), "x/w"),
+    ],
+)
 def test_checked_wrapper_names_the_argument(bad, arg):
     x, w, b = _data(8, 16, 8)
     with pytest.raises(KernelInputError, match=rf"^{arg}: expected .*Fix: "):
@@ -96,7 +99,9 @@ def test_configure_torch_and_bad_modes(fresh_state):
 
 
 @native
-def test_a_compiler_that_fails_is_an_error_under_native_and_a_logged_fallback_under_auto(fresh_state, monkeypatch, tmp_path, caplog):
+def test_a_compiler_that_fails_is_an_error_under_native_and_a_logged_fallback_under_auto(
+    fresh_state, monkeypatch, tmp_path, caplog
+):
     monkeypatch.setenv("EAGLERAY_HOME", str(tmp_path))  # nothing built here yet
     monkeypatch.setenv("CC", "false")
     monkeypatch.setattr(cpu_decode, "_lib", None)
@@ -127,8 +132,12 @@ def _rows(spec):
     """spec: per row (seq, ctx, nnew, visible new indices) -> RowKeys."""
     mask = [sum(1 << i for i in vis) for _, _, _, vis in spec]
     as_t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-    return cpu_decode.RowKeys(as_t([r[0] for r in spec]), as_t([r[1] for r in spec]), as_t([r[2] for r in spec]),
-                              as_t([m - (1 << 64) if m >= 1 << 63 else m for m in mask]))
+    return cpu_decode.RowKeys(
+        as_t([r[0] for r in spec]),
+        as_t([r[1] for r in spec]),
+        as_t([r[2] for r in spec]),
+        as_t([m - (1 << 64) if m >= 1 << 63 else m for m in mask]),
+    )
 
 
 TABLES = torch.tensor([[7, 2, 9, 0, 5], [5, 11, 3, -1, -1]], dtype=torch.int32)  # non-contiguous blocks
@@ -137,9 +146,14 @@ TABLES = torch.tensor([[7, 2, 9, 0, 5], [5, 11, 3, -1, -1]], dtype=torch.int32) 
 @native
 def test_paged_attention_matches_the_reference_causal_and_tree():
     k, v = _cache()
-    spec = [(0, 13, 1, [0]),  # a decode row of sequence 0
-            (1, 5, 3, [0]), (1, 5, 3, [0, 1]), (1, 5, 3, [0, 1, 2]),  # a verify chain of sequence 1
-            (0, 10, 4, [0, 2]), (0, 10, 4, [0, 1, 3])]  # tree rows: ancestors only
+    spec = [
+        (0, 13, 1, [0]),  # a decode row of sequence 0
+        (1, 5, 3, [0]),
+        (1, 5, 3, [0, 1]),
+        (1, 5, 3, [0, 1, 2]),  # a verify chain of sequence 1
+        (0, 10, 4, [0, 2]),
+        (0, 10, 4, [0, 1, 3]),
+    ]  # tree rows: ancestors only
     rows = _rows(spec)
     q = torch.randn(len(spec), 9, 64, generator=torch.Generator().manual_seed(2))  # GQA 9/3
     out = cpu_decode.paged_attention(q, k, v, TABLES, rows, 0.125)
@@ -154,7 +168,9 @@ def test_a_rows_attention_is_bitwise_the_same_alone_in_a_batch_or_verified_besid
     alone = cpu_decode.paged_attention(q[2:3].contiguous(), k, v, TABLES, _rows([(0, 7, 1, [0])]), 0.125)
     chain = cpu_decode.paged_attention(q, k, v, TABLES, _rows([(0, 5, 4, list(range(i + 1))) for i in range(4)]), 0.125)
     assert torch.equal(alone[0], chain[2])
-    mixed = cpu_decode.paged_attention(q, k, v, TABLES, _rows([(1, 9, 1, [0]), (1, 3, 1, [0]), (0, 7, 1, [0]), (1, 6, 1, [0])]), 0.125)
+    mixed = cpu_decode.paged_attention(
+        q, k, v, TABLES, _rows([(1, 9, 1, [0]), (1, 3, 1, [0]), (0, 7, 1, [0]), (1, 6, 1, [0])]), 0.125
+    )
     assert torch.equal(mixed[2], alone[0])
 
 
@@ -162,8 +178,18 @@ def test_paged_attention_refuses_bad_rows():
     k, v = _cache()
     q = torch.randn(2, 9, 64)
     with pytest.raises(KernelInputError, match=r"^rows.ctx: expected \[2\] int64"):
-        cpu_decode.paged_attention(q, k, v, TABLES, cpu_decode.RowKeys(*(torch.zeros(2, dtype=torch.int64),) * 1,
-                                                                        torch.zeros(2, dtype=torch.int32),
-                                                                        torch.ones(2, dtype=torch.int64), torch.ones(2, dtype=torch.int64)), 0.1)
+        cpu_decode.paged_attention(
+            q,
+            k,
+            v,
+            TABLES,
+            cpu_decode.RowKeys(
+                *(torch.zeros(2, dtype=torch.int64),) * 1,
+                torch.zeros(2, dtype=torch.int32),
+                torch.ones(2, dtype=torch.int64),
+                torch.ones(2, dtype=torch.int64),
+            ),
+            0.1,
+        )
     with pytest.raises(KernelInputError, match="block_tables"):
         cpu_decode.paged_attention(q, k, v, TABLES.long(), _rows([(0, 1, 1, [0])] * 2), 0.1)

@@ -34,13 +34,16 @@ def test_split_depends_on_the_weight_shape_only():
     assert plan(128256, 4096).splits == 1  # wide weights: enough tiles already, epilogue fused
 
 
-@pytest.mark.parametrize("bad,match", [
-    (dict(x=torch.randn(3, 8), w=torch.randn(4, 9)), "the same K"),
-    (dict(x=torch.randn(8, 3).T, w=torch.randn(4, 8)), "contiguous"),
-    (dict(x=torch.randn(3, 8, dtype=torch.float64), w=torch.randn(4, 8)), "dtype and device"),
-    (dict(x=torch.randn(3, 8), w=torch.randn(4, 8), bias=torch.randn(5)), "bias"),
-    (dict(x=torch.randn(3, 8), w=torch.randn(4, 8), residual=torch.randn(3, 5)), "residual"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(x=torch.randn(3, 8), w=torch.randn(4, 9)), "the same K"),
+        (dict(x=torch.randn(8, 3).T, w=torch.randn(4, 8)), "contiguous"),
+        (dict(x=torch.randn(3, 8, dtype=torch.float64), w=torch.randn(4, 8)), "dtype and device"),
+        (dict(x=torch.randn(3, 8), w=torch.randn(4, 8), bias=torch.randn(5)), "bias"),
+        (dict(x=torch.randn(3, 8), w=torch.randn(4, 8), residual=torch.randn(3, 5)), "residual"),
+    ],
+)
 def test_bad_inputs_are_refused_by_name(bad, match):
     with pytest.raises(KernelInputError, match=match):
         invariant_linear(bad["x"], bad["w"], bad.get("bias"), residual=bad.get("residual"))

@@ -8,17 +8,41 @@ import pytest
 import torch
 
 VOCAB = 96
-SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=1, pad_token_id=0)
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=None,
+    eos_token_id=1,
+    pad_token_id=0,
+)
 
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama_tied": ("llama", dict(tie_word_embeddings=True)),
     "llama_untied_mha": ("llama", dict(tie_word_embeddings=False, num_key_value_heads=4)),
-    "llama3_rope": ("llama", dict(tie_word_embeddings=False, max_position_embeddings=8192, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
-    "llama_linear_rope_bias": ("llama", dict(attention_bias=True, mlp_bias=True, rope_parameters={
-        "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+    "llama3_rope": (
+        "llama",
+        dict(
+            tie_word_embeddings=False,
+            max_position_embeddings=8192,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    "llama_linear_rope_bias": (
+        "llama",
+        dict(attention_bias=True, mlp_bias=True, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+    ),
     "mistral_window": ("mistral", dict(tie_word_embeddings=False, sliding_window=5, head_dim=16)),
     "qwen2": ("qwen2", dict(tie_word_embeddings=True)),
     "llama_odd_vocab": ("llama", dict(tie_word_embeddings=False, vocab_size=97)),

@@ -21,9 +21,12 @@ def test_gemv_modes_match_references():
     res, nw = torch.randn(1, n, generator=g), torch.randn(k, generator=g)
     xn, _ = add_rmsnorm_torch(x, None, nw, 1e-5)  # [1, K]
     gu = torch.randn(1, 2 * k, generator=g)
-    cases = [(gemv(x, w), x @ w.T), (gemv(x, w, b, residual=res), res + (x @ w.T + b)),
-             (gemv(x, w, mode="norm", norm_weight=nw, eps=1e-5), xn @ w.T),
-             (gemv(gu, w, mode="silu"), silu_mul_torch(gu) @ w.T)]
+    cases = [
+        (gemv(x, w), x @ w.T),
+        (gemv(x, w, b, residual=res), res + (x @ w.T + b)),
+        (gemv(x, w, mode="norm", norm_weight=nw, eps=1e-5), xn @ w.T),
+        (gemv(gu, w, mode="silu"), silu_mul_torch(gu) @ w.T),
+    ]
     for got, ref in cases:
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
 

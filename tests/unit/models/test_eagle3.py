@@ -26,8 +26,9 @@ ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    return make_tiny_llama(tmp_path_factory.mktemp("t") / "target", num_layers=4, hidden_size=64, num_heads=4,
-                           num_kv_heads=2, intermediate_size=96)
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("t") / "target", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96
+    )
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +40,9 @@ def target(target_dir):
 def draft_dir(target_dir, tmp_path_factory):
     spec = TargetSpec.from_dir(target_dir)
     counts = torch.rand(spec.vocab_size, generator=torch.Generator().manual_seed(0))
-    return make_random_draft(spec, tmp_path_factory.mktemp("d") / "draft", aux_layer_ids=AUX,
-                             draft_vocab_size=64, seed=3, counts=counts)
+    return make_random_draft(
+        spec, tmp_path_factory.mktemp("d") / "draft", aux_layer_ids=AUX, draft_vocab_size=64, seed=3, counts=counts
+    )
 
 
 def _rms(x, w, eps):
@@ -71,11 +73,11 @@ def reference(t: dict, cfg: dict, embed_w, ids, aux_or_hidden, positions, from_a
     cos, sin = LlamaRotaryEmbedding(rope_cfg)(inp[None], positions[None])
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)  # [1, nh, T, d]
-    scores = (q @ k.transpose(-1, -2)) * d ** -0.5 + torch.full((T, T), float("-inf")).triu(1)
+    scores = (q @ k.transpose(-1, -2)) * d**-0.5 + torch.full((T, T), float("-inf")).triu(1)
     o = (scores.softmax(-1) @ v)[0].transpose(0, 1).reshape(T, nh * d)  # [T, nh*d]
     h = o @ t[m + "self_attn.o_proj.weight"].T + residual  # [T, H]
     y = _rms(h, t[m + "post_attention_layernorm.weight"], eps)
-    y = (torch.nn.functional.silu(y @ t[m + "mlp.gate_proj.weight"].T) * (y @ t[m + "mlp.up_proj.weight"].T))
+    y = torch.nn.functional.silu(y @ t[m + "mlp.gate_proj.weight"].T) * (y @ t[m + "mlp.up_proj.weight"].T)
     pre = y @ t[m + "mlp.down_proj.weight"].T + h  # [T, H]
     normed = _rms(pre, t["norm.weight"], eps)
     return normed @ t["lm_head.weight"].T, (normed if cfg.get("norm_output") else pre)
@@ -148,8 +150,11 @@ def _vllm_only_draft(target_dir, out, **flags):
     return save_draft(out, cfg, t), cfg, t
 
 
-@pytest.mark.parametrize("flags", [{}, {"norm_before_residual": True}, {"norm_before_fc": True, "norm_output": True}],
-                         ids=["default", "norm_before_residual", "norm_before_fc+norm_output"])
+@pytest.mark.parametrize(
+    "flags",
+    [{}, {"norm_before_residual": True}, {"norm_before_fc": True, "norm_output": True}],
+    ids=["default", "norm_before_residual", "norm_before_fc+norm_output"],
+)
 def test_vllm_format_draft_without_eagleray_metadata(flags, target_dir, target, tmp_path):
     path, cfg, tensors = _vllm_only_draft(target_dir, tmp_path / "vllm_draft", **flags)
     assert "eagleray" not in json.loads((path / "config.json").read_text())

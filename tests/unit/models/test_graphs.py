@@ -47,10 +47,18 @@ def _runner_step(runner, tok, lens):
     return runner.run(tok, pos, tables, (pos + 1).to(torch.int32), slots)
 
 
-@pytest.mark.parametrize("variant,fused,triton", [
-    ("llama_tied", True, False), ("llama_tied", False, False), ("llama_tied", True, True),
-    ("mistral_window", True, True), ("qwen2", True, False), ("qwen3", None, False), ("llama3_rope", False, False),
-])
+@pytest.mark.parametrize(
+    "variant,fused,triton",
+    [
+        ("llama_tied", True, False),
+        ("llama_tied", False, False),
+        ("llama_tied", True, True),
+        ("mistral_window", True, True),
+        ("qwen2", True, False),
+        ("qwen3", None, False),
+        ("llama3_rope", False, False),
+    ],
+)
 def test_decode_runner_equals_eager(variant, fused, triton, tiny_dirs):
     model = LlamaModel.from_dir(tiny_dirs[variant], aux_layer_ids=[0, 2, 4])
     g = torch.Generator().manual_seed(5)
@@ -79,7 +87,7 @@ def test_triton_decode_attention_matches_torch(window):
     k_cache = torch.randn(nblocks, bs, hkv, d, generator=g)
     v_cache = torch.randn(nblocks, bs, hkv, d, generator=g)
     q = torch.randn(b, hq, d, generator=g)
-    tables = torch.randperm(nblocks, generator=g)[:b * 6].view(b, 6).to(torch.int32)  # [B, 6]
+    tables = torch.randperm(nblocks, generator=g)[: b * 6].view(b, 6).to(torch.int32)  # [B, 6]
     lens = torch.tensor([23, 1, 9], dtype=torch.int32)
     ref = decode_attention_torch(q, k_cache, v_cache, tables, lens, 0.25, window)
     got = decode_attention_triton(q, k_cache, v_cache, tables, lens, 0.25, window, tile=16)
@@ -107,8 +115,15 @@ def test_fused_elementwise_kernels_match_references():
 
 
 def test_from_config_random_model_runs():
-    cfg = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-               num_key_value_heads=1, tie_word_embeddings=False)
+    cfg = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+    )
     model = LlamaModel.from_config(cfg, dtype="fp32", aux_layer_ids=[1])
     logits, aux = model.forward_full(torch.randint(0, 64, (2, 5)))
     assert logits.shape == (2, 5, 64) and aux.shape == (2, 5, 32) and torch.isfinite(logits).all()
@@ -136,9 +151,8 @@ def test_invariant_rows_score_a_position_alike_alone_in_a_batch_and_in_a_verific
 
     with torch.inference_mode():
         _prefill(model, seqs, kv)
-        verify = score([b for b in range(3) for _ in range(3)], [n + j for n in PROMPTS for j in range(3)],
-                       drafts.reshape(-1))
-        alone = [score([1], [PROMPTS[1] + j], drafts[1, j:j + 1]) for j in range(3)]
+        verify = score([b for b in range(3) for _ in range(3)], [n + j for n in PROMPTS for j in range(3)], drafts.reshape(-1))
+        alone = [score([1], [PROMPTS[1] + j], drafts[1, j : j + 1]) for j in range(3)]
         batch = [score([0, 1, 2], [n + j for n in PROMPTS], drafts[:, j]) for j in range(3)]
     for j in range(3):
         assert torch.equal(verify[0][3 + j], alone[j][0][0]), f"row {j} of the verification != alone"

@@ -41,7 +41,7 @@ def test_logits_and_aux_match_transformers(variant, tiny_dirs, hf_model):
     torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
     h = model.hidden_size
     for j, k in enumerate(ids_aux):
-        torch.testing.assert_close(aux[..., j * h:(j + 1) * h], states[k], atol=ATOL, rtol=0)
+        torch.testing.assert_close(aux[..., j * h : (j + 1) * h], states[k], atol=ATOL, rtol=0)
 
 
 def test_bf16_load_is_close_to_fp32(tiny_dirs):
@@ -98,8 +98,9 @@ def test_tree_mask_forward_equals_chain_forwards(tiny_dirs):
     with torch.inference_mode():
         _paged_forward(model, [prompt], [0], tables, block_size, cache)
         positions = torch.tensor(depth) + p  # [5]
-        logits = _paged_forward(model, [torch.cat([prompt, tree])], [p], tables, block_size, cache,
-                                tree_masks=[mask], positions=positions)  # [5, V]
+        logits = _paged_forward(
+            model, [torch.cat([prompt, tree])], [p], tables, block_size, cache, tree_masks=[mask], positions=positions
+        )  # [5, V]
     for i in range(5):
         path, node = [], i
         while node >= 0:
@@ -121,11 +122,14 @@ def _edit_config(path, tmp_path, **changes):
     return out
 
 
-@pytest.mark.parametrize("changes, field", [
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"model_type": "gpt2"}, "model_type"),
-])
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"model_type": "gpt2"}, "model_type"),
+    ],
+)
 def test_unsupported_config_is_refused(changes, field, tiny_dirs, tmp_path):
     path = _edit_config(tiny_dirs["llama_tied"], tmp_path, **changes)
     with pytest.raises(EaglerayError, match=field):
@@ -158,7 +162,7 @@ def test_fused_projections_equal_the_separate_ones_and_still_load(variant, tiny_
     torch.testing.assert_close(fused, ref, atol=1e-5, rtol=0)
     with torch.no_grad():
         attn.k_proj.weight.zero_()  # what a weight loader does: write into the part
-    assert bool((attn.qkv.weight[attn.qkv.sizes[0]:sum(attn.qkv.sizes[:2])] == 0).all())
+    assert bool((attn.qkv.weight[attn.qkv.sizes[0] : sum(attn.qkv.sizes[:2])] == 0).all())
     model.load_checkpoint(path)  # loading again lands in the fused weights
     again, _ = model.forward_full(ids)
     torch.testing.assert_close(again, ref, atol=1e-5, rtol=0)

@@ -19,7 +19,9 @@ CHAT = [
     {"role": "user", "content": "Name a prime > 10."},
     {"role": "assistant", "content": "11"},
 ]
-SHAREGPT_CHAT = [{"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]} for m in CHAT]
+SHAREGPT_CHAT = [
+    {"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]} for m in CHAT
+]
 CHAT_ID = prompt_id_for([Message(**m) for m in CHAT])
 PROMPT_ID = prompt_id_for([Message("user", "Name a prime > 10.")])
 
@@ -115,8 +117,10 @@ def test_jsonl_bad_json_line(tmp_path: Path) -> None:
     ("rows", "pattern"),
     [
         ([{"prompt": "a"}, {"prompt": None}], r"row 1: prompt: expected a string, got NoneType"),
-        ([{"messages": [{"role": "user", "content": "a"}]}, {"messages": []}, {"messages": [{"role": "user"}]}],
-         r"row 2: messages\[0\]\.content: expected a string, got NoneType"),
+        (
+            [{"messages": [{"role": "user", "content": "a"}]}, {"messages": []}, {"messages": [{"role": "user"}]}],
+            r"row 2: messages\[0\]\.content: expected a string, got NoneType",
+        ),
         ([{"text": "a"}], r"\(schema\): <row>: none of the prompt fields"),
     ],
 )
@@ -169,7 +173,10 @@ class _FakePackagedFile:
     ("item", "pattern"),
     [
         ('{"id": "x"}', r"item 1 \(byte 67\): conversations: missing"),
-        ('{"id": "x", "conversations": [{"from": "gpt", "value": 7}]}', r"item 1 \(byte 67\): conversations\[0\]\.value: expected a string, got int"),
+        (
+            '{"id": "x", "conversations": [{"from": "gpt", "value": 7}]}',
+            r"item 1 \(byte 67\): conversations\[0\]\.value: expected a string, got int",
+        ),
         ('{"id": "x", "conversations": [}', r"item 1 \(starts at byte 67\): invalid JSON: Expecting value at byte 97"),
     ],
 )
@@ -179,10 +186,10 @@ def test_malformed_sharegpt_record_mid_file_is_an_error(tmp_path: Path, monkeypa
     good = '{"id": "a", "conversations": [{"from": "human", "value": "hi"}]}'
     path = tmp_path / "sharegpt.json"
     # item 1 starts at byte 67 = len("[") + len(good) (64) + len(", ")
-    path.write_text(f"[{good}, {item}, {good}, {{\"id\": \"cut")
+    path.write_text(f'[{good}, {item}, {good}, {{"id": "cut')
     monkeypatch.setattr(packages, "SHAREGPT", _FakePackagedFile(path))
     with pytest.raises(DataError, match=pattern):
         load_prompts("sharegpt")
-    path.write_text(f"[{good}, {good}, {{\"id\": \"cut")
+    path.write_text(f'[{good}, {good}, {{"id": "cut')
     result = load_prompts("sharegpt")
     assert len(result) == 2 and result.report.truncated_at_byte == 1 + 2 * (64 + 2)

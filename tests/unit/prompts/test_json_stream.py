@@ -13,7 +13,7 @@ from eagleray.platform.prompts.json_stream import iter_json_array
 from eagleray.platform.prompts.report import LoadReport
 
 ITEMS = [
-    {"id": "a", "conversations": [{"from": "human", "value": "héllo \"q\" \\ \u2603"}]},
+    {"id": "a", "conversations": [{"from": "human", "value": 'héllo "q" \\ \u2603'}]},
     {"id": "b", "n": -12.5e3, "ok": True, "none": None, "list": [1, [2, {"x": "y"}]]},
     {"id": "c", "text": "x" * 300},
 ]
@@ -60,15 +60,23 @@ def test_cut_between_items_is_reported(data: bytes) -> None:
 
 
 def test_truncation_is_an_error_when_not_allowed() -> None:
-    with pytest.raises(DataError, match=r"(?s)ends at byte 12 inside item 1 \(which starts at byte 11\).*restore the complete file"):
+    with pytest.raises(
+        DataError, match=r"(?s)ends at byte 12 inside item 1 \(which starts at byte 11\).*restore the complete file"
+    ):
         _read(b'[{"a": 1}, {', 4, allow_truncated=False)
 
 
 @pytest.mark.parametrize(
     ("data", "pattern"),
     [
-        (b'[{"a": 1}, {"a": 2,, "b": 3}, {"a": 4}]', r"item 1 \(starts at byte 11\): invalid JSON: Expecting property name .* at byte 19"),
-        (b'[{"a": 1}, {"a": "x\ny"}, {"a": 4}]', r"item 1 \(starts at byte 11\): invalid JSON: Invalid control character at byte 19"),
+        (
+            b'[{"a": 1}, {"a": 2,, "b": 3}, {"a": 4}]',
+            r"item 1 \(starts at byte 11\): invalid JSON: Expecting property name .* at byte 19",
+        ),
+        (
+            b'[{"a": 1}, {"a": "x\ny"}, {"a": 4}]',
+            r"item 1 \(starts at byte 11\): invalid JSON: Invalid control character at byte 19",
+        ),
         (b'[{"a": 1} {"a": 2}]', r"item 0 \(starts at byte 1\): expected ',' or '\]' after this item, found '{' at byte 10"),
         (b'[{"a": 1},]', r"trailing ','"),
         (b'{"a": 1}', r"does not start with '\['"),

@@ -29,12 +29,7 @@ def test_sharegpt_full_parse_recovers_every_complete_conversation(caplog) -> Non
     assert report.truncated and report.file_bytes == SHAREGPT_FILE_BYTES
     assert report.truncated_at_byte == SHAREGPT_LAST_PARTIAL_AT
     assert f"ends at byte {SHAREGPT_FILE_BYTES}" in caplog.text
-    assert dict(report.role_aliases) == {
-        "bard->assistant": 2,
-        "bing->assistant": 4,
-        "chatgpt->assistant": 8,
-        "user->user": 2,
-    }
+    assert dict(report.role_aliases) == {"bard->assistant": 2, "bing->assistant": 4, "chatgpt->assistant": 8, "user->user": 2}
     first = result.records[0]
     assert first.source == "sharegpt" and first.meta == {"id": "QWJhYvA_0"}
     assert [m.role for m in first.messages[:2]] == ["user", "assistant"]

@@ -26,12 +26,7 @@ def test_prompt_id_is_a_stable_content_hash() -> None:
 
 
 @pytest.mark.parametrize(
-    "other",
-    [
-        [Message("user", "Hi ")],
-        [Message("system", "Hi")],
-        [Message("user", "H"), Message("user", "i")],
-    ],
+    "other", [[Message("user", "Hi ")], [Message("system", "Hi")], [Message("user", "H"), Message("user", "i")]]
 )
 def test_prompt_id_changes_with_content(other: list[Message]) -> None:
     assert prompt_id_for(other) != prompt_id_for([Message("user", "Hi")])
@@ -64,8 +59,7 @@ def test_prompt_turns_pending_user_turn_and_plain_prompt() -> None:
 def test_prompt_turns_skips_answers_without_a_question() -> None:
     # ShareGPT continuation parts start with an assistant turn; two answers in a row also occur.
     rec = make_record(
-        [Message("assistant", "...cont"), Message("user", "q"), Message("assistant", "a"), Message("assistant", "b")],
-        "s",
+        [Message("assistant", "...cont"), Message("user", "q"), Message("assistant", "a"), Message("assistant", "b")], "s"
     )
     assert [len(t.messages) for t in prompt_turns(rec)] == [2]
 

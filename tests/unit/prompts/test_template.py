@@ -27,8 +27,12 @@ def test_single_turn_mask_covers_response_and_eos(tok):
 
 
 def test_multi_turn_only_last_assistant_turn_is_masked(tok):
-    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
-            {"role": "assistant", "content": "old answer"}, {"role": "user", "content": "write code"}]
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "old answer"},
+        {"role": "user", "content": "write code"},
+    ]
     t = tokenize_with_mask(tok, msgs, "def add(a, b)", max_seq_len=512)
     assert _masked_text(tok, t) == "def add(a, b)<|im_end|>"
     assert "old answer" in tok.decode(t.input_ids)

@@ -35,8 +35,19 @@ def test_eagleray_serve_exits_2_before_starting_ray(capsys, tmp_path, tiny_targe
     import ray
 
     cfg = tmp_path / "serve.yaml"
-    cfg.write_text(yaml.safe_dump({"applications": [{"name": "eagleray", "import_path": "eagleray.serve.app:build_app",
-                                                     "args": {"serving": _serving(tiny_target, empty_draft)}}]}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "applications": [
+                    {
+                        "name": "eagleray",
+                        "import_path": "eagleray.serve.app:build_app",
+                        "args": {"serving": _serving(tiny_target, empty_draft)},
+                    }
+                ]
+            }
+        )
+    )
     rc = main(["serve", "--config", str(cfg)])
     err = capsys.readouterr().err
     assert rc == 2 and "draft is not compatible" in err and "draft.files" in err and "Traceback" not in err, err

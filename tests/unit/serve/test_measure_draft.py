@@ -20,8 +20,11 @@ def test_measure_tiny_target_random_draft(tmp_path):
 
     target_dir = make_tiny_llama(tmp_path / "target", num_layers=4, max_positions=4096)
     draft_dir = make_random_draft(TargetSpec.from_dir(target_dir), tmp_path / "draft")
-    cfg = TrainingConfig(data_dir=str(tmp_path / "data"), output_dir=str(tmp_path / "out"),
-                         target=TargetConfig(model=str(target_dir), device="cpu"))
+    cfg = TrainingConfig(
+        data_dir=str(tmp_path / "data"),
+        output_dir=str(tmp_path / "out"),
+        target=TargetConfig(model=str(target_dir), device="cpu"),
+    )
     out = measure(cfg, draft_dir, limit=2, max_tokens=8)
     for suite in ("mtbench", "humaneval"):
         pre = f"engine/{suite}"

@@ -47,8 +47,18 @@ def test_serving_config_carries_the_engine_settings():
     from eagleray.serve.engine import EngineConfig
     from eagleray.serve.serving_config import ServingConfig
 
-    cfg = parse_config(ServingConfig, {"model_name": "m", "max_num_seqs": 4, "block_size": 32, "kv_cache_gib": 0.25,
-                                       "verify_backend": "reference", "draft": {"source": "random"}}, prefix="serving")
+    cfg = parse_config(
+        ServingConfig,
+        {
+            "model_name": "m",
+            "max_num_seqs": 4,
+            "block_size": 32,
+            "kv_cache_gib": 0.25,
+            "verify_backend": "reference",
+            "draft": {"source": "random"},
+        },
+        prefix="serving",
+    )
     eng = cfg.engine_config(draft=None)
     assert type(eng) is EngineConfig and eng.draft is None and cfg.draft.source == "random"
     assert (eng.max_num_seqs, eng.block_size, eng.kv_cache_gib, eng.verify_backend) == (4, 32, 0.25, "reference")

@@ -15,7 +15,7 @@ def _deltas():
 
 def _parse(event: str) -> dict | str:
     assert event.startswith("data: ") and event.endswith("\n\n") and event.count("\n") == 2
-    payload = event[len("data: "):-2]
+    payload = event[len("data: ") : -2]
     return payload if payload == "[DONE]" else json.loads(payload)
 
 
@@ -56,8 +56,14 @@ def test_final_response(kind):
     choice = out["choices"][0]
     text = choice["message"]["content"] if kind == "chat" else choice["text"]
     assert text == "Hello\nworld" and choice["finish_reason"] == "stop"
-    assert out["eagleray"] == {"draft_version": "d/1", "num_drafts": 4, "num_draft_tokens": 16, "num_accepted_tokens": 6,
-                               "accepted_per_pos": [3, 2, 1, 0], "tau": 2.5}
+    assert out["eagleray"] == {
+        "draft_version": "d/1",
+        "num_drafts": 4,
+        "num_draft_tokens": 16,
+        "num_accepted_tokens": 6,
+        "accepted_per_pos": [3, 2, 1, 0],
+        "tau": 2.5,
+    }
 
 
 def test_no_drafts_has_no_tau():

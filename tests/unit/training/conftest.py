@@ -11,8 +11,14 @@ import pytest
 def train_target(tmp_path_factory) -> Path:
     from eagleray.tests.support.tiny import make_tiny_llama
 
-    return make_tiny_llama(tmp_path_factory.mktemp("train-tiny") / "target", num_layers=4, hidden_size=64,
-                           num_heads=4, num_kv_heads=2, intermediate_size=96)
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("train-tiny") / "target",
+        num_layers=4,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=96,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,22 @@ from eagleray.training.session import LocalSession
 
 
 def _cfg(data_dir, target, out, **kw) -> TrainingConfig:
-    base = dict(data_dir=str(data_dir), target={"model": str(target)}, output_dir=str(out), draft_vocab_size=128,
-                learning_rate=3e-3, warmup_steps=2, max_steps=20, batch_size=4, log_every=5, checkpoint_every=10,
-                backend="local", eval_fraction=0.2, ttt_steps=3, seed=0)
+    base = dict(
+        data_dir=str(data_dir),
+        target={"model": str(target)},
+        output_dir=str(out),
+        draft_vocab_size=128,
+        learning_rate=3e-3,
+        warmup_steps=2,
+        max_steps=20,
+        batch_size=4,
+        log_every=5,
+        checkpoint_every=10,
+        backend="local",
+        eval_fraction=0.2,
+        ttt_steps=3,
+        seed=0,
+    )
     return TrainingConfig(**{**base, **kw})
 
 
@@ -77,8 +90,9 @@ def test_shard_reader_splits_ranks_and_held_out(synthetic_data):
     held = ids(split="eval", shuffle=False)
     assert not set(r0) & set(r1) and not (set(r0) | set(r1)) & set(held) and held
     assert len(r0) + len(r1) + len(held) == 24
-    batch = next(data.train_batches(files, batch_size=3, max_seq_len=20, rank=0, world=1, seed=0, eval_fraction=0.2,
-                                    shuffle_buffer=8))
+    batch = next(
+        data.train_batches(files, batch_size=3, max_seq_len=20, rank=0, world=1, seed=0, eval_fraction=0.2, shuffle_buffer=8)
+    )
     assert batch.input_ids.shape == (3, 20) and batch.aux.shape == (3, 20, 2 * 64) and batch.final_hidden.shape == (3, 20, 64)
 
 
@@ -96,12 +110,28 @@ def test_online_mode_runs_the_target_in_the_loop(train_target, tmp_path):
     import json
 
     torch.set_num_threads(1)
-    convs = [{"messages": [{"role": "user", "content": f"write code {i}"},
-                           {"role": "assistant", "content": "def add(a, b):\n    return a + b\n" * (1 + i % 3)}]} for i in range(12)]
+    convs = [
+        {
+            "messages": [
+                {"role": "user", "content": f"write code {i}"},
+                {"role": "assistant", "content": "def add(a, b):\n    return a + b\n" * (1 + i % 3)},
+            ]
+        }
+        for i in range(12)
+    ]
     src = tmp_path / "convs.jsonl"
     src.write_text("".join(json.dumps(c) + "\n" for c in convs))
-    cfg = _cfg("online", train_target, tmp_path, online={"prompts": [str(src)]}, max_steps=3, checkpoint_every=3,
-               eval_fraction=0.25, eval_batches=1, draft_vocab_size=64)
+    cfg = _cfg(
+        "online",
+        train_target,
+        tmp_path,
+        online={"prompts": [str(src)]},
+        max_steps=3,
+        checkpoint_every=3,
+        eval_fraction=0.25,
+        eval_batches=1,
+        draft_vocab_size=64,
+    )
     session = LocalSession(tmp_path / "ckpt")
     metrics = train_worker(cfg, session)
     assert metrics["step"] == 3 and 0.0 <= metrics["acc_0"] <= 1.0
@@ -125,7 +155,12 @@ def test_max_shards_trains_on_a_subset_with_its_own_vocab_and_id(synthetic_data,
     rows = pq.read_metadata(sub.files[0]).num_rows
     assert sub.data_size == {"shards": 1, "rows": rows, "loss_tokens": int(counts.sum())}
     assert full.data_size["shards"] == 3 and full.data_size["rows"] > rows
-    assert sub.metadata({"step": 1}).notes == {"data_shards": 1, "data_rows": rows, "data_loss_tokens": int(counts.sum()), "step": 1}
+    assert sub.metadata({"step": 1}).notes == {
+        "data_shards": 1,
+        "data_rows": rows,
+        "data_loss_tokens": int(counts.sum()),
+        "step": 1,
+    }
     assert len(seen) <= 128 and set(torch.nonzero(sub.init.t2d).flatten().tolist()) >= seen
     with pytest.raises(ConfigError, match="training.max_shards: is 9 but .* holds 3 shards"):
         make_plan(_cfg(synthetic_data, train_target, tmp_path, max_shards=9))

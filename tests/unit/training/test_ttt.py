@@ -42,8 +42,12 @@ def model(train_target):
 def _batch(spec, b=2, t=12, seed=0):
     g = torch.Generator().manual_seed(seed)
     n_aux = len(spec.default_aux_layer_ids)
-    return TTTBatch(torch.randint(0, spec.vocab_size, (b, t), generator=g), torch.ones(b, t),
-                    torch.randn(b, t, n_aux * spec.hidden_size, generator=g), torch.randn(b, t, spec.hidden_size, generator=g))
+    return TTTBatch(
+        torch.randint(0, spec.vocab_size, (b, t), generator=g),
+        torch.ones(b, t),
+        torch.randn(b, t, n_aux * spec.hidden_size, generator=g),
+        torch.randn(b, t, spec.hidden_size, generator=g),
+    )
 
 
 def test_targets_are_restricted_to_the_draft_vocab(model):
@@ -85,15 +89,16 @@ def test_step0_and_step1_equal_the_inference_draft(model):
         n0, h0 = m.step(torch.nn.functional.pad(ids[1:], (0, 1))[None], torch.arange(10), hidden0, cache)
         n1, _ = m.step(torch.nn.functional.pad(ids[2:], (0, 2))[None], torch.arange(10) + 1, h0, cache)
         t = 6  # slot: prefix x_1..x_{t+1} at positions 0..t, then x_{t+2} at t+1 with the fed-back hidden
-        inp = torch.cat([ids[1:t + 2], ids[t + 2:t + 3]])
-        hid = torch.cat([d.combine_hidden_states(aux[:t + 1]), h0[0, t:t + 1]])
+        inp = torch.cat([ids[1 : t + 2], ids[t + 2 : t + 3]])
+        hid = torch.cat([d.combine_hidden_states(aux[: t + 1]), h0[0, t : t + 1]])
         ref, _ = d(inp, torch.arange(t + 2), hid, AttentionMetadata.build([t + 2]))
-    torch.testing.assert_close(n0[0, :t + 1], ref[:t + 1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(n0[0, : t + 1], ref[: t + 1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(n1[0, t], ref[t + 1], atol=1e-5, rtol=1e-5)
 
 
 def test_window_keeps_the_answer_of_long_rows():
     from eagleray.training.data import pad_tokens, window
+
     row = {"input_ids": list(range(100)), "loss_mask": [0] * 90 + [1] * 8 + [0, 0]}
     assert window(row, 16) == (82, 98)  # ends at the last answer token, keeps 16 tokens
     assert window(row, 1000) == (0, 98)
@@ -115,11 +120,12 @@ def _dense_forward(m, batch):
     hidden, cache, losses, stats, correct = m.draft.combine_hidden_states(batch.aux), [], [], [], []
     for i in range(min(m.ttt_steps, t - 1)):
         n = t - 1 - i
-        normed, hidden = m.step(F.pad(ids[:, 1 + i:], (0, 1 + i)), torch.arange(t) + i, hidden, cache)
+        normed, hidden = m.step(F.pad(ids[:, 1 + i :], (0, 1 + i)), torch.arange(t) + i, hidden, cache)
         sl = slice(1 + i, None)
-        ploss, row, hit = step_terms(m.draft.compute_logits(normed[:, :n]), probs[:, sl], mask[:, sl], in_vocab[:, sl],
-                                     argmax[:, sl], m.draft_ids)
-        losses.append(m.loss_decay ** i * ploss)
+        ploss, row, hit = step_terms(
+            m.draft.compute_logits(normed[:, :n]), probs[:, sl], mask[:, sl], in_vocab[:, sl], argmax[:, sl], m.draft_ids
+        )
+        losses.append(m.loss_decay**i * ploss)
         correct.append(F.pad(hit, (0, t - 1 - n)))
         stats.append(row)
     return torch.stack(losses).sum(), torch.stack(stats), _sim_tau(correct, mask)
