@@ -265,7 +265,6 @@ def chain_step(ctx: SpecContext, seqs: list[Sequence], k: int) -> list[SeqResult
     m0 = ctx.clock.mark()
     with ctx.prof.phase("prepare"):
         rows = RowParams.of(seqs, ctx.target.device)
-    with ctx.prof.phase("prepare"):
         tables = block_table_tensor([s.block_table for s in seqs], ctx.target.device)  # [B, MB]: draft and verify
     draft_tokens, q = draft_chain(ctx, seqs, k, rows, tables)  # [B, k], [B, k, Vd] or None
     m1 = ctx.clock.mark()

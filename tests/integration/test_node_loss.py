@@ -33,6 +33,7 @@ import yaml
 
 from eagleray.datagen import shards
 from eagleray.datagen.manifest import MANIFEST
+from eagleray.tests.support.synth import write_synthetic
 
 pytestmark = pytest.mark.slow
 
@@ -224,16 +225,6 @@ def test_datagen_survives_losing_the_worker_node(two_nodes, tiny_target, tmp_pat
 
 
 # ---------------------------------------------------------------------------------------------- training
-def _synth():
-    import importlib.util
-
-    path = Path(__file__).parents[1] / "unit" / "training" / "synth.py"
-    spec = importlib.util.spec_from_file_location("eagleray_test_synth", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("after", ["anywhere", "wait"])
 def test_training_resumes_from_its_checkpoint_after_losing_the_worker_node(two_nodes, tmp_path, after):
     """``anywhere``: the run goes on on the head; ``wait``: it waits for a replacement worker node (started
@@ -249,7 +240,7 @@ def test_training_resumes_from_its_checkpoint_after_losing_the_worker_node(two_n
 
     two_nodes.ensure_worker()
     target = make_tiny_llama(tmp_path / "target", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96)
-    data = _synth().write_synthetic(target, tmp_path / "data", rows=16, gen_len=18)
+    data = write_synthetic(target, tmp_path / "data", rows=16, gen_len=18)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     max_steps, every = 8, 2
     cfg = TrainingConfig(
