@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from eagleray.platform.models.attention import AttentionMetadata, KVCache
+from eagleray.platform.models.draft_graphs import DraftGraphRunner
 from eagleray.platform.models.eagle3 import Eagle3Draft
-from eagleray.platform.models.graphs import DecodeGraphRunner, DraftGraphRunner
+from eagleray.platform.models.graphs import DecodeGraphRunner
 from eagleray.platform.models.layers import fuse_for_inference
 from eagleray.platform.models.llama import LlamaModel
 

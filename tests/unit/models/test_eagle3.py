@@ -181,7 +181,7 @@ def test_unsupported_and_inconsistent_drafts_are_refused(target_dir, draft_dir, 
 def test_greedy_chain_graph_equals_the_step_by_step_chain(target, draft_dir):
     """DraftGraphRunner.chain (the greedy chain as one replayable step) drafts the same tokens as one row step
     per draft token, with a reduced draft vocabulary (d2t) and a padded bucket."""
-    from eagleray.platform.models.graphs import DraftGraphRunner
+    from eagleray.platform.models.draft_graphs import DraftGraphRunner
 
     draft = Eagle3Draft.from_checkpoint(draft_dir, target)
     outs = []

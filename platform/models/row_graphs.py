@@ -1,0 +1,115 @@
+"""Fixed-shape row buffers and CUDA graphs per bucket: the mechanism under the engine's decode, verification and draft
+steps (:class:`~eagleray.platform.models.graphs.DecodeGraphRunner`, :class:`~eagleray.platform.models.draft_graphs.DraftGraphRunner`)."""
+
+from __future__ import annotations
+
+import torch
+
+from eagleray.platform.errors import EaglerayError
+from eagleray.platform.models.attention_gpu import DecodeMetadata
+
+
+class RowGraphs:
+    """Fixed-shape row buffers for batches up to ``max(buckets)`` rows, and one CUDA graph per bucket.
+
+    A *row* is one query token attending to its sequence's cache up to and including itself. ``load``
+    copies a batch into the buffers and pads it to its bucket (padding rows write their K/V to
+    ``pad_slot``); ``replay`` runs ``forward(bucket)`` - captured once per (key, bucket) on CUDA,
+    lazily or by :meth:`capture` - and returns its static outputs.
+    """
+
+    def __init__(
+        self, device: torch.device, buckets, max_blocks: int, block_size: int, pad_slot: int, use_graphs: bool, lazy: bool
+    ):
+        if use_graphs and device.type != "cuda":
+            raise EaglerayError("CUDA graphs need the KV cache on a CUDA device\n    fix: use_graphs=False on CPU")
+        self.buckets, self.max_blocks, self.block_size = tuple(sorted(buckets)), int(max_blocks), block_size
+        self.pad_slot, self.use_graphs, self.lazy = int(pad_slot), use_graphs, lazy
+        bmax = self.buckets[-1]
+        self.input_ids = torch.zeros(bmax, dtype=torch.int64, device=device)  # [Bmax]
+        self.positions = torch.zeros(bmax, dtype=torch.int64, device=device)  # [Bmax]
+        self.block_tables = torch.full((bmax, self.max_blocks), -1, dtype=torch.int32, device=device)  # [Bmax, MB]
+        self.seq_lens = torch.ones(bmax, dtype=torch.int32, device=device)  # [Bmax]
+        self.slot_mapping = torch.full((bmax,), self.pad_slot, dtype=torch.int64, device=device)  # [Bmax]
+        self.block_tables[:, 0] = self.pad_slot // block_size
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple, object] = {}
+        self._pool = None
+
+    def bucket_for(self, b: int) -> int:
+        for size in self.buckets:
+            if size >= b:
+                return size
+        raise EaglerayError(
+            f"decode batch of {b} rows exceeds the largest bucket {self.buckets[-1]}\n"
+            f"    fix: split the batch, or build the runner with larger buckets"
+        )
+
+    def meta(self, b: int, use_triton: bool, split_tokens: int | None) -> DecodeMetadata:
+        return DecodeMetadata(
+            self.block_tables[:b], self.seq_lens[:b], self.slot_mapping[:b], self.block_size, use_triton, split_tokens
+        )
+
+    def load(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> int:
+        """ids, positions [B], block_tables [B, nb<=max_blocks], seq_lens (incl. the row's token), slots [B]
+        -> the bucket the batch runs in."""
+        b, nb = input_ids.shape[0], block_tables.shape[1]
+        if nb > self.max_blocks:
+            raise EaglerayError(
+                f"block table of {nb} blocks exceeds max_blocks_per_seq={self.max_blocks}\n"
+                f"    fix: build the runner with a larger max_blocks_per_seq"
+            )
+        bucket = self.bucket_for(b)
+        self.input_ids[:b].copy_(input_ids, non_blocking=True)
+        self.positions[:b].copy_(positions, non_blocking=True)
+        self.block_tables[:b, :nb].copy_(block_tables, non_blocking=True)
+        self.seq_lens[:b].copy_(seq_lens, non_blocking=True)
+        self.slot_mapping[:b].copy_(slot_mapping, non_blocking=True)
+        if bucket > b:  # padding rows: one token at the pad slot
+            self.input_ids[b:bucket] = 0
+            self.positions[b:bucket] = 0
+            self.seq_lens[b:bucket] = 1
+            self.slot_mapping[b:bucket] = self.pad_slot
+            self.block_tables[b:bucket, 0] = self.pad_slot // self.block_size
+        return bucket
+
+    def replay(self, key, bucket: int, forward):
+        """``forward(bucket)``'s outputs: from the (key, bucket) graph on CUDA, else run eagerly."""
+        if self.use_graphs and self.lazy and (key, bucket) not in self.graphs:
+            self.capture(key, [bucket], forward)
+        graph = self.graphs.get((key, bucket))
+        if graph is None:
+            return forward(bucket)
+        graph.replay()
+        return self.outputs[(key, bucket)]
+
+    @torch.inference_mode()
+    def capture(self, key, buckets, forward) -> None:
+        """Warm up and capture one graph per bucket (largest first, one shared memory pool)."""
+        if not self.use_graphs:
+            return
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        for b in sorted(buckets, reverse=True):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compile Triton kernels, pick cuBLAS algorithms
+                    forward(b)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self.outputs[(key, b)] = forward(b)
+            self.graphs[(key, b)] = graph
+
+    def reset(self) -> None:
+        """Drop every captured graph (the next replay captures again)."""
+        self.graphs.clear()
+        self.outputs.clear()
