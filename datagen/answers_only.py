@@ -97,9 +97,22 @@ def write_prompts(cfg: DatagenConfig, out: Path, emit: Callable[[str], None] = p
     """``--prompts-only``: the prompts of the run (length cap applied) as messages JSONL."""
     from transformers import AutoTokenizer
 
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if cfg.answer_turns == "all":  # whole conversations; only their system and user turns are needed
+        records, stats = select_prompts(cfg)
+        records = [r for r in records if any(m.role == "user" for m in r.messages)]
+        with out.open("w", encoding="utf-8") as fh:
+            for rec in records:
+                msgs = [m.to_dict() for m in rec.messages if m.role != "assistant"]
+                fh.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
+        turns = sum(m.role == "user" for r in records for m in r.messages)
+        emit(
+            f"wrote {len(records)} conversations ({turns} user turns) to {out} "
+            f"({stats.duplicates} duplicates and {stats.held_out} held-out conversations left out)"
+        )
+        return {"prompts": len(records), "turns": turns, "duplicates": stats.duplicates, "held_out": stats.held_out}
     tok = AutoTokenizer.from_pretrained(str(resolve_target(cfg.target.model, cfg.target.dtype)))
     sel = select(cfg, tok, None)
-    out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as fh:
         for rec, _ in sel.todo:
             fh.write(json.dumps({"messages": [m.to_dict() for m in rec.messages]}, ensure_ascii=False) + "\n")
@@ -188,6 +201,118 @@ def regenerate(cfg: DatagenConfig, out: Path, device: str, emit: Callable[[str],
         f"{manifest['rows']} rows and {manifest['errors']} errors in {out}"
     )
     return manifest
+
+
+def shard_of(prompt_id: str, num_shards: int) -> int:
+    """The shard (0..num_shards-1) a prompt id belongs to: a content hash, so every process agrees."""
+    return int(prompt_id[:8], 16) % num_shards
+
+
+def regenerate_conversations(
+    cfg: DatagenConfig, out: Path, device: str, emit: Callable[[str], None] = print, shard: tuple[int, int] = (0, 1)
+) -> dict[str, Any]:
+    """``answer_turns: all``: every user turn of every selected conversation, in order, answered on the target's
+    own history (:mod:`eagleray.datagen.turns`), into ``out`` (one line per conversation; resumable). ``shard``
+    (i, n): this process takes the conversations whose id hashes to i of n (several processes, one GPU or many)."""
+    from tqdm import tqdm
+
+    from eagleray.datagen.backends import EagleRayGenerator
+    from eagleray.datagen.turns import TurnByTurn
+
+    index, num_shards = shard
+    model_dir = str(resolve_target(cfg.target.model, cfg.target.dtype))
+    spec = TargetSpec.from_dir(model_dir)
+    records, stats = select_prompts(cfg)
+    done = _read_ids(out) | _read_ids(errors_path(out))
+    mine = [r for r in records if shard_of(r.prompt_id, num_shards) == index]
+    todo = [r for r in mine if r.prompt_id not in done]
+    gen = EagleRayGenerator(cfg, model_dir, device)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    emit(
+        f"regenerate (every turn, own history): {len(todo)} conversations to run, {len(mine) - len(todo)} already done "
+        f"(shard {index}/{num_shards}; {stats.duplicates} duplicate and {stats.held_out} held-out conversations left out); "
+        f"{cfg.batch_size} in flight on {device}"
+    )
+    bar = tqdm(
+        total=sum(1 for r in todo for m in r.messages if m.role == "user"),
+        unit="turn",
+        desc="regenerate",
+        mininterval=cfg.progress_seconds,
+    )
+    with out.open("a", encoding="utf-8") as fh, errors_path(out).open("a", encoding="utf-8") as eh:
+
+        def progress(st) -> None:
+            done = st.answered + st.errors
+            if done > bar.n:
+                bar.set_postfix(tok_s=f"{st.generated_tokens / max(st.seconds, 1e-9):.0f}", refresh=False)
+                bar.update(done - bar.n)  # tqdm prints at most every progress_seconds
+
+        run = TurnByTurn(
+            gen.engine,
+            cfg.generation,
+            cfg.prompt_token_cap,
+            concurrency=cfg.batch_size,
+            on_done=lambda conv: fh.write(json.dumps(conv.to_row(), ensure_ascii=False) + "\n"),
+            on_error=lambda e: eh.write(json.dumps(e.__dict__, ensure_ascii=False) + "\n"),
+            progress=progress,
+        )
+        st = run.run(todo)
+    bar.close()
+    gen.close()
+    manifest = {
+        "target_fingerprint": spec.fingerprint,
+        "tokenizer_fingerprint": spec.tokenizer_fingerprint,
+        "target": cfg.target.model_dump(),
+        "backend": cfg.backend,
+        "device": device,
+        "answer_turns": "all",
+        "shard": [index, num_shards],
+        "generation": cfg.generation.model_dump(),
+        "max_prompt_tokens": cfg.prompt_token_cap,
+        "selection": {"conversations_read": stats.records, "duplicates": stats.duplicates, "held_out": stats.held_out},
+        **count_output(out, {r.prompt_id: sum(m.role == "user" for m in r.messages) for r in mine}),
+        "this_run": {**st.to_dict(), "tokens_per_s": st.generated_tokens / max(1e-9, st.seconds)},
+    }
+    manifest_path(out).write_text(json.dumps(manifest, indent=2))
+    emit(
+        f"regenerate: {st.answered} turns answered, {st.errors} errors, {st.truncated} truncated, {st.generated_tokens} tokens "
+        f"in {st.seconds:.1f} s ({manifest['this_run']['tokens_per_s']:.0f} tokens/s); in {out}: {manifest['turns_in']} turns = "
+        f"{manifest['answered']} answered + {manifest['errors']} errors, {manifest['lost']} lost, {manifest['duplicated']} duplicated"
+    )
+    return manifest
+
+
+def count_output(out: Path, expected: dict[str, int]) -> dict[str, int]:
+    """Read a conversation-mode output back (its files, not the run's counters) against ``expected`` (conversation
+    id -> its user turns): turns_in, answered, errors, truncated, lost (turns neither answered nor recorded as
+    errors) and duplicated (turns written more than once)."""
+    answered: dict[str, int] = {}
+    truncated = duplicated = 0
+    if out.is_file():
+        with out.open(encoding="utf-8") as fh:
+            for line in fh:
+                row = json.loads(line)
+                if row["prompt_id"] in answered:
+                    duplicated += len(row["num_tokens"])
+                    continue
+                answered[row["prompt_id"]] = len(row["num_tokens"])
+                truncated += row["truncated_turns"]
+    errors: set[tuple[str, int]] = set()
+    if errors_path(out).is_file():
+        with errors_path(out).open(encoding="utf-8") as fh:
+            errors = {(e["prompt_id"], e["turn"]) for e in map(json.loads, fh)}
+    turns_in = sum(expected.values())
+    got = sum(min(n, expected[pid]) for pid, n in answered.items() if pid in expected)
+    failed = sum(1 for pid, turn in errors if pid in expected and answered.get(pid, 0) <= turn < expected[pid])
+    return {
+        "conversations": len(expected),
+        "turns_in": turns_in,
+        "answered": got,
+        "errors": failed,
+        "truncated": truncated,
+        "lost": turns_in - got - failed,
+        "duplicated": duplicated,
+    }
 
 
 def check_given_sources(cfg: DatagenConfig, spec: TargetSpec, emit: Callable[[str], None] = print) -> list[dict[str, Any]]:

@@ -80,8 +80,16 @@ class EagleRayGenerator:
     def __init__(self, cfg: DatagenConfig, model_dir: str, device: str):
         from eagleray.serve.engine import EngineConfig, LLMEngine
 
-        target = cfg.target.model_copy(update={"model": model_dir, "device": device})
-        engine_cfg = EngineConfig(target=target, draft=cfg.draft, max_num_seqs=cfg.batch_size, seed=cfg.generation.seed)
+        max_len = cfg.target.max_model_len or cfg.max_seq_len
+        target = cfg.target.model_copy(update={"model": model_dir, "device": device, "max_model_len": max_len})
+        engine_cfg = EngineConfig(
+            target=target,
+            draft=cfg.draft,
+            max_num_seqs=cfg.batch_size,
+            seed=cfg.generation.seed,
+            kv_cache_gib=cfg.kv_cache_gib,
+            max_num_batched_tokens=max(8192, max_len),
+        )
         self.engine = LLMEngine.from_config(engine_cfg)
         self.tokenizer = self.engine.tokenizer
 

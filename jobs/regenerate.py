@@ -15,6 +15,7 @@ from pathlib import Path
 from eagleray.jobs.entry import run_job
 from eagleray.platform.config.load import load_yaml_config
 from eagleray.platform.config.schemas import DatagenConfig
+from eagleray.platform.errors import EaglerayError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,10 +32,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prompts-only", action="store_true", help="write the selected prompts (messages JSONL) to --out without generating"
     )
+    p.add_argument(
+        "--shard",
+        type=parse_shard,
+        default=(0, 1),
+        metavar="I/N",
+        help="answer_turns 'all': take the conversations whose id hashes to shard I of N (run N processes: one GPU or many)",
+    )
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'I/N' with 0 <= I < N -> (I, N)."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard {text!r} is not I/N (e.g. 0/4)") from None
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: need 0 <= I < N")
+    return i, n
 
 
 def run(args: argparse.Namespace) -> int:
-    from eagleray.datagen.answers_only import regenerate, write_prompts
+    from eagleray.datagen.answers_only import regenerate, regenerate_conversations, write_prompts
     from eagleray.platform.host import pick_device
 
     cfg = load_yaml_config(DatagenConfig, args.config, args.set)
@@ -42,7 +61,15 @@ def run(args: argparse.Namespace) -> int:
         write_prompts(cfg, args.out, emit=lambda s: print(s, flush=True))
         return 0
     device = pick_device(args.device or cfg.target.device).type
-    manifest = regenerate(cfg, args.out, device, emit=lambda s: print(s, flush=True))
+    emit = lambda s: print(s, flush=True)  # noqa: E731
+    if cfg.answer_turns == "all":
+        manifest = regenerate_conversations(cfg, args.out, device, emit, shard=args.shard)
+        return 0 if manifest["lost"] == 0 and manifest["answered"] > 0 else 1
+    if args.shard != (0, 1):
+        raise EaglerayError(
+            "--shard splits conversations: it needs answer_turns: all\n    fix: --set answer_turns=all or drop --shard"
+        )
+    manifest = regenerate(cfg, args.out, device, emit=emit)
     return 0 if manifest["rows"] > 0 else 1
 
 

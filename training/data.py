@@ -126,7 +126,7 @@ def pad_tokens(rows: list[Row], max_seq_len: int) -> tuple[torch.Tensor, torch.T
 def pad_hidden(parts: list[torch.Tensor], spans: list[tuple[int, int]]) -> torch.Tensor:
     """Per-row [T_b, W] -> [B, T, W]: each row's [start, end) window, zeros after it."""
     t = max(e - s for s, e in spans)
-    out = torch.zeros(len(parts), t, parts[0].shape[-1], dtype=torch.float32)  # [B, T, W]
+    out = torch.zeros(len(parts), t, parts[0].shape[-1], dtype=torch.float32, device=parts[0].device)  # [B, T, W]
     for b, (x, (s, e)) in enumerate(zip(parts, spans)):
         out[b, : e - s] = x[s:e]
     return out

@@ -12,6 +12,7 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from eagleray.platform.config.schemas import TrainingConfig
@@ -19,18 +20,23 @@ from eagleray.platform.errors import DataError
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.llama import LlamaModel
 from eagleray.platform.prompts.sources import iter_prompts
-from eagleray.platform.prompts.template import RowError, tokenize_with_mask
+from eagleray.platform.prompts.template import RowError, tokenize_conversation_with_mask, tokenize_with_mask
 from eagleray.training.data import Row, group, is_eval, pad_hidden, pad_tokens
 from eagleray.training.ttt import TTTBatch
 
 
-def tokenize(tok, messages: list[dict], max_seq_len: int) -> tuple[list[int], list[int]] | None:
+def tokenize(tok, messages: list[dict], max_seq_len: int, loss_turns: str = "last") -> tuple[list[int], list[int]] | None:
     """(input_ids, loss_mask) of a conversation ending with an assistant message (the loss mask datagen
-    writes, :func:`~eagleray.platform.prompts.template.tokenize_with_mask`); None if it does not end so."""
+    writes, :func:`~eagleray.platform.prompts.template.tokenize_with_mask`; with ``loss_turns`` 'all' every
+    assistant message, :func:`~eagleray.platform.prompts.template.tokenize_conversation_with_mask`); None if it
+    does not end so."""
     if len(messages) < 2 or messages[-1]["role"] != "assistant":
         return None
     try:
-        t = tokenize_with_mask(tok, messages[:-1], messages[-1]["content"], max_seq_len)
+        if loss_turns == "all":
+            t = tokenize_conversation_with_mask(tok, messages, max_seq_len)
+        else:
+            t = tokenize_with_mask(tok, messages[:-1], messages[-1]["content"], max_seq_len)
     except RowError:  # the template of prompt + answer does not start with the templated prompt
         return None
     return t.input_ids, t.loss_mask
@@ -43,7 +49,7 @@ def iter_online_rows(cfg: TrainingConfig, tok, *, split: str = "train") -> Itera
         for rec in iter_prompts(source, limit=cfg.online.limit):
             if is_eval(rec.prompt_id, cfg.eval_fraction) != (split == "eval"):
                 continue
-            out = tokenize(tok, [m.to_dict() for m in rec.messages], cfg.max_seq_len)
+            out = tokenize(tok, [m.to_dict() for m in rec.messages], cfg.max_seq_len, cfg.online.loss_turns)
             if out is not None and sum(out[1]) > 0:
                 yield {"prompt_id": rec.prompt_id, "input_ids": out[0], "loss_mask": out[1], "num_tokens": len(out[0])}
 
@@ -82,17 +88,22 @@ class OnlineTarget:
         flat = torch.cat([ids[b, :n] for b, n in enumerate(lens)]).to(self.device)  # [sum T]
         pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)  # [sum T]
         final, aux = self.model(flat, pos, AttentionMetadata.build(lens), None)  # [sum T, H], [sum T, n_aux*H]
-        aux_parts = list(aux.float().cpu().split(lens))
-        final_parts = list(final.float().cpu().split(lens))
+        aux_parts = list(aux.float().split(lens))  # stay on the training device: no host round trip per batch
+        final_parts = list(final.float().split(lens))
         local = [(0, n) for n in lens]
         return TTTBatch(ids, mask, pad_hidden(aux_parts, local), pad_hidden(final_parts, local))
 
 
 def online_batches(cfg: TrainingConfig, tok, target: OnlineTarget, *, rank: int, world: int, skip: int = 0) -> Iterator[TTTBatch]:
-    """Endless stream of this rank's online batches (epoch e reshuffles with seed+e)."""
+    """Endless stream of this rank's online batches (epoch e reshuffles with seed+e). The first epoch tokenizes
+    (chat template + mask); later epochs reuse those rows (compact arrays), so only the first pays for it."""
     epoch, produced = 0, 0
+    cache: list[Row] = []
     while True:
-        rows = (r for i, r in enumerate(iter_online_rows(cfg, tok)) if i % world == rank)
+        if epoch == 0:
+            rows = (_keep(r, cache) for i, r in enumerate(iter_online_rows(cfg, tok)) if i % world == rank)
+        else:
+            rows = iter(cache)
         n_epoch = 0
         for rows_b in group(rows, cfg.batch_size, cfg.shuffle_buffer, random.Random(cfg.seed * 7919 + epoch * 31 + rank)):
             n_epoch += 1
@@ -104,6 +115,17 @@ def online_batches(cfg: TrainingConfig, tok, target: OnlineTarget, *, rank: int,
                 f"rank {rank} of {world} got no online training rows\n    fix: add conversations or lower num_workers"
             )
         epoch += 1
+
+
+def _keep(row: Row, cache: list[Row]) -> Row:
+    """``row`` with its token lists as compact arrays, appended to ``cache``."""
+    row = {
+        **row,
+        "input_ids": np.asarray(row["input_ids"], dtype=np.int32),
+        "loss_mask": np.asarray(row["loss_mask"], dtype=np.int8),
+    }
+    cache.append(row)
+    return row
 
 
 def online_eval_batches(cfg: TrainingConfig, tok, target: OnlineTarget) -> Iterator[TTTBatch]:

@@ -117,6 +117,10 @@ class DatagenConfig(StrictModel):
     split_turns: bool = Field(
         True, description="One prompt per assistant turn of a multi-turn conversation (platform.prompts.prompt_turns)."
     )
+    answer_turns: Literal["last", "all"] = Field(
+        "last",
+        description="'last': answer each prompt's last user turn (with split_turns every turn is a prompt, on the dataset's earlier answers); 'all': answer every user turn of a conversation in order, each on the target's OWN earlier answers (EAGLE-3/SpecForge multi-turn regeneration; `eagleray regenerate` with backend eagleray and split_turns: false).",
+    )
     backend: Literal["eagleray", "vllm", "transformers", "given"] = Field(
         "eagleray",
         description="Regeneration backend: eagleray's engine, vLLM through ray.data.llm, transformers generate, or 'given': each record's last message (role assistant) is already the target's answer, e.g. from `eagleray regenerate`, so only hidden states are computed (needs split_turns: false).",
@@ -144,7 +148,12 @@ class DatagenConfig(StrictModel):
         min_length=1,
         description="Place the model-stage actors on the first alive node that has this custom Ray resource (`ray start --resources`), softly: when that node dies or is full, Ray places them on any other node and Ray Data redoes the lost chunks there.",
     )
-    batch_size: int = Field(8, ge=1, description="Prompts per generate() call in the regeneration stage.")
+    batch_size: int = Field(
+        8,
+        ge=1,
+        description="Prompts per generate() call in the regeneration stage (answer_turns 'all': conversations in flight).",
+    )
+    kv_cache_gib: float = Field(1.0, gt=0.0, description="backend 'eagleray': memory of the engine's KV cache.")
     forward_tokens: int = Field(8192, ge=16, description="Token budget of one packed target forward in the hidden-state stage.")
     hold_out_eval: bool = Field(
         True, description="Drop prompts whose id or normalised user text occurs in MT-bench or HumanEval."
@@ -183,6 +192,11 @@ class DatagenConfig(StrictModel):
                 "backend is 'given' (the last assistant message of each record is the answer) but split_turns is true, "
                 "which would cut the answers off; set split_turns: false"
             )
+        if self.answer_turns == "all" and (self.split_turns or self.backend != "eagleray"):
+            raise ValueError(
+                "answer_turns is 'all' (every user turn answered on the target's own history) but "
+                f"split_turns is {self.split_turns} and backend is {self.backend!r}; set split_turns: false and backend: eagleray"
+            )
         if self.backend == "given" and self.draft is not None:
             raise ValueError("backend is 'given' (nothing is generated) but draft is set; remove draft")
         return self
@@ -195,6 +209,10 @@ class OnlineDataConfig(StrictModel):
     limit: int | None = Field(None, ge=1, description="Use at most this many conversations from each source.")
     vocab_count_rows: int = Field(
         2000, ge=1, description="Conversations tokenized up front to count tokens for the draft vocabulary."
+    )
+    loss_turns: Literal["last", "all"] = Field(
+        "last",
+        description="Which assistant messages are learned: 'last' (the regenerated answer; earlier ones may be the dataset's), or 'all' (every assistant message: conversations regenerated turn by turn, `answer_turns: all`).",
     )
 
 

@@ -58,3 +58,34 @@ def tokenize_with_mask(tok, messages: list[dict], response: str, max_seq_len: in
     mask = [0] * len(prefix) + [1] * (end - len(prefix)) + [0] * (len(full) - end)
     truncated = len(full) > max_seq_len
     return Tokenized(full[:max_seq_len], mask[:max_seq_len], truncated)
+
+
+def tokenize_conversation_with_mask(tok, messages: list[dict], max_seq_len: int) -> Tokenized:
+    """Template a whole conversation; mask = EVERY assistant message's tokens (each from after its generation
+    prompt through its end-of-turn token), for conversations whose every answer the target wrote itself
+    (turn-by-turn regeneration, :mod:`eagleray.datagen.turns`).
+
+    The conversation is tokenized once; each assistant message's span is found in the rendered text (the
+    template of the messages before it with the generation prompt, and of the messages through it, must be
+    prefixes of the whole) and mapped to tokens by their character offsets.
+    """
+    render = lambda msgs, gen: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)  # noqa: E731
+    text = render(messages, False)
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]  # [T], [T] (start, end) characters
+    eos = tok.eos_token or ""
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before, through = render(messages[:i], True), render(messages[: i + 1], False)
+        if not (text.startswith(through) and through.startswith(before)):
+            raise RowError(
+                "template_mismatch",
+                f"the chat template of messages[:{i + 1}] is not a prefix of the whole conversation's, so the "
+                f"assistant tokens of message {i} cannot be located",
+            )
+        end = through.rfind(eos, len(before)) if eos else -1
+        spans.append((len(before), end + len(eos) if end >= 0 else len(through)))
+    mask = [int(any(a <= start < b for a, b in spans)) for start, _ in offsets]
+    return Tokenized(ids[:max_seq_len], mask[:max_seq_len], len(ids) > max_seq_len)

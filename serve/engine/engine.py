@@ -335,7 +335,7 @@ class LLMEngine:
 
     def _emit(self, seq: Sequence, kept: list[int]) -> RequestOutput:
         """Detokenize, finish the request if it stopped, build its output and call its callback."""
-        text, delta_text = self.detok.update(seq)
+        text, delta_text = self.detok.update(seq) if seq.params.detokenize else ("", "")
         if seq.finish_reason is None and seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:

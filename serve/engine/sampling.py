@@ -7,7 +7,7 @@ so speculative sampling stays distributed exactly like plain sampling with the s
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eagleray.platform.config.load import problems_from_validation
 from eagleray.platform.errors import ConfigError
@@ -26,6 +26,18 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end the request (kept in the token ids).")
     ignore_eos: bool = Field(False, description="Do not stop at the tokenizer's EOS token.")
     seed: int | None = Field(None, description="Seed of this request's random draws; None draws one from the engine's generator.")
+    detokenize: bool = Field(
+        True,
+        description="Decode text every step; False leaves text empty (token ids only: batch regeneration, where decoding every stream each step costs more than the step).",
+    )
+
+    @model_validator(mode="after")
+    def _stop_needs_text(self) -> "SamplingParams":
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                "stop strings are matched in the text but detokenize is false; set detokenize: true or use stop_token_ids"
+            )
+        return self
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -1,0 +1,481 @@
+"""The data-scaling run on one GPU machine (issue 15): regenerate ShareGPT turn by turn, train drafts on
+1/8, 1/4, 1/2 and all of it with the target in the loop, measure every draft with the engine.
+
+`python -m eagleray.jobs.bench.draft_scaling all --prompts convs.jsonl --eval-prompts mtbench.jsonl,humaneval.jsonl --work /root/ds`
+
+Stages (each also a subcommand, each resumable from the files of ``--work``):
+
+- ``regen``: ``--procs`` processes of ``python -m eagleray.jobs.regenerate --shard I/N`` (answer_turns all:
+  every user turn answered on the target's own history, continuous batching, left truncation counted) on one
+  GPU; their outputs are read back and merged -> ``regen.json`` (prompts_in, answered, errors, truncated,
+  lost, duplicated, wall_s, generated_tokens, target).
+- ``train``: one process per data fraction, concurrently on the GPU: the training loop of ``eagleray train``
+  (:func:`eagleray.training.loop.train_worker`, local session: Ray is not on the GPU image) with the target
+  computing hidden states online, every assistant turn learned; the same number of steps for every fraction.
+- ``eval``: per draft, with ``LLMEngine`` (what Serve runs): τ on MT-bench and HumanEval (chain k, T=0,
+  batch 8), lossless (greedy spec == plain), the batch-1 speedup on MT-bench; for the best draft also the
+  tree, T=1 and the 32k/8k-vocab comparison when present -> ``scaling.json`` (one record per draft).
+
+Progress lines go to stdout with ETAs; the JSON files are rewritten after each record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+FRACTIONS = (0.125, 0.25, 0.5, 1.0)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("stage", choices=["all", "regen", "train", "train-one", "eval", "pack"])
+    p.add_argument("--out", type=Path, default=None, help="pack: where the best draft (bf16, split) and the answers go")
+    p.add_argument("--work", type=Path, required=True, help="working directory (answers, drafts, JSON)")
+    p.add_argument("--target", default="smollm2", help="target model: smollm2 or a HF directory")
+    p.add_argument("--prompts", default=None, help="conversations JSONL (regen input; `eagleray regenerate --prompts-only`)")
+    p.add_argument("--limit", type=int, default=None, help="regen: at most this many conversations")
+    p.add_argument("--procs", type=int, default=4, help="regen: engine processes sharing the GPU")
+    p.add_argument("--batch", type=int, default=256, help="regen: conversations in flight per process")
+    p.add_argument("--max-tokens", type=int, default=256, help="regen: answer tokens per turn")
+    p.add_argument("--max-seq-len", type=int, default=4096, help="regen: prompt + answer tokens (prompts cut from the left)")
+    p.add_argument("--kv-cache-gib", type=float, default=16.0, help="regen: KV cache per process")
+    p.add_argument("--fractions", default=",".join(map(str, FRACTIONS)), help="train: data fractions")
+    p.add_argument("--fraction", type=float, default=1.0, help="train-one: the data fraction")
+    p.add_argument("--steps", type=int, default=1500, help="train: optimizer steps per draft (same for every fraction)")
+    p.add_argument(
+        "--train-minutes",
+        type=float,
+        default=None,
+        help="train: stop every trainer this long after training starts and keep its latest checkpoint (a safety net for a lease)",
+    )
+    p.add_argument("--train-batch", type=int, default=8, help="train: conversations per step")
+    p.add_argument("--train-seq-len", type=int, default=2048, help="train: tokens per conversation")
+    p.add_argument("--ttt-steps", type=int, default=5, help="train: unrolled TTT steps")
+    p.add_argument("--lr", type=float, default=5e-4, help="train: peak learning rate")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="train: draft vocabulary size")
+    p.add_argument("--eval-prompts", default="mtbench,humaneval", help="eval: MT-bench and HumanEval sources (names or JSONL)")
+    p.add_argument("--eval-max-tokens", type=int, default=256, help="eval: tokens per answer (EOS ends earlier)")
+    p.add_argument("--k", type=int, default=4, help="eval: chain length")
+    p.add_argument("--eval-max-model-len", type=int, default=2048, help="eval: the engines' max_model_len")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="target dtype")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="where every stage runs (cpu: to check the run)")
+
+
+# ----------------------------------------------------------------------------------------------- regen
+def regen(args: argparse.Namespace) -> dict:
+    import yaml
+
+    from eagleray.datagen.answers_only import count_output, errors_path
+
+    work = args.work / "regen"
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "prompts": [str(Path(args.prompts).resolve())],
+        "output_dir": str(work),
+        "backend": "eagleray",
+        "split_turns": False,
+        "answer_turns": "all",
+        "hold_out_eval": False,  # the exported conversations were held out against MT-bench/HumanEval already
+        "target": {"model": args.target, "dtype": args.dtype, "device": args.device},
+        "generation": {"max_tokens": args.max_tokens, "temperature": 0.0},
+        "max_seq_len": args.max_seq_len,
+        "batch_size": args.batch,
+        "kv_cache_gib": args.kv_cache_gib,
+        "progress_seconds": 30,
+        **({"limit": args.limit} if args.limit else {}),
+    }
+    (work / "config.yaml").write_text(yaml.safe_dump(cfg))
+    parts = [work / f"part{i}.jsonl" for i in range(args.procs)]
+    t0 = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "eagleray.jobs.regenerate", "--config", str(work / "config.yaml"), "--out", str(part)]
+            + ["--shard", f"{i}/{args.procs}", "--device", args.device],
+            stdout=open(work / f"part{i}.log", "a"),
+            stderr=subprocess.STDOUT,
+        )
+        for i, part in enumerate(parts)
+    ]
+    _wait(procs, lambda: _regen_progress(parts), "regen")
+    wall = time.perf_counter() - t0
+    manifests = [json.loads((work / f"part{i}.jsonl.manifest.json").read_text()) for i in range(args.procs)]
+    merged = args.work / "conversations.jsonl"
+    with merged.open("w", encoding="utf-8") as fh:
+        for part in parts:
+            fh.write(part.read_text(encoding="utf-8"))
+    with (args.work / "conversations.errors.jsonl").open("w", encoding="utf-8") as fh:
+        for part in parts:
+            fh.write(errors_path(part).read_text(encoding="utf-8"))
+    expected = _expected_turns(Path(args.prompts), args.limit)
+    counts = count_output(merged, expected)  # read back from the merged files, against the input
+    result = {
+        "prompts_in": counts["turns_in"],
+        "conversations": counts["conversations"],
+        "answered": counts["answered"],
+        "errors": counts["errors"],
+        "truncated": counts["truncated"],
+        "lost": counts["lost"],
+        "duplicated": counts["duplicated"],
+        "wall_s": round(wall, 1),
+        "generated_tokens": sum(m["this_run"]["generated_tokens"] for m in manifests),
+        "target": {"model": "SmolLM2-135M-Instruct" if args.target == "smollm2" else args.target, "dtype": args.dtype}
+        | {k: manifests[0][k] for k in ("target_fingerprint", "tokenizer_fingerprint")},
+        "device": _device_name(),
+        "processes": args.procs,
+        "in_flight_per_process": args.batch,
+        "generation": manifests[0]["generation"],
+        "max_prompt_tokens": manifests[0]["max_prompt_tokens"],
+        "per_process": [m["this_run"] for m in manifests],
+    }
+    result["tokens_per_s"] = round(result["generated_tokens"] / max(wall, 1e-9), 1)
+    _write(args.work / "regen.json", result)
+    log(
+        f"regen: {result['answered']} of {result['prompts_in']} turns answered, {result['errors']} errors, {result['truncated']} "
+        f"truncated, {result['lost']} lost, {result['duplicated']} duplicated; {result['generated_tokens']} tokens in {wall:.0f} s "
+        f"({result['tokens_per_s']} tok/s)"
+    )
+    return result
+
+
+def _expected_turns(prompts: Path, limit: int | None) -> dict[str, int]:
+    from eagleray.platform.prompts import iter_prompts
+
+    out: dict[str, int] = {}
+    for rec in iter_prompts(str(prompts)):
+        if limit is not None and len(out) >= limit:
+            break
+        out.setdefault(rec.prompt_id, sum(m.role == "user" for m in rec.messages))
+    return out
+
+
+def _regen_progress(parts: list[Path]) -> str:
+    turns = 0
+    for p in parts:
+        if p.is_file():
+            with p.open(encoding="utf-8") as fh:
+                turns += sum(line.count('"role": "user"') for line in fh)
+    return f"{turns} turns written"
+
+
+# ----------------------------------------------------------------------------------------------- train
+def train_config(args: argparse.Namespace, fraction: float, rows: int):
+    from eagleray.platform.config.schemas import TrainingConfig
+
+    return TrainingConfig(
+        data_dir="online",
+        online={
+            "prompts": [str(args.work / "conversations.jsonl")],
+            "limit": max(1, int(rows * fraction)),
+            "loss_turns": "all",
+            "vocab_count_rows": 4000,
+        },
+        target={"model": args.target, "dtype": args.dtype, "device": args.device},
+        output_dir=str(_draft_dir(args, fraction)),
+        draft_vocab_size=args.draft_vocab,
+        ttt_steps=args.ttt_steps,
+        learning_rate=args.lr,
+        warmup_steps=min(100, args.steps // 10),
+        min_lr_ratio=0.1,
+        max_steps=args.steps,
+        batch_size=args.train_batch,
+        max_seq_len=args.train_seq_len,
+        shuffle_buffer=256,
+        eval_fraction=0.02,
+        eval_batches=20,
+        checkpoint_every=max(args.steps // 3, 1),
+        log_every=50,
+        backend="local",
+        use_gpu=args.device == "cuda",
+        register_model=False,
+        alias=None,
+    )
+
+
+def _draft_dir(args: argparse.Namespace, fraction: float) -> Path:
+    return args.work / "drafts" / f"frac-{fraction:g}"
+
+
+def train_one(args: argparse.Namespace) -> dict:
+    """One fraction, in this process (no Ray, no MLflow: neither is on the GPU image)."""
+    from eagleray.training.loop import train_worker
+    from eagleray.training.plan import make_plan
+    from eagleray.training.session import LocalSession
+
+    rows = sum(1 for _ in (args.work / "conversations.jsonl").open(encoding="utf-8"))
+    cfg = train_config(args, args.fraction, rows)
+    out = Path(cfg.output_dir)
+    session = LocalSession(out / "checkpoints")
+    t0 = time.perf_counter()
+    metrics = train_worker(cfg, session, None)
+    ckpt = session.latest_checkpoint()
+    final = out / "final-draft"
+    subprocess.run(["rm", "-rf", str(final)], check=True)
+    subprocess.run(["cp", "-r", str(ckpt / "draft"), str(final)], check=True)
+    facts = make_plan(cfg).data_facts
+    summary = {
+        "data_fraction": args.fraction,
+        "conversations": cfg.online.limit,
+        "steps": cfg.max_steps,
+        "train_s": round(time.perf_counter() - t0, 1),
+        "metrics": metrics,
+        **facts,
+    }
+    _write(out / "train.json", summary)
+    log(f"train {args.fraction:g}: done in {summary['train_s']} s, sim_tau {metrics.get('eval/sim_tau')}")
+    return summary
+
+
+def train_all(args: argparse.Namespace) -> list[dict]:
+    fractions = [float(f) for f in args.fractions.split(",")]
+    procs = []
+    base = [sys.executable, "-m", "eagleray.jobs.bench.draft_scaling", "train-one", "--work", str(args.work)]
+    opts = ["--target", args.target, "--steps", str(args.steps), "--train-batch", str(args.train_batch)]
+    opts += ["--train-seq-len", str(args.train_seq_len), "--ttt-steps", str(args.ttt_steps), "--lr", str(args.lr)]
+    opts += ["--draft-vocab", str(args.draft_vocab), "--dtype", args.dtype, "--device", args.device]
+    for f in fractions:
+        d = _draft_dir(args, f)
+        d.mkdir(parents=True, exist_ok=True)
+        log_file = open(d / "train.log", "a")
+        procs.append(subprocess.Popen(base + ["--fraction", str(f)] + opts, stdout=log_file, stderr=subprocess.STDOUT))
+    counter = threading.Thread(target=_count_loss_tokens, args=(args, fractions), daemon=True)
+    counter.start()
+    deadline = time.perf_counter() + 60 * args.train_minutes if args.train_minutes else None
+    _wait(procs, lambda: _train_progress(args, fractions), "train", deadline=deadline)
+    for f, p in zip(fractions, procs):
+        if p.returncode != 0:
+            _keep_latest(args, f, p.returncode)
+    counter.join()
+    return [json.loads((_draft_dir(args, f) / "train.json").read_text()) for f in fractions]
+
+
+def _keep_latest(args: argparse.Namespace, fraction: float, code: int) -> None:
+    """A trainer stopped at the deadline (or failed): its latest checkpoint's draft becomes the final one."""
+    d = _draft_dir(args, fraction)
+    ckpts = sorted((d / "checkpoints").glob("step-*"))
+    if not ckpts:
+        raise RuntimeError(f"train {fraction:g}: exit code {code} and no checkpoint; see {d / 'train.log'}")
+    subprocess.run(["rm", "-rf", str(d / "final-draft")], check=True)
+    subprocess.run(["cp", "-r", str(ckpts[-1] / "draft"), str(d / "final-draft")], check=True)
+    step = int(ckpts[-1].name.split("-")[1])
+    _write(
+        d / "train.json", {"data_fraction": fraction, "steps": step, "stopped": f"exit code {code} at the deadline or on failure"}
+    )
+    log(f"train {fraction:g}: stopped (exit {code}); kept checkpoint {ckpts[-1].name}")
+
+
+def _count_loss_tokens(args: argparse.Namespace, fractions: list[float]) -> None:
+    """Loss-masked tokens of each fraction's training rows (the first ``fraction`` of the conversations, held-out
+    rows excluded, every assistant turn) -> loss_tokens.json; runs beside the trainers."""
+    from transformers import AutoTokenizer
+
+    from eagleray.platform.checkpoints.target import resolve_target
+    from eagleray.platform.prompts.sources import iter_prompts
+    from eagleray.training.data import is_eval
+    from eagleray.training.online import tokenize
+
+    rows = sum(1 for _ in (args.work / "conversations.jsonl").open(encoding="utf-8"))
+    cfg = train_config(args, 1.0, rows)
+    tok = AutoTokenizer.from_pretrained(str(resolve_target(args.target, args.dtype)))
+    limits = {f: max(1, int(rows * f)) for f in fractions}
+    sums = dict.fromkeys(fractions, 0)
+    for seen, rec in enumerate(iter_prompts(cfg.online.prompts[0]), 1):
+        if is_eval(rec.prompt_id, cfg.eval_fraction):
+            continue
+        t = tokenize(tok, [m.to_dict() for m in rec.messages], cfg.max_seq_len, "all")
+        n = sum(t[1]) if t is not None else 0
+        for f in fractions:
+            sums[f] += n if seen <= limits[f] else 0
+    _write(args.work / "loss_tokens.json", {f"{f:g}": sums[f] for f in fractions})
+
+
+def _train_progress(args, fractions) -> str:
+    parts = []
+    for f in fractions:
+        ckpts = sorted((_draft_dir(args, f) / "checkpoints").glob("step-*"))
+        parts.append(f"{f:g}: {ckpts[-1].name if ckpts else '-'}")
+    return "; ".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------- eval
+def evaluate(args: argparse.Namespace) -> list[dict]:
+    import torch
+
+    from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TargetConfig, TreeConfig
+    from eagleray.platform.prompts import load_prompts
+    from eagleray.serve.engine import SamplingParams, close_target, load_models
+    from eagleray.serve.measure import plain_run, spec_run
+
+    fractions = [float(f) for f in args.fractions.split(",")]
+    drafts = [(f, _draft_dir(args, f) / "final-draft") for f in fractions if (_draft_dir(args, f) / "final-draft").is_dir()]
+    mt_src, he_src = args.eval_prompts.split(",")
+    suites = {
+        "mtbench": [r.to_dict()["messages"] for r in load_prompts(mt_src)],
+        "humaneval": [r.to_dict()["messages"] for r in load_prompts(he_src)],
+    }
+    tcfg = TargetConfig(model=args.target, dtype=args.dtype, device=args.device, max_model_len=args.eval_max_model_len)
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens)
+    sampled = SamplingParams(temperature=1.0, max_tokens=args.eval_max_tokens, seed=0)
+    target, _, tok, _ = load_models(tcfg, None)
+    plain = {}  # (suite, batch, sampled) -> (token prompts, outputs, seconds)
+    for suite, prompts in suites.items():
+        for b in (8, 1) if suite == "mtbench" else (8,):
+            tp, outs, sec, _ = plain_run(target, tok, tcfg, prompts, greedy, b, False, 8.0)
+            plain[(suite, b, False)] = (tp, outs, sec)
+            log(f"eval plain {suite} b{b}: {sum(len(o.token_ids) for o in outs) / sec:.0f} tok/s")
+    tp, outs, sec, _ = plain_run(target, tok, tcfg, suites["mtbench"], sampled, 8, False, 8.0)
+    plain[("mtbench", 8, True)] = (tp, outs, sec)
+    close_target(target)
+    chain = lambda src: DraftConfig(source=str(src), num_speculative_tokens=args.k, policy=PolicyConfig(adaptive=False))  # noqa: E731
+    records = []
+    for f, src in drafts:
+        target, draft, tok, _ = load_models(tcfg, chain(src))
+        rec = {"data_fraction": f, **_train_facts(args, f)}
+        for suite, key in (("mtbench", "mtbench"), ("humaneval", "humaneval")):
+            tp, outs, sec = plain[(suite, 8, False)]
+            r = spec_run(target, draft, tok, tcfg, chain(src), tp, greedy, outs, sec, 8, False, 8.0)
+            rec[f"tau_{key}_chain"], rec[f"lossless_{key}_chain"] = r["tau"], r["lossless"]
+            rec[f"acceptance_{key}_chain"] = r["acceptance_per_pos"]
+        tp, outs, sec = plain[("mtbench", 1, False)]
+        r = spec_run(target, draft, tok, tcfg, chain(src), tp, greedy, outs, sec, 1, False, 8.0)
+        rec.update(speedup_h200_b1=r["speedup"], lossless_b1=r["lossless"], spec_tok_s_b1=r["spec"]["tokens_per_s"])
+        rec["plain_tok_s_b1"] = r["plain"]["tokens_per_s"]
+        rec["lossless"] = bool(rec["lossless_mtbench_chain"] and rec["lossless_humaneval_chain"] and rec["lossless_b1"])
+        tp, outs, sec = plain[("mtbench", 8, True)]
+        r = spec_run(target, draft, tok, tcfg, chain(src), tp, sampled, outs, sec, 8, False, 8.0)
+        rec["tau_mtbench_chain_t1"] = r["tau"]
+        tree = DraftConfig(source=str(src), tree=TreeConfig(), policy=PolicyConfig(adaptive=False))
+        tp, outs, sec = plain[("mtbench", 8, False)]
+        r = spec_run(target, draft, tok, tcfg, tree, tp, greedy, outs, sec, 8, False, 8.0)
+        rec["tau_mtbench_tree"], rec["lossless_mtbench_tree"] = r["tau"], r["lossless"]
+        rec["tree"] = TreeConfig().model_dump()
+        records.append(rec)
+        _write(args.work / "scaling.json", records)
+        log(
+            f"eval {f:g}: τ MT-bench {rec['tau_mtbench_chain']} (tree {rec['tau_mtbench_tree']}, T=1 {rec['tau_mtbench_chain_t1']}), "
+            f"HumanEval {rec['tau_humaneval_chain']}, b1 speedup {rec['speedup_h200_b1']}x, lossless {rec['lossless']}"
+        )
+        close_target(target)
+        del draft
+        torch.cuda.empty_cache() if args.device == "cuda" else None
+    return records
+
+
+def _loss_tokens(args) -> dict:
+    path = args.work / "loss_tokens.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _train_facts(args, f: float) -> dict:
+    path = _draft_dir(args, f) / "train.json"
+    if not path.is_file():
+        return {}
+    t = json.loads(path.read_text())
+    m = t.get("metrics", {})
+    return {
+        "conversations": t.get("conversations"),
+        "steps": t.get("steps"),
+        "train_s": t.get("train_s"),
+        "sim_tau_heldout": m.get("eval/sim_tau"),
+        "loss_tokens": _loss_tokens(args).get(f"{f:g}"),
+        "train_tokens_per_s": m.get("tokens_per_s"),
+    }
+
+
+# ----------------------------------------------------------------------------------------------- shared
+def _wait(procs: list[subprocess.Popen], progress, name: str, every: float = 30.0, deadline: float | None = None) -> None:
+    """Wait for every process (a progress line every ``every`` s); past ``deadline`` (perf_counter) they are
+    terminated and the caller handles their exit codes; without one a failure raises."""
+    t0 = last = time.perf_counter()
+    while any(p.poll() is None for p in procs):
+        time.sleep(1.0)
+        if time.perf_counter() - last >= every:
+            last = time.perf_counter()
+            log(f"{name}: {progress()} ({last - t0:.0f} s)")
+        if deadline is not None and time.perf_counter() > deadline:
+            log(f"{name}: deadline reached; stopping {sum(p.poll() is None for p in procs)} process(es)")
+            for p in procs:
+                p.terminate() if p.poll() is None else None
+            for p in procs:
+                p.wait()
+    bad = [i for i, p in enumerate(procs) if p.returncode != 0]
+    if bad and deadline is None:
+        raise RuntimeError(f"{name}: process(es) {bad} failed (exit codes {[procs[i].returncode for i in bad]}); see their logs")
+
+
+def pack(args: argparse.Namespace) -> None:
+    """The best draft by MT-bench τ, cast to bf16 (vLLM format), and the regenerated answers, as <= 15 MB pieces."""
+    import tarfile
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    records = json.loads((args.work / "scaling.json").read_text())
+    best = max(records, key=lambda r: r["tau_mtbench_chain"])
+    src = _draft_dir(args, best["data_fraction"]) / "final-draft"
+    dst = args.work / "best-draft-bf16"
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file(
+        {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()}, str(dst / "model.safetensors")
+    )
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["torch_dtype"] = "bfloat16"
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    with tarfile.open(args.work / "best-draft.tar", "w") as tar:
+        tar.add(dst, arcname="best-draft-bf16")
+    args.out.mkdir(parents=True, exist_ok=True)
+    _split(args.work / "best-draft.tar", args.out, "best-draft.tar.part")
+    subprocess.run(["xz", "-T0", "-6", "-kf", str(args.work / "conversations.jsonl")], check=True)
+    _split(args.work / "conversations.jsonl.xz", args.out, "conversations.jsonl.xz.part")
+    log(f"pack: best draft {best['data_fraction']:g} (τ {best['tau_mtbench_chain']}) and the answers in {args.out}")
+
+
+def _split(path: Path, out: Path, prefix: str, size: int = 15 << 20) -> None:
+    data = path.read_bytes()
+    for i in range(0, len(data), size):
+        (out / f"{prefix}{i // size}").write_bytes(data[i : i + size])
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def _write(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eagleray.jobs.bench.draft_scaling", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.stage in ("all", "regen"):
+        regen(args)
+    if args.stage in ("all", "train"):
+        train_all(args)
+    if args.stage == "train-one":
+        train_one(args)
+    if args.stage in ("all", "eval"):
+        evaluate(args)
+    if args.stage == "pack":
+        pack(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
