@@ -35,6 +35,7 @@ def plain_run(
     batch: int = 1,
     profile: bool = True,
     kv_cache_gib: float = 1.0,
+    decode_path: str = "auto",
 ):
     """Plain decoding of ``prompts`` (messages or token ids) -> (token prompts, outputs, seconds, engine);
     the target captures nothing. ``profile``: time each step's phases (on CUDA a sync per phase)."""
@@ -42,7 +43,11 @@ def plain_run(
     target.set_aux_layers([])
     try:
         engine = LLMEngine(
-            target, tok, EngineConfig(target=tcfg, max_num_seqs=batch, profile_steps=profile, kv_cache_gib=kv_cache_gib)
+            target,
+            tok,
+            EngineConfig(
+                target=tcfg, max_num_seqs=batch, profile_steps=profile, kv_cache_gib=kv_cache_gib, decode_path=decode_path
+            ),
         )
         token_prompts = [engine.tokenize(m) for m in prompts]
         outs, seconds = timed_generate(engine, token_prompts, params)
@@ -64,14 +69,13 @@ def spec_run(
     batch: int = 1,
     profile: bool = True,
     kv_cache_gib: float = 1.0,
+    decode_path: str = "auto",
 ) -> dict:
     """Speculative decoding of the same token prompts, compared with the plain run (outputs and speed)."""
-    engine = LLMEngine(
-        target,
-        tok,
-        EngineConfig(target=tcfg, draft=dcfg, max_num_seqs=batch, profile_steps=profile, kv_cache_gib=kv_cache_gib),
-        draft,
+    cfg = EngineConfig(
+        target=tcfg, draft=dcfg, max_num_seqs=batch, profile_steps=profile, kv_cache_gib=kv_cache_gib, decode_path=decode_path
     )
+    engine = LLMEngine(target, tok, cfg, draft)
     spec, t_spec = timed_generate(engine, token_prompts, params)
     stats = engine.metrics.spec
     n_plain, n_spec = sum(len(o.token_ids) for o in plain), sum(len(o.token_ids) for o in spec)

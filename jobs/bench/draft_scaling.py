@@ -38,7 +38,9 @@ def log(msg: str) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("stage", choices=["all", "regen", "train", "train-one", "eval", "pack"])
+    p.add_argument("stage", choices=["all", "regen", "train", "train-one", "eval", "eval-one", "pack"])
+    p.add_argument("--tree", action="store_true", help="eval-one: also the tree (eager verification) and T=1")
+    p.add_argument("--decode-path", default="auto", choices=["auto", "rows", "varlen"], help="eval-one: engine.decode_path")
     p.add_argument("--out", type=Path, default=None, help="pack: where the best draft (bf16, split) and the answers go")
     p.add_argument("--work", type=Path, required=True, help="working directory (answers, drafts, JSON)")
     p.add_argument("--target", default="smollm2", help="target model: smollm2 or a HF directory")
@@ -64,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=5e-4, help="train: peak learning rate")
     p.add_argument("--draft-vocab", type=int, default=8192, help="train: draft vocabulary size")
     p.add_argument("--eval-prompts", default="mtbench,humaneval", help="eval: MT-bench and HumanEval sources (names or JSONL)")
-    p.add_argument("--eval-max-tokens", type=int, default=256, help="eval: tokens per answer (EOS ends earlier)")
+    p.add_argument("--eval-max-tokens", type=int, default=128, help="eval: tokens per answer (EOS ends earlier)")
     p.add_argument("--k", type=int, default=4, help="eval: chain length")
     p.add_argument("--eval-max-model-len", type=int, default=2048, help="eval: the engines' max_model_len")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="target dtype")
@@ -192,7 +194,7 @@ def train_config(args: argparse.Namespace, fraction: float, rows: int):
         shuffle_buffer=256,
         eval_fraction=0.02,
         eval_batches=20,
-        checkpoint_every=max(args.steps // 3, 1),
+        checkpoint_every=max(args.steps // 12, 1),
         log_every=50,
         backend="local",
         use_gpu=args.device == "cuda",
@@ -238,10 +240,8 @@ def train_one(args: argparse.Namespace) -> dict:
 def train_all(args: argparse.Namespace) -> list[dict]:
     fractions = [float(f) for f in args.fractions.split(",")]
     procs = []
-    base = [sys.executable, "-m", "eagleray.jobs.bench.draft_scaling", "train-one", "--work", str(args.work)]
-    opts = ["--target", args.target, "--steps", str(args.steps), "--train-batch", str(args.train_batch)]
-    opts += ["--train-seq-len", str(args.train_seq_len), "--ttt-steps", str(args.ttt_steps), "--lr", str(args.lr)]
-    opts += ["--draft-vocab", str(args.draft_vocab), "--dtype", args.dtype, "--device", args.device]
+    base = [sys.executable, "-m", "eagleray.jobs.bench.draft_scaling", "train-one"]
+    opts = _shared_options(args)
     for f in fractions:
         d = _draft_dir(args, f)
         d.mkdir(parents=True, exist_ok=True)
@@ -307,16 +307,11 @@ def _train_progress(args, fractions) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- eval
-def evaluate(args: argparse.Namespace) -> list[dict]:
-    import torch
-
-    from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TargetConfig, TreeConfig
+def _eval_setup(args: argparse.Namespace):
+    from eagleray.platform.config.schemas import TargetConfig
     from eagleray.platform.prompts import load_prompts
-    from eagleray.serve.engine import SamplingParams, close_target, load_models
-    from eagleray.serve.measure import plain_run, spec_run
+    from eagleray.serve.engine import SamplingParams
 
-    fractions = [float(f) for f in args.fractions.split(",")]
-    drafts = [(f, _draft_dir(args, f) / "final-draft") for f in fractions if (_draft_dir(args, f) / "final-draft").is_dir()]
     mt_src, he_src = args.eval_prompts.split(",")
     suites = {
         "mtbench": [r.to_dict()["messages"] for r in load_prompts(mt_src)],
@@ -325,49 +320,100 @@ def evaluate(args: argparse.Namespace) -> list[dict]:
     tcfg = TargetConfig(model=args.target, dtype=args.dtype, device=args.device, max_model_len=args.eval_max_model_len)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens)
     sampled = SamplingParams(temperature=1.0, max_tokens=args.eval_max_tokens, seed=0)
-    target, _, tok, _ = load_models(tcfg, None)
-    plain = {}  # (suite, batch, sampled) -> (token prompts, outputs, seconds)
-    for suite, prompts in suites.items():
-        for b in (8, 1) if suite == "mtbench" else (8,):
-            tp, outs, sec, _ = plain_run(target, tok, tcfg, prompts, greedy, b, False, 8.0)
-            plain[(suite, b, False)] = (tp, outs, sec)
-            log(f"eval plain {suite} b{b}: {sum(len(o.token_ids) for o in outs) / sec:.0f} tok/s")
-    tp, outs, sec, _ = plain_run(target, tok, tcfg, suites["mtbench"], sampled, 8, False, 8.0)
-    plain[("mtbench", 8, True)] = (tp, outs, sec)
-    close_target(target)
-    chain = lambda src: DraftConfig(source=str(src), num_speculative_tokens=args.k, policy=PolicyConfig(adaptive=False))  # noqa: E731
-    records = []
-    for f, src in drafts:
-        target, draft, tok, _ = load_models(tcfg, chain(src))
-        rec = {"data_fraction": f, **_train_facts(args, f)}
-        for suite, key in (("mtbench", "mtbench"), ("humaneval", "humaneval")):
-            tp, outs, sec = plain[(suite, 8, False)]
-            r = spec_run(target, draft, tok, tcfg, chain(src), tp, greedy, outs, sec, 8, False, 8.0)
-            rec[f"tau_{key}_chain"], rec[f"lossless_{key}_chain"] = r["tau"], r["lossless"]
-            rec[f"acceptance_{key}_chain"] = r["acceptance_per_pos"]
-        tp, outs, sec = plain[("mtbench", 1, False)]
-        r = spec_run(target, draft, tok, tcfg, chain(src), tp, greedy, outs, sec, 1, False, 8.0)
-        rec.update(speedup_h200_b1=r["speedup"], lossless_b1=r["lossless"], spec_tok_s_b1=r["spec"]["tokens_per_s"])
-        rec["plain_tok_s_b1"] = r["plain"]["tokens_per_s"]
-        rec["lossless"] = bool(rec["lossless_mtbench_chain"] and rec["lossless_humaneval_chain"] and rec["lossless_b1"])
-        tp, outs, sec = plain[("mtbench", 8, True)]
-        r = spec_run(target, draft, tok, tcfg, chain(src), tp, sampled, outs, sec, 8, False, 8.0)
-        rec["tau_mtbench_chain_t1"] = r["tau"]
-        tree = DraftConfig(source=str(src), tree=TreeConfig(), policy=PolicyConfig(adaptive=False))
-        tp, outs, sec = plain[("mtbench", 8, False)]
-        r = spec_run(target, draft, tok, tcfg, tree, tp, greedy, outs, sec, 8, False, 8.0)
-        rec["tau_mtbench_tree"], rec["lossless_mtbench_tree"] = r["tau"], r["lossless"]
-        rec["tree"] = TreeConfig().model_dump()
-        records.append(rec)
-        _write(args.work / "scaling.json", records)
-        log(
-            f"eval {f:g}: τ MT-bench {rec['tau_mtbench_chain']} (tree {rec['tau_mtbench_tree']}, T=1 {rec['tau_mtbench_chain_t1']}), "
-            f"HumanEval {rec['tau_humaneval_chain']}, b1 speedup {rec['speedup_h200_b1']}x, lossless {rec['lossless']}"
-        )
+    return suites, tcfg, greedy, sampled
+
+
+def evaluate(args: argparse.Namespace) -> list[dict]:
+    """Plain baselines once (saved), then each draft in its own process (a CUDA failure costs that draft only:
+    it is measured again with ``engine.decode_path: varlen``, and the record says so)."""
+    import pickle
+
+    from eagleray.serve.engine import close_target, load_models
+    from eagleray.serve.measure import plain_run
+
+    suites, tcfg, greedy, sampled = _eval_setup(args)
+    baselines = args.work / "plain.pkl"
+    if not baselines.is_file():
+        target, _, tok, _ = load_models(tcfg, None)
+        plain = {}  # (suite, batch, sampled) -> (token prompts, outputs, seconds)
+        for suite, b, smp in (("mtbench", 8, False), ("mtbench", 1, False), ("humaneval", 8, False), ("mtbench", 8, True)):
+            tp, outs, sec, _ = plain_run(target, tok, tcfg, suites[suite], sampled if smp else greedy, b, False, 8.0)
+            plain[(suite, b, smp)] = (tp, outs, sec)
+            log(f"eval plain {suite} b{b}{' T=1' if smp else ''}: {sum(len(o.token_ids) for o in outs) / sec:.0f} tok/s")
         close_target(target)
-        del draft
-        torch.cuda.empty_cache() if args.device == "cuda" else None
+        baselines.write_bytes(pickle.dumps(plain))
+    records = []
+    for f in _fractions(args):
+        if not (_draft_dir(args, f) / "final-draft").is_dir():
+            continue
+        for path in ("auto", "varlen"):
+            out = args.work / f"eval-{f:g}.json"
+            cmd = [sys.executable, "-m", "eagleray.jobs.bench.draft_scaling", "eval-one", "--fraction", str(f)]
+            cmd += ["--decode-path", path] + _shared_options(args) + (["--tree"] if f == max(_fractions(args)) else [])
+            code = subprocess.run(
+                cmd, stdout=open(args.work / f"eval-{f:g}-{path}.log", "w"), stderr=subprocess.STDOUT
+            ).returncode
+            if code == 0:
+                records.append(json.loads(out.read_text()))
+                break
+            log(f"eval {f:g}: decode_path {path} failed (exit {code}; eval-{f:g}-{path}.log)")
+        _write(args.work / "scaling.json", records)
     return records
+
+
+def evaluate_one(args: argparse.Namespace) -> dict:
+    import pickle
+
+    from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TreeConfig
+    from eagleray.serve.engine import load_models
+    from eagleray.serve.measure import spec_run
+
+    suites, tcfg, greedy, sampled = _eval_setup(args)
+    plain = pickle.loads((args.work / "plain.pkl").read_bytes())
+    f, src = args.fraction, _draft_dir(args, args.fraction) / "final-draft"
+    chain = DraftConfig(source=str(src), num_speculative_tokens=args.k, policy=PolicyConfig(adaptive=False))
+    target, draft, tok, _ = load_models(tcfg, chain)
+
+    def spec(suite: str, b: int, smp: bool, dcfg=chain) -> dict:
+        tp, outs, sec = plain[(suite, b, smp)]
+        params = sampled if smp else greedy
+        return spec_run(target, draft, tok, tcfg, dcfg, tp, params, outs, sec, b, False, 8.0, args.decode_path)
+
+    rec = {"data_fraction": f, "decode_path": args.decode_path, **_train_facts(args, f)}
+    r = spec("mtbench", 1, False)  # first: the number the run is for
+    rec.update(speedup_h200_b1=r["speedup"], lossless_b1=r["lossless"], spec_tok_s_b1=r["spec"]["tokens_per_s"])
+    rec.update(plain_tok_s_b1=r["plain"]["tokens_per_s"], tau_mtbench_b1=r["tau"])
+    for suite in suites:
+        r = spec(suite, 8, False)
+        rec[f"tau_{suite}_chain"], rec[f"lossless_{suite}_chain"] = r["tau"], r["lossless"]
+        rec[f"acceptance_{suite}_chain"] = r["acceptance_per_pos"]
+    rec["lossless"] = bool(rec["lossless_mtbench_chain"] and rec["lossless_humaneval_chain"] and rec["lossless_b1"])
+    rec["tau_mtbench_chain_t1"] = rec["tau_mtbench_tree"] = rec["lossless_mtbench_tree"] = None
+    if args.tree:  # the largest draft only: the tree verifies on the eager path (slow)
+        rec["tau_mtbench_chain_t1"] = spec("mtbench", 8, True)["tau"]
+        tree = DraftConfig(source=str(src), tree=TreeConfig(), policy=PolicyConfig(adaptive=False))
+        r = spec("mtbench", 8, False, tree)
+        rec["tau_mtbench_tree"], rec["lossless_mtbench_tree"], rec["tree"] = r["tau"], r["lossless"], TreeConfig().model_dump()
+    _write(args.work / f"eval-{f:g}.json", rec)
+    log(
+        f"eval {f:g}: τ MT-bench {rec['tau_mtbench_chain']} (tree {rec['tau_mtbench_tree']}, T=1 {rec['tau_mtbench_chain_t1']}), "
+        f"HumanEval {rec['tau_humaneval_chain']}, b1 speedup {rec['speedup_h200_b1']}x, lossless {rec['lossless']}"
+    )
+    return rec
+
+
+def _fractions(args: argparse.Namespace) -> list[float]:
+    return [float(x) for x in args.fractions.split(",")]
+
+
+def _shared_options(args: argparse.Namespace) -> list[str]:
+    """The options a child process (train-one, eval-one) needs to see the same run."""
+    out = ["--work", str(args.work), "--target", args.target, "--dtype", args.dtype, "--device", args.device]
+    out += ["--steps", str(args.steps), "--train-batch", str(args.train_batch), "--train-seq-len", str(args.train_seq_len)]
+    out += ["--ttt-steps", str(args.ttt_steps), "--lr", str(args.lr), "--draft-vocab", str(args.draft_vocab)]
+    out += ["--eval-prompts", args.eval_prompts, "--eval-max-tokens", str(args.eval_max_tokens), "--k", str(args.k)]
+    out += ["--eval-max-model-len", str(args.eval_max_model_len), "--fractions", args.fractions]
+    return out
 
 
 def _loss_tokens(args) -> dict:
@@ -472,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
         train_one(args)
     if args.stage in ("all", "eval"):
         evaluate(args)
+    if args.stage == "eval-one":
+        evaluate_one(args)
     if args.stage == "pack":
         pack(args)
     return 0

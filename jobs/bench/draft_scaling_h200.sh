@@ -34,6 +34,7 @@ stage)
   sync_src
   nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv
   xz -dc $ROOT/stage/convs.jsonl.xz > $ROOT/stage/convs.jsonl && wc -l $ROOT/stage/convs.jsonl
+  [ "${SMOKE:-1}" = 0 ] && exit 0   # staging only: the next call follows at once
   python3 -c "from eagleray.tests.support.tiny import make_tiny_llama; make_tiny_llama('$ROOT/smoke/tiny')" > /dev/null
   python3 -m eagleray.jobs.bench.draft_scaling all --work $ROOT/smoke/work --target $ROOT/smoke/tiny --dtype bf16 \
     --prompts $ROOT/stage/smoke-convs.jsonl --procs 2 --batch 16 --max-tokens 16 --max-seq-len 512 --kv-cache-gib 1 \
