@@ -76,7 +76,7 @@ def tokenize_conversation_with_mask(tok, messages: list[dict], max_seq_len: int)
     eos = tok.eos_token or ""
     spans = []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or i == 0:  # an opening assistant message answers no prompt: not learned
             continue
         before, through = render(messages[:i], True), render(messages[: i + 1], False)
         if not (text.startswith(through) and through.startswith(before)):
