@@ -19,7 +19,7 @@ import time
 import torch
 
 from eagleray.jobs.bench import gpu as bench_gpu
-from eagleray.platform.models import decode_gemv
+from eagleray.kernels import decode_gemv
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.graphs import DecodeGraphRunner
 from eagleray.platform.models.llama import LlamaModel

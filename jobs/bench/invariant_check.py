@@ -51,7 +51,7 @@ def _graph_time(fn, reps: int = 20) -> float:
 
 
 def linear_records() -> list[dict]:
-    from eagleray.platform.models.decode_gemv import gemv
+    from eagleray.kernels.decode_gemv import gemv
 
     out = []
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from eagleray.platform.models.attention import KVCache
-from eagleray.platform.models.attention_gpu import DecodeMetadata
+from eagleray.platform.models.decode_metadata import DecodeMetadata
 from eagleray.platform.models.row_graphs import RowGraphs
 
 

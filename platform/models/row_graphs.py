@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from eagleray.platform.errors import EaglerayError
-from eagleray.platform.models.attention_gpu import DecodeMetadata
+from eagleray.platform.models.decode_metadata import DecodeMetadata
 
 
 class RowGraphs:

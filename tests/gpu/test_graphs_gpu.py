@@ -73,7 +73,7 @@ def test_graph_replay_equals_eager(dtype, atol, fused):
 
 @pytest.mark.parametrize("head_dim,group,length", [(64, 3, 600), (128, 4, 600), (128, 4, 17)])
 def test_triton_decode_attention_bf16_matches_torch(head_dim, group, length):
-    from eagleray.platform.models.attention_gpu import decode_attention_torch, decode_attention_triton
+    from eagleray.kernels.decode_attention import decode_attention, decode_attention_reference
 
     dev, hkv, bs = torch.device("cuda"), 8, 16
     blocks = -(-length // bs) + 3
@@ -81,8 +81,8 @@ def test_triton_decode_attention_bf16_matches_torch(head_dim, group, length):
     q = torch.randn(4, hkv * group, head_dim, device=dev, dtype=torch.bfloat16)
     tables = torch.randperm(4 * blocks, device=dev).view(4, blocks).to(torch.int32)
     lens = torch.tensor([length, 1, length // 2 + 1, length + 5], device=dev, dtype=torch.int32)
-    ref = decode_attention_torch(q.float(), k_cache.float(), v_cache.float(), tables, lens, head_dim**-0.5)
-    got = decode_attention_triton(q, k_cache, v_cache, tables, lens, head_dim**-0.5).float()
+    ref = decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), tables, lens, head_dim**-0.5)
+    got = decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5).float()
     rel = float((got - ref).norm() / ref.norm())
     print(f"attention D={head_dim} G={group} L={length}: relative error {rel:.2e}")
     assert rel < 1e-2
