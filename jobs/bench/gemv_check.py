@@ -23,6 +23,7 @@ from eagleray.kernels import decode_gemv
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.graphs import DecodeGraphRunner
 from eagleray.platform.models.llama import LlamaModel
+from eagleray.platform.models.row_graphs import DecodeRows
 
 SHAPES = {
     "qkv_rope": (6144, 4096),
@@ -79,7 +80,7 @@ def correctness(model: LlamaModel) -> dict:
         }.items():
             runner = DecodeGraphRunner(model, kv, 5, buckets=(1,), **kw)
             runner.capture()
-            got = runner.run(tok, pos, tables, lens, slots)[0].float()
+            got = runner.run(DecodeRows(tok, pos, tables, lens, slots))[0].float()
             out[name] = dict(
                 rel_err=float((got - ref).norm() / ref.norm()),
                 argmax_equal=bool((got.argmax(-1) == ref.argmax(-1)).all()),

@@ -21,7 +21,7 @@ Use::
 
     runner = DecodeGraphRunner(model, kv, max_blocks_per_seq=64)
     runner.capture()                                   # CUDA only; a no-op elsewhere
-    logits, aux = runner.run(ids, positions, block_tables, seq_lens, slots)   # [B, V], [B, A] | None
+    logits, aux = runner.run(DecodeRows(ids, positions, block_tables, seq_lens, slots))   # [B, V], [B, A] | None
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from eagleray.kernels.invariant_linear import invariant_linear
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.attention import KVCache
 from eagleray.platform.models.decode_metadata import DecodeMetadata
-from eagleray.platform.models.row_graphs import RowGraphs
+from eagleray.platform.models.row_graphs import DecodeRows, RowGraphs
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -248,22 +248,15 @@ class DecodeGraphRunner:
         self.rows.capture(self._aux_key, buckets or self.rows.buckets, self._forward)
 
     @torch.inference_mode()
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> Step:
-        """ids, positions [B], block_tables [B, nb<=max_blocks], seq_lens (incl. the new token), slots [B].
+    def run(self, rows: DecodeRows) -> Step:
+        """Score ``rows`` (block tables of at most ``max_blocks_per_seq`` blocks).
 
         Returns views of static outputs (valid until the next ``run``): logits [B, V], aux or None.
         """
-        b = input_ids.shape[0]
+        b = rows.num_rows
         if tuple(self.model.aux_layer_ids) != self._aux_key:
             self.rows.reset()
             self._aux_key = tuple(self.model.aux_layer_ids)
-        bucket = self.rows.load(input_ids, positions, block_tables, seq_lens, slot_mapping)
+        bucket = self.rows.load(rows)
         logits, aux = self.rows.replay(self._aux_key, bucket, self._forward)
         return logits[:b], (None if aux is None else aux[:b])

@@ -17,11 +17,12 @@ from eagleray.kernels import cpu_decode
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.models.llama import LlamaModel
+from eagleray.platform.models.row_graphs import DecodeRows
 from eagleray.serve.engine.block_manager import BlockManager
 from eagleray.serve.engine.config import EngineConfig
 from eagleray.serve.engine.draft_slot import DraftSlot
 from eagleray.serve.engine.metrics import EngineMetrics
-from eagleray.serve.engine.model_runner import DecodeRows, ForwardBatch, TargetRunner, block_table_tensor
+from eagleray.serve.engine.model_runner import ForwardBatch, TargetRunner, block_table_tensor
 from eagleray.serve.engine.outputs import Detokenizer, RequestOutput, make_output
 from eagleray.serve.engine.policy import AcceptanceWatchdog, AdaptivePolicy
 from eagleray.serve.engine.profile import StepProfiler

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from eagleray.platform.checkpoints.guard import assert_aux_shape
-from eagleray.serve.engine.model_runner import DecodeRows, DraftRunner, ForwardBatch, TargetRunner, block_table_tensor
+from eagleray.platform.models.row_graphs import DecodeRows
+from eagleray.serve.engine.model_runner import DraftRunner, ForwardBatch, TargetRunner, block_table_tensor
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.sampling import filter_logits, scaled_probs
 from eagleray.serve.engine.sequence import Sequence

@@ -9,6 +9,7 @@ import torch
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.graphs import DecodeGraphRunner
 from eagleray.platform.models.llama import LlamaModel
+from eagleray.platform.models.row_graphs import DecodeRows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -60,9 +61,9 @@ def test_graph_replay_equals_eager(dtype, atol, fused):
         for _ in range(4):  # batch 5 replays the bucket-8 graph
             p = torch.tensor(lens, device=dev)
             slots = tables.gather(1, (p // BLOCK)[:, None].long()).squeeze(1).long() * BLOCK + p % BLOCK
-            args = (tok, p, tables, (p + 1).int(), slots)
-            g_logits, g_aux = (t.clone() for t in graph.run(*args))
-            e_logits, e_aux = eager.run(*args)
+            rows = DecodeRows(tok, p, tables, (p + 1).int(), slots)
+            g_logits, g_aux = (t.clone() for t in graph.run(rows))
+            e_logits, e_aux = eager.run(rows)
             r_logits, r_aux = _eager(model, tok, lens, tables, kv_ref)
             torch.testing.assert_close(g_logits, e_logits, atol=1e-5, rtol=0)  # same kernels, replayed
             torch.testing.assert_close(g_aux, e_aux, atol=1e-5, rtol=0)
@@ -105,7 +106,7 @@ def test_fused_step_on_8b_shapes_matches_engine_path():
         model(ids, pos, AttentionMetadata.build(lens, [0] * 3, tables, BLOCK), kv)
         tok, p = torch.randint(0, 128256, (3,), device=dev), torch.tensor(lens, device=dev)
         slots = tables.gather(1, (p // BLOCK)[:, None].long()).squeeze(1).long() * BLOCK + p % BLOCK
-        got = runner.run(tok, p, tables, (p + 1).int(), slots)[0].float().clone()
+        got = runner.run(DecodeRows(tok, p, tables, (p + 1).int(), slots))[0].float().clone()
         ref = _eager(model, tok, lens, tables, kv)[0].float()
     rel = float((got - ref).norm() / ref.norm())
     print(f"8B-shaped step: logits relative error {rel:.2e}, argmax {got.argmax(-1).tolist()} vs {ref.argmax(-1).tolist()}")

@@ -9,6 +9,7 @@ import torch
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.graphs import DecodeGraphRunner
 from eagleray.platform.models.llama import LlamaModel
+from eagleray.platform.models.row_graphs import DecodeRows
 
 VOCAB = 96  # conftest.SMALL
 BLOCK = 4
@@ -35,7 +36,7 @@ def _runner_step(runner, tok, lens):
     pos = torch.tensor(lens)  # [B]
     tables = torch.tensor(TABLES, dtype=torch.int32)  # [B, 5]
     slots = tables.gather(1, (pos // BLOCK)[:, None]).squeeze(1).long() * BLOCK + pos % BLOCK  # [B]
-    return runner.run(tok, pos, tables, (pos + 1).to(torch.int32), slots)
+    return runner.run(DecodeRows(tok, pos, tables, (pos + 1).to(torch.int32), slots))
 
 
 @pytest.mark.parametrize(
@@ -103,7 +104,7 @@ def test_invariant_rows_score_a_position_alike_alone_in_a_batch_and_in_a_verific
     def score(row_seq, pos, ids):
         pos, t = torch.tensor(pos), tables[torch.tensor(row_seq)]
         slots = t.gather(1, (pos // BLOCK)[:, None]).squeeze(1).long() * BLOCK + pos % BLOCK
-        logits, aux = runner.run(ids, pos, t, (pos + 1).to(torch.int32), slots)
+        logits, aux = runner.run(DecodeRows(ids, pos, t, (pos + 1).to(torch.int32), slots))
         return logits.clone(), aux.clone()
 
     with torch.inference_mode():
@@ -150,7 +151,7 @@ def test_batch1_gemv_step_equals_eager(tiny_dirs):
             ref = model.compute_logits(h)
             pos, t = torch.tensor([n]), torch.tensor(tables, dtype=torch.int32)
             slots = t[0, n // BLOCK].long().view(1) * BLOCK + n % BLOCK
-            got, got_aux = runner.run(tok, pos, t, (pos + 1).to(torch.int32), slots)
+            got, got_aux = runner.run(DecodeRows(tok, pos, t, (pos + 1).to(torch.int32), slots))
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
             torch.testing.assert_close(got_aux, ref_aux, atol=1e-4, rtol=0)
             tok, n = ref.argmax(-1), n + 1
