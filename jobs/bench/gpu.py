@@ -28,25 +28,13 @@ import time
 
 import torch
 
-from eagleray.jobs.bench.common import LLAMA_8B, SMOLLM2, log, step_times, write_json
+from eagleray.jobs.bench.common import CONFIGS, log, step_times, write_json
 from eagleray.platform.host import pick_device
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.graphs import BUCKETS, DecodeGraphRunner
 from eagleray.platform.models.llama import LlamaModel
 from eagleray.platform.models.row_graphs import DecodeRows
 
-TINY = dict(
-    model_type="llama",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
-CONFIGS = {"8b": LLAMA_8B, "smollm2": SMOLLM2, "tiny": TINY}
 BLOCK = 16
 
 

@@ -91,7 +91,7 @@ def test_triton_decode_attention_bf16_matches_torch(head_dim, group, length):
 
 def test_fused_step_on_8b_shapes_matches_engine_path():
     """Two layers with Llama-3.1-8B shapes, bf16: one decode step, fused graph vs paged eager."""
-    from eagleray.jobs.bench.gpu import LLAMA_8B
+    from eagleray.jobs.bench.common import LLAMA_8B
 
     dev = torch.device("cuda")
     model = LlamaModel.from_config(dict(LLAMA_8B, num_hidden_layers=2), dtype=torch.bfloat16, device=dev)
