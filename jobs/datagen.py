@@ -9,20 +9,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eagleray.jobs.entry import run_job
+from eagleray.jobs.entry import add_set_argument, run_job
 from eagleray.platform.config.load import load_yaml_config
 from eagleray.platform.config.schemas import DatagenConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="datagen YAML config (see jobs/configs/datagen-*.yaml)")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="FIELD=JSON",
-        help="override a config field, dotted, value as JSON or a bare string (e.g. --set limit=100)",
-    )
+    add_set_argument(p, "limit=100")
     p.add_argument("--dry-run", action="store_true", help="print the prompt counts and the estimate, write nothing")
 
 

@@ -30,3 +30,14 @@ def run_job(prog: str, add_arguments: Callable, run: Callable, argv: list[str] |
     parser = argparse.ArgumentParser(prog=prog)
     add_arguments(parser)
     return run_reporting_errors(prog, run, parser.parse_args(argv))
+
+
+def add_set_argument(p: argparse.ArgumentParser, example: str) -> None:
+    """``--set FIELD=JSON`` (repeatable): the config overrides every config-driven job takes; ``example`` e.g. 'limit=100'."""
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=JSON",
+        help=f"override a config field, dotted, value as JSON or a bare string (e.g. --set {example})",
+    )

@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from eagleray.jobs.entry import run_job
+from eagleray.jobs.entry import add_set_argument, run_job
 from eagleray.platform.config.load import load_yaml_config
 from eagleray.platform.config.schemas import DatagenConfig
 from eagleray.platform.errors import EaglerayError
@@ -21,13 +21,7 @@ from eagleray.platform.errors import EaglerayError
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="datagen YAML config: prompts, limit, target, backend, generation")
     p.add_argument("--out", required=True, type=Path, help="JSONL to append the answered conversations to")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="FIELD=JSON",
-        help="override a config field, dotted, value as JSON or a bare string (e.g. --set limit=100)",
-    )
+    add_set_argument(p, "limit=100")
     p.add_argument("--device", default=None, help="cpu or cuda (default: the config's target.device; auto = cuda when available)")
     p.add_argument(
         "--prompts-only", action="store_true", help="write the selected prompts (messages JSONL) to --out without generating"

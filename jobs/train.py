@@ -11,20 +11,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eagleray.jobs.entry import run_job
+from eagleray.jobs.entry import add_set_argument, run_job
 from eagleray.platform.config.load import load_yaml_config
 from eagleray.platform.config.schemas import TrainingConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="training YAML config (see jobs/configs/train-*.yaml)")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="FIELD=JSON",
-        help="override a config field, dotted, value as JSON or a bare string (e.g. --set max_steps=10)",
-    )
+    add_set_argument(p, "max_steps=10")
 
 
 def load_config(path: str, overrides: list[str]) -> TrainingConfig:

@@ -163,13 +163,12 @@ class EngineServer:
 
     # ------------------------------------------------------------------ status
     async def info(self) -> dict[str, Any]:
-        workers = self.engine.target.workers
         return {
             "model": self.cfg.model_name,
             "max_model_len": self.engine.max_model_len,
             "target": str(self.spec.path),
             "draft_version": self.drafts.version,
-            "tensor_parallel": None if workers is None else workers.describe(),
+            "tensor_parallel": self.engine.tensor_parallel,
         }
 
     async def health(self) -> dict[str, Any]:

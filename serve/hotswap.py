@@ -90,7 +90,7 @@ class DraftManager:
         self.history: list[SwapRecord] = []
         self._swap_lock = asyncio.Lock()
         if initial is not None and engine.current_draft is not None:
-            self._versions[id(engine.current_draft)] = (initial, list(engine.target.model.aux_layer_ids))
+            self._versions[id(engine.current_draft)] = (initial, engine.aux_layer_ids)
         metrics.set_draft(self.version)
 
     @property
@@ -123,22 +123,22 @@ class DraftManager:
                 f"draft {resolved.version} ({resolved.path}) refused by the compatibility guard: {lines}",
                 report.problems,
             )
-        target = self.engine.target.model
         try:
-            draft = load_draft(resolved.path, target, self.engine.device)  # rank 0 only under tensor parallelism
+            draft = load_draft(
+                resolved.path, self.engine.target_model, self.engine.device
+            )  # rank 0 only under tensor parallelism
         except EaglerayError as err:
             raise SwapRefused("failed_load", f"draft {resolved.version} could not be loaded: {err}") from err
         return LoadedDraft(draft, resolved, list(report.facts["aux_layer_ids"]))
 
     def _smoke_and_switch(self, cand: LoadedDraft) -> None:
         """Engine thread, between steps: smoke-verify with the candidate's aux layers, then switch."""
-        model = self.engine.target.model
-        old_aux = list(model.aux_layer_ids)
-        model.set_aux_layers(cand.aux_layer_ids)
+        old_aux = self.engine.aux_layer_ids
+        self.engine.set_aux_layers(cand.aux_layer_ids)
         try:
             smoke_verify(self.engine, cand.draft)
         except BaseException:
-            model.set_aux_layers(old_aux)
+            self.engine.set_aux_layers(old_aux)
             raise
         self._versions[id(cand.draft)] = (cand.resolved, cand.aux_layer_ids)
         self.engine.swap_draft(cand.draft)
@@ -183,8 +183,7 @@ class DraftManager:
         entry = self._versions.get(id(prev))
         if entry is None:
             raise EaglerayError("the previous draft has no recorded version (engine bug: it was installed outside DraftManager)")
-        self.engine.target.model.set_aux_layers(entry[1])
-        self.engine.swap_draft(prev)
+        self.engine.swap_draft(prev, entry[1])
 
     def _record(self, source: str, outcome: str, version: str | None, message: str, t0: float) -> SwapRecord:
         rec = SwapRecord(source, outcome, version, message, time.perf_counter() - t0)
@@ -207,7 +206,7 @@ class DraftManager:
         return {
             "draft_version": self.version,
             "draft_path": str(cur.path) if cur else None,
-            "aux_layer_ids": list(self.engine.target.model.aux_layer_ids),  # the target layers captured now
+            "aux_layer_ids": self.engine.aux_layer_ids,  # the target layers captured now
             "draft_source": cur.source if cur else None,
             "watchdog_state": self.watchdog_state(),
             "history": [r.to_dict() for r in self.history[-10:]],

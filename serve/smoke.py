@@ -49,7 +49,7 @@ def smoke_verify(engine: LLMEngine, candidate: Eagle3Draft) -> dict:
         tree=served.tree if served else None,
         policy=PolicyConfig(adaptive=False, watchdog_window=1 << 20, on_low_acceptance="warn"),
     )
-    model = engine.target.model
+    model = engine.target_model
     plain = LLMEngine(model, engine.tokenizer, _small_config(engine, None, longest)).generate(prompts, params)
     spec_engine = LLMEngine(model, engine.tokenizer, _small_config(engine, dcfg, longest), draft=candidate)
     spec = spec_engine.generate(prompts, params)

@@ -47,6 +47,20 @@ SMOLLM2 = dict(
     tie_word_embeddings=True,
     rope_theta=100000.0,
 )
+TINY = dict(  # a random Llama small enough for quick checks on any machine
+    model_type="llama",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+)
+CONFIGS = {"8b": LLAMA_8B, "smollm2": SMOLLM2, "tiny": TINY}  # the shapes a benchmark's --model names
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, *, limit: int = 8, batch: int = 1) -> None:

@@ -19,10 +19,12 @@ import time
 import torch
 
 from eagleray.jobs.bench import gpu as bench_gpu
-from eagleray.platform.models import decode_gemv
+from eagleray.jobs.bench.common import LLAMA_8B, log
+from eagleray.kernels import decode_gemv
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.graphs import DecodeGraphRunner
 from eagleray.platform.models.llama import LlamaModel
+from eagleray.platform.models.row_graphs import DecodeRows
 
 SHAPES = {
     "qkv_rope": (6144, 4096),
@@ -79,7 +81,7 @@ def correctness(model: LlamaModel) -> dict:
         }.items():
             runner = DecodeGraphRunner(model, kv, 5, buckets=(1,), **kw)
             runner.capture()
-            got = runner.run(tok, pos, tables, lens, slots)[0].float()
+            got = runner.run(DecodeRows(tok, pos, tables, lens, slots))[0].float()
             out[name] = dict(
                 rel_err=float((got - ref).norm() / ref.norm()),
                 argmax_equal=bool((got.argmax(-1) == ref.argmax(-1)).all()),
@@ -88,7 +90,7 @@ def correctness(model: LlamaModel) -> dict:
             out[name + "_logits"] = got
     out["graph_vs_eager_max_abs"] = float((out.pop("gemv_graph_logits") - out.pop("gemv_eager_logits")).abs().max())
     out.pop("cublas_eager_logits")
-    bench_gpu.log(f"correctness: {out}")
+    log(f"correctness: {out}")
     return out
 
 
@@ -152,7 +154,7 @@ def sweep(budget_s: float) -> dict:
         best = min(ok, key=lambda r: r["us"])
         decode_gemv.CONFIGS[(n // 2 if name == "qkv_rope" else n, k)] = tuple(best["cfg"])
         results[name] = dict(default=ok[0], best=best, tried=len(rows), rows=rows)
-        bench_gpu.log(f"sweep {name}: default {ok[0]} best {best} ({len(rows)} tried)")
+        log(f"sweep {name}: default {ok[0]} best {best} ({len(rows)} tried)")
         del weights
     return results
 
@@ -161,7 +163,7 @@ def main(argv: list[str]) -> None:
     out = pathlib.Path(argv[0])
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    model = LlamaModel.from_config(bench_gpu.LLAMA_8B, dtype="bf16", device=torch.device("cuda"))
+    model = LlamaModel.from_config(LLAMA_8B, dtype="bf16", device=torch.device("cuda"))
     result = dict(correctness_default=correctness(model))
     del model
     torch.cuda.empty_cache()
@@ -169,7 +171,7 @@ def main(argv: list[str]) -> None:
     result["configs"] = {f"{n}x{k}": c for (n, k), c in decode_gemv.CONFIGS.items()}
     (out / "gemv_check.json").write_text(json.dumps(result, indent=1))
     torch.manual_seed(0)
-    model = LlamaModel.from_config(bench_gpu.LLAMA_8B, dtype="bf16", device=torch.device("cuda"))
+    model = LlamaModel.from_config(LLAMA_8B, dtype="bf16", device=torch.device("cuda"))
     result["correctness_tuned"] = correctness(model)
     (out / "gemv_check.json").write_text(json.dumps(result, indent=1))
     del model

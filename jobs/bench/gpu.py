@@ -28,24 +28,13 @@ import time
 
 import torch
 
-from eagleray.jobs.bench.common import LLAMA_8B, SMOLLM2, log, step_times, write_json
+from eagleray.jobs.bench.common import CONFIGS, log, step_times, write_json
 from eagleray.platform.host import pick_device
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.graphs import BUCKETS, DecodeGraphRunner
 from eagleray.platform.models.llama import LlamaModel
+from eagleray.platform.models.row_graphs import DecodeRows
 
-TINY = dict(
-    model_type="llama",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
-CONFIGS = {"8b": LLAMA_8B, "smollm2": SMOLLM2, "tiny": TINY}
 BLOCK = 16
 
 
@@ -96,11 +85,11 @@ class EngineStep:
     def __init__(self, model: LlamaModel, kv, tables: torch.Tensor, prompt: int):
         self.model, self.kv, self.tables, self.prompt, self.step = model, kv, tables, prompt, 0
 
-    def __call__(self, tok, pos, tables, seq_lens, slots):
-        b = tok.shape[0]
+    def __call__(self, rows: DecodeRows):
+        b = rows.num_rows
         attn = AttentionMetadata.build([1] * b, [self.prompt + self.step] * b, self.tables, BLOCK)
         self.step += 1
-        hidden, _ = self.model(tok, pos, attn, self.kv)
+        hidden, _ = self.model(rows.input_ids, rows.positions, attn, self.kv)
         return self.model.compute_logits(hidden), None
 
 
@@ -111,7 +100,7 @@ def greedy(step_fn, first: torch.Tensor, prompt: int, tables: torch.Tensor, step
     out = []
     for _ in range(steps):
         slots = tables.gather(1, (pos // BLOCK).unsqueeze(1).to(torch.int64)).squeeze(1).long() * BLOCK + pos % BLOCK
-        logits, _ = step_fn(tok, pos, tables, (pos + 1).to(torch.int32), slots)  # [B, V]
+        logits, _ = step_fn(DecodeRows(tok, pos, tables, (pos + 1).to(torch.int32), slots))  # [B, V]
         tok = logits.argmax(-1)
         out.append(tok)
         pos = pos + 1

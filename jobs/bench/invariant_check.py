@@ -51,7 +51,7 @@ def _graph_time(fn, reps: int = 20) -> float:
 
 
 def linear_records() -> list[dict]:
-    from eagleray.platform.models.decode_gemv import gemv
+    from eagleray.kernels.decode_gemv import gemv
 
     out = []
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -82,6 +82,7 @@ def linear_records() -> list[dict]:
 def step_record() -> dict:
     from eagleray.platform.models.graphs import DecodeGraphRunner
     from eagleray.platform.models.llama import LlamaModel
+    from eagleray.platform.models.row_graphs import DecodeRows
 
     dev = torch.device("cuda")
     model = LlamaModel.from_config(SMOLLM2, dtype="bf16", device=dev, aux_layer_ids=[2, 15, 27])
@@ -99,7 +100,7 @@ def step_record() -> dict:
         pos = torch.tensor(rows_pos, device=dev)
         t = tables[torch.tensor(rows_seq, device=dev)]
         slots = t.gather(1, (pos // 16).unsqueeze(1)).squeeze(1).long() * 16 + pos % 16
-        logits, aux = runner.run(rows_ids, pos, t, (pos + 1).int(), slots)
+        logits, aux = runner.run(DecodeRows(rows_ids, pos, t, (pos + 1).int(), slots))
         return logits.clone(), aux.clone()
 
     # sequence 0: its 5 rows as a chain verification (rows ctx..ctx+4) among 8 sequences x 5 rows

@@ -47,7 +47,8 @@ import time
 
 import torch
 
-from eagleray.jobs.bench.common import LLAMA_8B, SMOLLM2, log, step_times, write_json
+from eagleray.jobs.bench.common import CONFIGS as COMMON_CONFIGS
+from eagleray.jobs.bench.common import TINY, log, step_times, write_json
 from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.platform.config.schemas import TrainingConfig
 from eagleray.platform.host import pick_device
@@ -55,20 +56,7 @@ from eagleray.training.build import draft_module, new_draft
 from eagleray.training.loop import make_optimizer, train_step, use_bf16
 from eagleray.training.ttt import TTTBatch, TTTModel
 
-TINY = dict(
-    model_type="llama",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=8,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
-    rope_theta=10000.0,
-)
-CONFIGS = {"8b": LLAMA_8B, "smollm2": SMOLLM2, "tiny": TINY}
+CONFIGS = dict(COMMON_CONFIGS, tiny=dict(TINY, num_hidden_layers=8))
 FLOP_FORMULA = (
     "6*B*T*(P_fc + k*(P_layer + P_lm_head)) + 3*k*4*B*T^2*Hq*D + 2*B*T*V*H "
     "(draft matmuls fwd+bwd; step-0 attention as a full TxT product at each of k steps, fwd+bwd; "

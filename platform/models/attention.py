@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from eagleray.kernels import cpu_decode
+from eagleray.kernels.reference_ops import write_kv
 from eagleray.platform.errors import EaglerayError
 
 
@@ -137,14 +138,6 @@ def _slot_mapping(query_lens: list[int], ctx: list[int], bt: torch.Tensor, block
     return blocks * block_size + idx % block_size
 
 
-def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store new k, v [T, Hkv, D] into one layer's cache [num_blocks, block_size, Hkv, D]."""
-    flat_k = cache_k.view(-1, *cache_k.shape[2:])  # [num_blocks*block_size, Hkv, D]
-    flat_v = cache_v.view(-1, *cache_v.shape[2:])  # [num_blocks*block_size, Hkv, D]
-    flat_k[slot_mapping] = k.to(flat_k.dtype)
-    flat_v[slot_mapping] = v.to(flat_v.dtype)
-
-
 @dataclass
 class BatchLayout:
     """How one forward's varlen batch maps onto a padded [B, Qmax] x [B, Lmax] attention; built once,
@@ -244,7 +237,7 @@ def paged_attention(
     and each sequence attends over its context + new tokens, gathered by the forward's
     :class:`BatchLayout` in one indexing op and one SDPA call for the whole batch; without a cache,
     only over the new tokens. Metadata that carries its own attention (``meta.attend``: the no-sync
-    decode path of :mod:`eagleray.platform.models.attention_gpu`) computes it instead.
+    decode path of :mod:`eagleray.platform.models.decode_metadata`) computes it instead.
     """
     attend = getattr(meta, "attend", None)
     if attend is not None:

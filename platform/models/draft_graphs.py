@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from eagleray.platform.models.attention import KVCache
-from eagleray.platform.models.attention_gpu import DecodeMetadata
-from eagleray.platform.models.row_graphs import RowGraphs
+from eagleray.platform.models.decode_metadata import DecodeMetadata
+from eagleray.platform.models.row_graphs import DecodeRows, RowGraphs, fill_rows
 
 
 class DraftGraphRunner:
@@ -42,7 +42,7 @@ class DraftGraphRunner:
         self.chain_ids = torch.zeros(bmax, dtype=torch.int64, device=dev)  # [Bmax]
         self.chain_first = torch.zeros(bmax, dtype=torch.int64, device=dev)  # [Bmax]
         self.chain_tables = torch.full(
-            (bmax, self.rows.max_blocks), pad // kv_cache.block_size, dtype=torch.int32, device=dev
+            (bmax, self.rows.max_blocks), self.rows.pad_block, dtype=torch.int32, device=dev
         )  # [Bmax, MB]
 
     def _forward(self, from_aux: bool):
@@ -87,37 +87,23 @@ class DraftGraphRunner:
     ) -> torch.Tensor:
         """Greedy chain: first_ids [B] (target ids of the first draft), hidden [B, H] (its draft state),
         first_pos [B] (its position), tables [B, nb] -> the next ``steps`` draft tokens [B, steps] (target ids)."""
-        b, nb = first_ids.shape[0], tables.shape[1]
+        b = first_ids.shape[0]
         bucket = self.rows.bucket_for(b)
-        self.chain_ids[:b].copy_(first_ids, non_blocking=True)
-        self.hidden_in[:b].copy_(hidden, non_blocking=True)
-        self.chain_first[:b].copy_(first_pos, non_blocking=True)
-        self.chain_tables[:b, :nb].copy_(tables, non_blocking=True)
-        if bucket > b:  # padding rows draft into the pad block (never handed out)
-            self.chain_ids[b:bucket] = 0
-            self.hidden_in[b:bucket].zero_()
-            self.chain_first[b:bucket] = 0
-            self.chain_tables[b:bucket, 0] = self.rows.pad_slot // self.rows.block_size
+        fills = [
+            (self.chain_ids, first_ids, 0),
+            (self.hidden_in, hidden, 0),
+            (self.chain_first, first_pos, 0),
+            (self.chain_tables, tables, self.rows.pad_block),  # padding rows draft into the pad block
+        ]
+        fill_rows(b, bucket, fills)
         return self.rows.replay(("chain", steps), bucket, self._chain_forward(steps))[:b]
 
     @torch.inference_mode()
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        hidden: torch.Tensor,
-        from_aux: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows as :meth:`RowGraphs.load`, hidden [R, n_aux*H_t] (from_aux) or [R, H]
+    def run(self, rows: DecodeRows, hidden: torch.Tensor, from_aux: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rows`` as :meth:`RowGraphs.load`, hidden [R, n_aux*H_t] (from_aux) or [R, H]
         -> logits [R, Vd], next hidden [R, H] (views valid until the next run)."""
-        b = input_ids.shape[0]
-        bucket = self.rows.load(input_ids, positions, block_tables, seq_lens, slot_mapping)
-        buf = self.aux_in if from_aux else self.hidden_in
-        buf[:b].copy_(hidden, non_blocking=True)
-        if bucket > b:
-            buf[b:bucket].zero_()
+        b = rows.num_rows
+        bucket = self.rows.load(rows)
+        fill_rows(b, bucket, [(self.aux_in if from_aux else self.hidden_in, hidden, 0)])
         logits, nxt = self.rows.replay(from_aux, bucket, self._forward(from_aux))
         return logits[:b], nxt[:b]

@@ -21,7 +21,7 @@ Use::
 
     runner = DecodeGraphRunner(model, kv, max_blocks_per_seq=64)
     runner.capture()                                   # CUDA only; a no-op elsewhere
-    logits, aux = runner.run(ids, positions, block_tables, seq_lens, slots)   # [B, V], [B, A] | None
+    logits, aux = runner.run(DecodeRows(ids, positions, block_tables, seq_lens, slots))   # [B, V], [B, A] | None
 """
 
 from __future__ import annotations
@@ -30,13 +30,20 @@ import torch
 import torch.nn.functional as F
 
 from eagleray.kernels import cpu_decode
+from eagleray.kernels.decode_gemv import gemv, qkv_rope_gemv
+from eagleray.kernels.decode_ops import (
+    add_rmsnorm,
+    add_rmsnorm_reference,
+    rope_write_kv,
+    rope_write_kv_reference,
+    silu_mul,
+    silu_mul_reference,
+)
 from eagleray.kernels.invariant_linear import invariant_linear
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.attention import KVCache
-from eagleray.platform.models.attention_gpu import DecodeMetadata, decode_attention
-from eagleray.platform.models.decode_gemv import gemv, qkv_rope_gemv
-from eagleray.platform.models.decode_ops import add_rmsnorm, rope_write_kv, silu_mul
-from eagleray.platform.models.row_graphs import RowGraphs
+from eagleray.platform.models.decode_metadata import DecodeMetadata
+from eagleray.platform.models.row_graphs import DecodeRows, RowGraphs
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -86,6 +93,11 @@ class FusedDecodeStep:
                 "    fix: invariant=False for a tensor-parallel target"
             )
         self.model, self.use_triton, self.eps, self.invariant = model, use_triton, arch.rms_norm_eps, invariant
+        # the element-wise ops: Triton kernels, or their PyTorch references (what the model's layers compute)
+        kernels = (add_rmsnorm, rope_write_kv, silu_mul)
+        self.add_rmsnorm, self.rope_write_kv, self.silu_mul = (
+            kernels if use_triton else (add_rmsnorm_reference, rope_write_kv_reference, silu_mul_reference)
+        )
         # batch 1: Triton GEMVs with the element-wise ops folded in (one rank only: no all-reduce there)
         self.use_gemv = (use_triton if use_gemv is None else use_gemv) and model.tp.world == 1 and not invariant
         fused = getattr(model, "_decode_fused", None)  # fuse once per model; later steps share it
@@ -104,7 +116,7 @@ class FusedDecodeStep:
         self.inv_freq = attn.rotary.inv_freq.to(torch.float32)  # [D/2], the same for every layer
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata, kv: KVCache) -> Step:
-        m, ut = self.model, self.use_triton
+        m = self.model
         b = ids.shape[0]
         if b == 1 and self.use_gemv:
             return self._gemv_step(ids, positions, meta, kv)
@@ -112,18 +124,18 @@ class FusedDecodeStep:
         wanted = set(m.aux_layer_ids)
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(m.layers):
-            x, h = add_rmsnorm(h, delta, layer.input_layernorm.weight, self.eps, ut)  # [B, H] x2
+            x, h = self.add_rmsnorm(h, delta, layer.input_layernorm.weight, self.eps)  # [B, H] x2
             if i in wanted:
                 aux.append(h)
             qkv = self._linear(x, *self.qkv[i])  # [B, (Hq+2Hkv)*D]
-            q = rope_write_kv(
-                qkv, positions, self.inv_freq, kv.k[i], kv.v[i], meta.slot_mapping, self.hq, self.hkv, ut
+            q = self.rope_write_kv(
+                qkv, positions, self.inv_freq, kv.k[i], kv.v[i], meta.slot_mapping, self.hq, self.hkv
             )  # [B, Hq, D]
-            o = decode_attention(q, kv.k[i], kv.v[i], meta, self.scale, self.window)  # [B, Hq, D]
+            o = meta.attend_cached(q, kv.k[i], kv.v[i], self.scale, self.window)  # [B, Hq, D]
             delta = self._proj(layer.self_attn.o_proj, o.reshape(b, -1))  # [B, H]
-            x, h = add_rmsnorm(h, delta, layer.post_attention_layernorm.weight, self.eps, ut)
-            delta = self._proj(layer.mlp.down_proj, silu_mul(self._linear(x, *self.gate_up[i]), ut))  # [B, H]
-        x, h = add_rmsnorm(h, delta, m.norm.weight, self.eps, ut)
+            x, h = self.add_rmsnorm(h, delta, layer.post_attention_layernorm.weight, self.eps)
+            delta = self._proj(layer.mlp.down_proj, self.silu_mul(self._linear(x, *self.gate_up[i])))  # [B, H]
+        x, h = self.add_rmsnorm(h, delta, m.norm.weight, self.eps)
         if m.arch.num_layers in wanted:
             aux.append(h)
         logits = self._linear(x, m.lm_head.weight)[:, : m.arch.vocab_size] if self.invariant else m.compute_logits(x)
@@ -163,7 +175,7 @@ class FusedDecodeStep:
                 self.hq,
                 self.hkv,
             )  # [1, Hq, D]
-            o = decode_attention(q, kv.k[i], kv.v[i], meta, self.scale, self.window)  # [1, Hq, D]
+            o = meta.attend_cached(q, kv.k[i], kv.v[i], self.scale, self.window)  # [1, Hq, D]
             h = gemv(o.reshape(1, -1), attn.o_proj.weight, attn.o_proj.bias, residual=h)  # [1, H]
             gu = gemv(h, *self.gate_up[i], mode="norm", norm_weight=layer.post_attention_layernorm.weight, eps=eps)  # [1, 2I]
             h = gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, mode="silu", residual=h)  # [1, H]
@@ -236,22 +248,15 @@ class DecodeGraphRunner:
         self.rows.capture(self._aux_key, buckets or self.rows.buckets, self._forward)
 
     @torch.inference_mode()
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> Step:
-        """ids, positions [B], block_tables [B, nb<=max_blocks], seq_lens (incl. the new token), slots [B].
+    def run(self, rows: DecodeRows) -> Step:
+        """Score ``rows`` (block tables of at most ``max_blocks_per_seq`` blocks).
 
         Returns views of static outputs (valid until the next ``run``): logits [B, V], aux or None.
         """
-        b = input_ids.shape[0]
+        b = rows.num_rows
         if tuple(self.model.aux_layer_ids) != self._aux_key:
             self.rows.reset()
             self._aux_key = tuple(self.model.aux_layer_ids)
-        bucket = self.rows.load(input_ids, positions, block_tables, seq_lens, slot_mapping)
+        bucket = self.rows.load(rows)
         logits, aux = self.rows.replay(self._aux_key, bucket, self._forward)
         return logits[:b], (None if aux is None else aux[:b])

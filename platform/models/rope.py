@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from eagleray.kernels.reference_ops import rotary_cos_sin, rotate_half
 from eagleray.platform.errors import EaglerayError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -61,11 +62,6 @@ def inv_frequencies(rope: dict[str, Any], head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:  # x [..., D] -> [..., D]
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     """Applies rotary embeddings to q [T, Hq, D] and k [T, Hkv, D] at integer ``positions`` [T]."""
 
@@ -78,9 +74,7 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, D] computed in fp32 (as transformers does), cast to ``dtype``."""
-        freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(positions.device)  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [T, 1, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rotary_cos_sin(positions, self.inv_freq.to(positions.device), dtype)  # [T, 1, D] each
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: dict | None = None

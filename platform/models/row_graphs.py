@@ -3,10 +3,57 @@ steps (:class:`~eagleray.platform.models.graphs.DecodeGraphRunner`, :class:`~eag
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from eagleray.platform.errors import EaglerayError
-from eagleray.platform.models.attention_gpu import DecodeMetadata
+from eagleray.platform.models.decode_metadata import DecodeMetadata
+
+
+@dataclass
+class DecodeRows:
+    """R query rows on the device: row r is token ``input_ids[r]`` at ``positions[r]`` of the sequence
+    whose block table is ``block_tables[r]``; it attends to that sequence's positions 0..positions[r]."""
+
+    input_ids: torch.Tensor  # [R] int64
+    positions: torch.Tensor  # [R] int64
+    block_tables: torch.Tensor  # [R, MB] int32
+    seq_lens: torch.Tensor  # [R] int32 = positions + 1
+    slots: torch.Tensor  # [R] int64 cache slot of each row's token
+
+    @classmethod
+    def of(
+        cls,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        tables: torch.Tensor,
+        block_size: int,
+        row_seq: torch.Tensor | None = None,
+    ) -> "DecodeRows":
+        """tables [B, MB]; ``row_seq`` [R] the sequence of each row (default: row r is sequence r)."""
+        rows = tables if row_seq is None else tables.index_select(0, row_seq)  # [R, MB]
+        block = rows.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1).to(torch.int64)  # [R]
+        slots = block * block_size + positions % block_size  # [R]
+        return cls(input_ids, positions, rows, (positions + 1).to(torch.int32), slots)
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    def column(self, j: int, n: int, input_ids: torch.Tensor) -> "DecodeRows":
+        """Rows laid out sequence-major, ``n`` a sequence: the j-th of each sequence, with ``input_ids`` [B]."""
+        pick = slice(j, None, n)
+        return DecodeRows(input_ids, self.positions[pick], self.block_tables[pick], self.seq_lens[pick], self.slots[pick])
+
+
+def fill_rows(b: int, bucket: int, fills) -> None:
+    """Stage a batch of ``b`` rows in static buffers padded to ``bucket`` rows: each (buffer, source, pad) gets
+    ``source`` in its first rows (a 2-D source in its leading columns) and ``pad`` in rows b..bucket-1."""
+    for buf, src, pad in fills:
+        buf[(slice(0, b), *(slice(0, n) for n in src.shape[1:]))].copy_(src, non_blocking=True)
+        if bucket > b:
+            buf[b:bucket] = pad
 
 
 class RowGraphs:
@@ -31,7 +78,8 @@ class RowGraphs:
         self.block_tables = torch.full((bmax, self.max_blocks), -1, dtype=torch.int32, device=device)  # [Bmax, MB]
         self.seq_lens = torch.ones(bmax, dtype=torch.int32, device=device)  # [Bmax]
         self.slot_mapping = torch.full((bmax,), self.pad_slot, dtype=torch.int64, device=device)  # [Bmax]
-        self.block_tables[:, 0] = self.pad_slot // block_size
+        self.pad_block = self.pad_slot // block_size  # the block padding rows read and write (never handed out)
+        self.block_tables[:, 0] = self.pad_block
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple, object] = {}
         self._pool = None
@@ -50,34 +98,24 @@ class RowGraphs:
             self.block_tables[:b], self.seq_lens[:b], self.slot_mapping[:b], self.block_size, use_triton, split_tokens
         )
 
-    def load(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> int:
-        """ids, positions [B], block_tables [B, nb<=max_blocks], seq_lens (incl. the row's token), slots [B]
-        -> the bucket the batch runs in."""
-        b, nb = input_ids.shape[0], block_tables.shape[1]
+    def load(self, rows: DecodeRows) -> int:
+        """Copy ``rows`` (block tables of at most ``max_blocks`` blocks) into the buffers, padded with rows of one
+        token at the pad slot -> the bucket the batch runs in."""
+        b, nb = rows.num_rows, rows.block_tables.shape[1]
         if nb > self.max_blocks:
             raise EaglerayError(
                 f"block table of {nb} blocks exceeds max_blocks_per_seq={self.max_blocks}\n"
                 f"    fix: build the runner with a larger max_blocks_per_seq"
             )
         bucket = self.bucket_for(b)
-        self.input_ids[:b].copy_(input_ids, non_blocking=True)
-        self.positions[:b].copy_(positions, non_blocking=True)
-        self.block_tables[:b, :nb].copy_(block_tables, non_blocking=True)
-        self.seq_lens[:b].copy_(seq_lens, non_blocking=True)
-        self.slot_mapping[:b].copy_(slot_mapping, non_blocking=True)
-        if bucket > b:  # padding rows: one token at the pad slot
-            self.input_ids[b:bucket] = 0
-            self.positions[b:bucket] = 0
-            self.seq_lens[b:bucket] = 1
-            self.slot_mapping[b:bucket] = self.pad_slot
-            self.block_tables[b:bucket, 0] = self.pad_slot // self.block_size
+        fills = [
+            (self.input_ids, rows.input_ids, 0),
+            (self.positions, rows.positions, 0),
+            (self.block_tables, rows.block_tables, self.pad_block),
+            (self.seq_lens, rows.seq_lens, 1),
+            (self.slot_mapping, rows.slots, self.pad_slot),
+        ]
+        fill_rows(b, bucket, fills)
         return bucket
 
     def replay(self, key, bucket: int, forward):

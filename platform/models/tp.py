@@ -126,8 +126,12 @@ def default_weight_loader(param: torch.Tensor, full: torch.Tensor) -> None:
     _copy_loader(param, full)
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x W^T + b with W split by output rows: x [T, in] -> y [T, out/tp]."""
+class _ShardedLinear(nn.Module):
+    """A linear whose weight [out, in] is split over the tensor-parallel ranks along ``DIM``: 0, output rows
+    (column parallel; the bias is split with them), or 1, input columns (row parallel; the bias is whole on
+    every rank, added after the all-reduce). ``what`` names the split size in errors; ``sizes``: uneven parts."""
+
+    DIM: int
 
     def __init__(
         self,
@@ -137,15 +141,23 @@ class ColumnParallelLinear(nn.Module):
         tp: TPInfo,
         dtype: torch.dtype,
         device=None,
-        what: str = "out_features",
+        what: str | None = None,
         sizes: list[int] | None = None,
     ):
         super().__init__()
         self.tp = tp
-        parts = _sizes(out_features, tp, what, sizes)
-        local = parts[tp.rank]
-        self.weight = new_param((local, in_features), dtype, device, _shard_loader(0, tp.rank, parts))
-        self.bias = new_param((local,), dtype, device, _shard_loader(0, tp.rank, parts)) if bias else None
+        shape = [out_features, in_features]
+        parts = _sizes(shape[self.DIM], tp, what or ("out_features", "in_features")[self.DIM], sizes)
+        shape[self.DIM] = parts[tp.rank]
+        self.weight = new_param(tuple(shape), dtype, device, _shard_loader(self.DIM, tp.rank, parts))
+        bias_loader = _shard_loader(0, tp.rank, parts) if self.DIM == 0 else default_weight_loader
+        self.bias = new_param((shape[0],), dtype, device, bias_loader) if bias else None
+
+
+class ColumnParallelLinear(_ShardedLinear):
+    """y = x W^T + b with W split by output rows: x [T, in] -> y [T, out/tp]."""
+
+    DIM = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out/tp]
         return cpu_decode.dispatch(x, self.weight, self.bias)
@@ -183,26 +195,10 @@ def _view_param(old: nn.Parameter, view: torch.Tensor) -> nn.Parameter:
     return p
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """y = x W^T + b with W split by input columns: x [T, in/tp] -> y [T, out] (all-reduced)."""
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool,
-        tp: TPInfo,
-        dtype: torch.dtype,
-        device=None,
-        what: str = "in_features",
-        sizes: list[int] | None = None,
-    ):
-        super().__init__()
-        self.tp = tp
-        parts = _sizes(in_features, tp, what, sizes)
-        local = parts[tp.rank]
-        self.weight = new_param((out_features, local), dtype, device, _shard_loader(1, tp.rank, parts))
-        self.bias = new_param((out_features,), dtype, device, default_weight_loader) if bias else None
+    DIM = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in/tp] -> [T, out]
         y = all_reduce(cpu_decode.dispatch(x, self.weight), self.tp)  # [T, out]

@@ -17,19 +17,20 @@ from eagleray.kernels import cpu_decode
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.models.llama import LlamaModel
+from eagleray.platform.models.row_graphs import DecodeRows
 from eagleray.serve.engine.block_manager import BlockManager
 from eagleray.serve.engine.config import EngineConfig
+from eagleray.serve.engine.draft_slot import DraftSlot
 from eagleray.serve.engine.metrics import EngineMetrics
-from eagleray.serve.engine.model_runner import DecodeRows, DraftRunner, ForwardBatch, TargetRunner, block_table_tensor
+from eagleray.serve.engine.model_runner import ForwardBatch, TargetRunner, block_table_tensor
 from eagleray.serve.engine.outputs import Detokenizer, RequestOutput, make_output
 from eagleray.serve.engine.policy import AcceptanceWatchdog, AdaptivePolicy
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.sampling import SamplingParams, filter_logits, sample_rows
 from eagleray.serve.engine.scheduler import Scheduler
 from eagleray.serve.engine.sequence import Sequence
-from eagleray.serve.engine.spec_step import SeqResult, SpecContext, chain_step, tree_step
+from eagleray.serve.engine.spec_step import SeqResult, chain_step, tree_step
 from eagleray.serve.engine.startup import CpuThreads, default_num_blocks, use_rows
-from eagleray.serve.engine.verify import ChainVerifier
 
 logger = logging.getLogger(__name__)
 Prompt = str | list[int] | list[dict]  # text, token ids, or OpenAI chat messages
@@ -65,11 +66,8 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._seqs: dict[str, Sequence] = {}
         self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
-        self.spec: SpecContext | None = None
-        self.previous_draft: Eagle3Draft | None = None
-        self.previous_aux: list[int] = []  # the target layers previous_draft reads
-        self._draft_aux: list[int] = []  # the target layers the serving draft reads
-        self._pending_rollback = False
+        chain = self.tree is None
+        self.drafts = DraftSlot(self.target, config.verify_backend, self.prof, self.use_rows and chain, k_max - 1 if chain else 0)
         self._last_accepted: list[int] = []  # accepted drafts per sequence of the last speculative step
         self.policy = AdaptivePolicy(
             k_max, dcfg.policy.adaptive if dcfg else False, config.plain_probe_interval, can_lower_k=self.tree is None
@@ -80,7 +78,8 @@ class LLMEngine:
                 raise EaglerayError(
                     "a draft model was given but config.draft is None\n    fix: set config.draft (num_speculative_tokens, tree, policy)"
                 )
-            self._install_draft(draft)
+            self.drafts.install(draft)
+            self.metrics.speculation_enabled = True
 
     @classmethod
     def from_config(cls, config: EngineConfig, workdir=None, tp_launch=None) -> "LLMEngine":
@@ -143,34 +142,15 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     # ----------------------------------------------------------------- drafts
-    def _install_draft(self, draft: Eagle3Draft) -> None:
-        runner = DraftRunner(draft, self.target.kv.num_blocks, self.blocks.block_size, *self._draft_rows())
-        if runner.rows is not None:  # CUDA: every bucket's graph now, not inside the first requests' steps
-            runner.rows.capture(self.policy.k_max - 1 if self.tree is None else 0)
-        self._draft_aux = list(self.target.model.aux_layer_ids)
-        self.spec = SpecContext(
-            self.target, runner, ChainVerifier(self.config.verify_backend, draft.d2t, self.target.vocab_size), self.prof
-        )
-        self.metrics.speculation_enabled = True
-
-    def _draft_rows(self) -> tuple[int, int]:
-        """(max rows, max blocks) of the draft's row step: a chain's catch-up is at most k+1 rows a sequence."""
-        if not self.use_rows or self.tree is not None:
-            return 0, 0
-        return self.target.rows.buckets[-1], self.target.rows.max_blocks
-
     def swap_draft(self, draft: Eagle3Draft, aux_layer_ids: list[int] | None = None) -> None:
         """Hot-swap between steps: running sequences are recomputed so no draft state crosses the swap.
 
         ``aux_layer_ids``: the target layers ``draft`` reads (default: what the target captures now,
-        i.e. the caller already set them).
+        i.e. the caller already set them with :meth:`set_aux_layers`).
         """
-        if self.spec is not None:
-            self.previous_draft, self.previous_aux = self.spec.draft.draft, list(self._draft_aux)
-        if aux_layer_ids is not None:
-            self.target.model.set_aux_layers(aux_layer_ids)
         self.scheduler.preempt_all()
-        self._install_draft(draft)
+        self.drafts.install(draft, aux_layer_ids)
+        self.metrics.speculation_enabled = True
         self.policy.enable()
         if self.watchdog is not None:
             self.watchdog.reset()
@@ -180,11 +160,10 @@ class LLMEngine:
         if action == "disable":
             self.policy.disable(f"acceptance watchdog (τ={tau:.3f})")
         elif action == "rollback":
-            if self.previous_draft is None:
-                self.policy.disable(f"acceptance watchdog (τ={tau:.3f}); no previous draft to roll back to")
-            else:
+            if self.drafts.request_rollback():
                 logger.warning("acceptance watchdog: rolling back to the previous draft")
-                self._pending_rollback = True
+            else:
+                self.policy.disable(f"acceptance watchdog (τ={tau:.3f}); no previous draft to roll back to")
 
     # ----------------------------------------------------------------- step
     def _lookahead(self, k: int) -> int:
@@ -197,16 +176,32 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step; returns an output (delta) for every request that advanced."""
         with self.threads.stepping():
-            return self._step()
-
-    def _step(self) -> list[RequestOutput]:
-        with self.prof.phase("schedule"):
             k, batch = self._schedule()
-        if batch is None:
-            return []
+            if batch is None:
+                return []
+            results, seconds = self._run(batch, k)
+            return self._postprocess(batch, k, results, seconds)
+
+    def _schedule(self):
+        """-> (k, batch): a pending rollback first, then the draft length and the sequences of this step."""
+        with self.prof.phase("schedule"):
+            rollback = self.drafts.take_rollback()
+            if rollback is not None:
+                self.swap_draft(*rollback)  # drafts may read different target layers
+            k = self.policy.choose(max(len(self.scheduler.running), 1)) if self.drafts.spec is not None else 0
+            return k, self.scheduler.schedule(self._lookahead(k))
+
+    def _run(self, batch, k: int) -> tuple[list[SeqResult], float]:
+        """Prefill, plain decode or a speculative step -> one result per sequence, and the seconds it took."""
         t0 = time.perf_counter()
-        results = self._run(batch, k)
-        seconds = time.perf_counter() - t0
+        if batch.is_prefill:
+            results = self._prefill(batch.seqs)
+        else:
+            results = self._plain(batch.seqs) if k == 0 else self._speculate(batch.seqs, k)
+        return results, time.perf_counter() - t0
+
+    def _postprocess(self, batch, k: int, results: list[SeqResult], seconds: float) -> list[RequestOutput]:
+        """Commit each sequence's tokens, emit its output, account the step."""
         with self.prof.phase("commit"):
             kept = [self._commit(seq, res) for seq, res in zip(batch.seqs, results)]
         with self.prof.phase("output"):
@@ -214,31 +209,20 @@ class LLMEngine:
         self._account(batch, k, sum(map(len, kept)), seconds)
         return outputs
 
-    def _schedule(self):
-        if self._pending_rollback:
-            self._pending_rollback = False
-            self.swap_draft(self.previous_draft, self.previous_aux)  # drafts may read different target layers
-        k = self.policy.choose(max(len(self.scheduler.running), 1)) if self.spec is not None else 0
-        return k, self.scheduler.schedule(self._lookahead(k))
-
-    def _run(self, batch, k: int) -> list[SeqResult]:
-        if batch.is_prefill:
-            return self._prefill(batch.seqs)
-        return self._plain(batch.seqs) if k == 0 else self._speculate(batch.seqs, k)
-
     def _account(self, batch, k: int, emitted: int, seconds: float) -> None:
         """Metrics, the adaptive policy's cost tables and the profiler, after a step."""
         n = len(batch.seqs)
         kind = "prefill" if batch.is_prefill else ("spec" if k else "plain")
         times = {"prefill": self.metrics.prefill, "spec": self.metrics.speculative, "plain": self.metrics.plain}[kind]
         times.add(emitted, seconds)
-        if kind == "plain" and self.spec is not None:
+        if kind == "plain" and self.drafts.spec is not None:
             self.policy.observe_plain(n, seconds)
         elif kind == "spec":
-            self.policy.observe_spec(n, k, self.spec.verify_seconds, self.spec.draft_seconds, self._last_accepted)
+            spec = self.drafts.spec
+            self.policy.observe_spec(n, k, spec.verify_seconds, spec.draft_seconds, self._last_accepted)
         self.prof.end_step(kind, n)
         self.metrics.current_k = self.policy.k if self.policy.speculating else 0
-        self.metrics.speculation_enabled = self.spec is not None and self.policy.speculating
+        self.metrics.speculation_enabled = self.drafts.spec is not None and self.policy.speculating
         self.metrics.num_preemptions = self.scheduler.num_preemptions
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
@@ -305,9 +289,9 @@ class LLMEngine:
 
     def _speculate(self, seqs: list[Sequence], k: int) -> list[SeqResult]:
         if self.tree is not None:
-            results = tree_step(self.spec, seqs, self.tree.depth, self.tree.topk, self.tree.num_draft_tokens)
+            results = tree_step(self.drafts.spec, seqs, self.tree.depth, self.tree.topk, self.tree.num_draft_tokens)
         else:
-            results = chain_step(self.spec, seqs, k)
+            results = chain_step(self.drafts.spec, seqs, k)
         max_pos = self.tree.depth if self.tree is not None else k
         self._last_accepted = [res.num_accepted for res in results]
         for seq, res in zip(seqs, results):
@@ -327,7 +311,7 @@ class LLMEngine:
         if res.src_positions is not None:
             self._compact(seq, res.src_positions[: len(kept)], old_cached)
         seq.num_cached = seq.num_tokens - 1
-        if self.spec is not None and res.aux is not None:
+        if self.drafts.spec is not None and res.aux is not None:
             seq.append_aux(res.aux[: seq.num_cached - old_cached])  # [n, A] rows of the newly committed positions
         seq.step += 1
         self.blocks.truncate(seq, seq.num_tokens)
@@ -388,4 +372,28 @@ class LLMEngine:
     @property
     def current_draft(self) -> Eagle3Draft | None:
         """The draft serving now; None when the engine decodes without speculation."""
-        return self.spec.draft.draft if self.spec is not None else None
+        return self.drafts.current
+
+    @property
+    def previous_draft(self) -> Eagle3Draft | None:
+        """The draft that served before the last swap (what a rollback returns to); None before any swap."""
+        return self.drafts.previous
+
+    @property
+    def target_model(self) -> LlamaModel:
+        """The target decoder the engine runs (to load a draft against it, or to build another engine on it)."""
+        return self.target.model
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        """The target layers whose hidden states the target captures now (what a draft reads)."""
+        return list(self.target.model.aux_layer_ids)
+
+    def set_aux_layers(self, layer_ids: list[int]) -> None:
+        """Capture ``layer_ids`` from the next forward on (a candidate draft's layers, before it is smoke-verified)."""
+        self.target.model.set_aux_layers(layer_ids)
+
+    @property
+    def tensor_parallel(self) -> dict | None:
+        """The target's tensor-parallel workers (``TPWorkers.describe``); None for one rank."""
+        return None if self.target.workers is None else self.target.workers.describe()

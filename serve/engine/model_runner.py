@@ -21,6 +21,7 @@ from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.models.graphs import DecodeGraphRunner
 from eagleray.platform.models.layers import fuse_for_inference
 from eagleray.platform.models.llama import LlamaModel
+from eagleray.platform.models.row_graphs import DecodeRows
 
 
 @dataclass
@@ -67,42 +68,6 @@ class ForwardBatch:
         return cls(input_ids, positions, attn, last)
 
 
-@dataclass
-class DecodeRows:
-    """R query rows on the device: row r is token ``input_ids[r]`` at ``positions[r]`` of the sequence
-    whose block table is ``block_tables[r]``; it attends to that sequence's positions 0..positions[r]."""
-
-    input_ids: torch.Tensor  # [R] int64
-    positions: torch.Tensor  # [R] int64
-    block_tables: torch.Tensor  # [R, MB] int32
-    seq_lens: torch.Tensor  # [R] int32 = positions + 1
-    slots: torch.Tensor  # [R] int64 cache slot of each row's token
-
-    @classmethod
-    def of(
-        cls,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        tables: torch.Tensor,
-        block_size: int,
-        row_seq: torch.Tensor | None = None,
-    ) -> "DecodeRows":
-        """tables [B, MB]; ``row_seq`` [R] the sequence of each row (default: row r is sequence r)."""
-        rows = tables if row_seq is None else tables.index_select(0, row_seq)  # [R, MB]
-        block = rows.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1).to(torch.int64)  # [R]
-        slots = block * block_size + positions % block_size  # [R]
-        return cls(input_ids, positions, rows, (positions + 1).to(torch.int32), slots)
-
-    @property
-    def num_rows(self) -> int:
-        return self.input_ids.shape[0]
-
-    def column(self, j: int, n: int, input_ids: torch.Tensor) -> "DecodeRows":
-        """Rows laid out sequence-major, ``n`` a sequence: the j-th of each sequence, with ``input_ids`` [B]."""
-        pick = slice(j, None, n)
-        return DecodeRows(input_ids, self.positions[pick], self.block_tables[pick], self.seq_lens[pick], self.slots[pick])
-
-
 def block_table_tensor(block_tables: list[list[int]], device: torch.device) -> torch.Tensor:
     """Per-sequence block ids -> [B, max_blocks] int32 on ``device``, -1 padded."""
     width = max(max((len(b) for b in block_tables), default=0), 1)
@@ -136,7 +101,7 @@ class TargetRunner:
     @torch.inference_mode()
     def decode(self, rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> logits [R, V] fp32, aux [R, A] or None (views valid until the next call)."""
-        logits, aux = self.rows.run(rows.input_ids, rows.positions, rows.block_tables, rows.seq_lens, rows.slots)
+        logits, aux = self.rows.run(rows)
         return logits.float(), (None if aux is None else aux.clone())  # aux outlives the next replay
 
     @property
@@ -186,7 +151,7 @@ class DraftRunner:
     def decode(self, rows: DecodeRows, hidden: torch.Tensor, from_aux: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [R, n_aux*H_t] (from_aux) or [R, H] -> logits [R, Vd] in the draft's dtype (argmax needs no fp32
         copy; sampling converts), next hidden [R, H] (views valid until the next call)."""
-        return self.rows.run(rows.input_ids, rows.positions, rows.block_tables, rows.seq_lens, rows.slots, hidden, from_aux)
+        return self.rows.run(rows, hidden, from_aux)
 
     @property
     def num_aux(self) -> int:

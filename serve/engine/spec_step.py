@@ -21,13 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from eagleray.platform.checkpoints.guard import assert_aux_shape
-from eagleray.serve.engine.model_runner import DecodeRows, DraftRunner, ForwardBatch, TargetRunner, block_table_tensor
+from eagleray.platform.models.row_graphs import DecodeRows
+from eagleray.serve.engine.model_runner import DraftRunner, ForwardBatch, TargetRunner, block_table_tensor
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.sampling import filter_logits, scaled_probs
 from eagleray.serve.engine.sequence import Sequence
 from eagleray.serve.engine.tree import DraftTree
 from eagleray.serve.engine.tree_draft import draft_tree
-from eagleray.serve.engine.verify import ChainVerifier
+from eagleray.serve.engine.verify import Verifier
 
 
 class StepClock:
@@ -55,7 +56,7 @@ class StepClock:
 class SpecContext:
     target: TargetRunner
     draft: DraftRunner
-    verifier: ChainVerifier
+    verifier: Verifier
     prof: StepProfiler
     aux_checked: bool = False
     draft_seconds: float = 0.0  # the last step's drafting (catch-up + chain or tree), for the adaptive policy
@@ -279,7 +280,7 @@ def chain_step(ctx: SpecContext, seqs: list[Sequence], k: int) -> list[SeqResult
         if any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in seqs):  # a host check: no device sync
             p = filter_logits(p, rows.top_k.repeat_interleave(k + 1), rows.top_p.repeat_interleave(k + 1))
         p = p.view(len(seqs), k + 1, -1)  # [B, k+1, V]
-        tokens, nacc = ctx.verifier(
+        tokens, nacc = ctx.verifier.chain(
             p, draft_tokens.to(p.device), None if q is None else q.to(p.device), rows.temperature, rows.seed
         )
         tokens, nacc = tokens.tolist(), nacc.tolist()  # the step's one device -> host transfer of results

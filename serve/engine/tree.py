@@ -4,7 +4,7 @@ A tree has M draft nodes under a root (the sequence's last committed token). Nod
 ``tokens[i-1]`` with parent ``parents[i-1]`` (0 = root) and depth ``depths[i-1]``; nodes are
 ordered parents-first. The target verifies all M+1 tokens in one forward with :meth:`DraftTree.mask`.
 
-Verification is the kernels' ``verify_tree`` (see :meth:`eagleray.serve.engine.verify.ChainVerifier.tree`).
+Verification is the kernels' ``verify_tree`` (see :meth:`eagleray.serve.engine.verify.Verifier.tree`).
 """
 
 from __future__ import annotations

@@ -25,15 +25,16 @@ def use_kernel(backend: str, device: torch.device) -> bool:
     return backend == "kernel" or (backend == "auto" and device.type == "cuda")
 
 
-class ChainVerifier:
-    """Chain and tree verification; caches the draft's target->draft index for the reduced-vocab kernel."""
+class Verifier:
+    """Verification of a speculative step, chain (:meth:`chain`) or tree (:meth:`tree`); caches the draft's
+    target->draft index for the reduced-vocab kernel."""
 
     def __init__(self, backend: str = "auto", d2t: torch.Tensor | None = None, vocab_size: int | None = None):
         self.backend = backend
         self.d2t = d2t  # [Vd] int64 offsets (draft id -> target id)
         self._t2d = None if d2t is None or vocab_size is None else t2d_index(d2t, vocab_size)  # [V] int32
 
-    def __call__(
+    def chain(
         self,
         target_logits: torch.Tensor,
         draft_tokens: torch.Tensor,

@@ -9,6 +9,7 @@ import torch
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.graphs import DecodeGraphRunner
 from eagleray.platform.models.llama import LlamaModel
+from eagleray.platform.models.row_graphs import DecodeRows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -60,9 +61,9 @@ def test_graph_replay_equals_eager(dtype, atol, fused):
         for _ in range(4):  # batch 5 replays the bucket-8 graph
             p = torch.tensor(lens, device=dev)
             slots = tables.gather(1, (p // BLOCK)[:, None].long()).squeeze(1).long() * BLOCK + p % BLOCK
-            args = (tok, p, tables, (p + 1).int(), slots)
-            g_logits, g_aux = (t.clone() for t in graph.run(*args))
-            e_logits, e_aux = eager.run(*args)
+            rows = DecodeRows(tok, p, tables, (p + 1).int(), slots)
+            g_logits, g_aux = (t.clone() for t in graph.run(rows))
+            e_logits, e_aux = eager.run(rows)
             r_logits, r_aux = _eager(model, tok, lens, tables, kv_ref)
             torch.testing.assert_close(g_logits, e_logits, atol=1e-5, rtol=0)  # same kernels, replayed
             torch.testing.assert_close(g_aux, e_aux, atol=1e-5, rtol=0)
@@ -73,7 +74,7 @@ def test_graph_replay_equals_eager(dtype, atol, fused):
 
 @pytest.mark.parametrize("head_dim,group,length", [(64, 3, 600), (128, 4, 600), (128, 4, 17)])
 def test_triton_decode_attention_bf16_matches_torch(head_dim, group, length):
-    from eagleray.platform.models.attention_gpu import decode_attention_torch, decode_attention_triton
+    from eagleray.kernels.decode_attention import decode_attention, decode_attention_reference
 
     dev, hkv, bs = torch.device("cuda"), 8, 16
     blocks = -(-length // bs) + 3
@@ -81,8 +82,8 @@ def test_triton_decode_attention_bf16_matches_torch(head_dim, group, length):
     q = torch.randn(4, hkv * group, head_dim, device=dev, dtype=torch.bfloat16)
     tables = torch.randperm(4 * blocks, device=dev).view(4, blocks).to(torch.int32)
     lens = torch.tensor([length, 1, length // 2 + 1, length + 5], device=dev, dtype=torch.int32)
-    ref = decode_attention_torch(q.float(), k_cache.float(), v_cache.float(), tables, lens, head_dim**-0.5)
-    got = decode_attention_triton(q, k_cache, v_cache, tables, lens, head_dim**-0.5).float()
+    ref = decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), tables, lens, head_dim**-0.5)
+    got = decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5).float()
     rel = float((got - ref).norm() / ref.norm())
     print(f"attention D={head_dim} G={group} L={length}: relative error {rel:.2e}")
     assert rel < 1e-2
@@ -90,7 +91,7 @@ def test_triton_decode_attention_bf16_matches_torch(head_dim, group, length):
 
 def test_fused_step_on_8b_shapes_matches_engine_path():
     """Two layers with Llama-3.1-8B shapes, bf16: one decode step, fused graph vs paged eager."""
-    from eagleray.jobs.bench.gpu import LLAMA_8B
+    from eagleray.jobs.bench.common import LLAMA_8B
 
     dev = torch.device("cuda")
     model = LlamaModel.from_config(dict(LLAMA_8B, num_hidden_layers=2), dtype=torch.bfloat16, device=dev)
@@ -105,7 +106,7 @@ def test_fused_step_on_8b_shapes_matches_engine_path():
         model(ids, pos, AttentionMetadata.build(lens, [0] * 3, tables, BLOCK), kv)
         tok, p = torch.randint(0, 128256, (3,), device=dev), torch.tensor(lens, device=dev)
         slots = tables.gather(1, (p // BLOCK)[:, None].long()).squeeze(1).long() * BLOCK + p % BLOCK
-        got = runner.run(tok, p, tables, (p + 1).int(), slots)[0].float().clone()
+        got = runner.run(DecodeRows(tok, p, tables, (p + 1).int(), slots))[0].float().clone()
         ref = _eager(model, tok, lens, tables, kv)[0].float()
     rel = float((got - ref).norm() / ref.norm())
     print(f"8B-shaped step: logits relative error {rel:.2e}, argmax {got.argmax(-1).tolist()} vs {ref.argmax(-1).tolist()}")

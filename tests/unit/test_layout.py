@@ -140,6 +140,47 @@ def test_import_rules_catch(tmp_path, monkeypatch, code, rel, want):
     assert (not bad) if want is None else (bad and want in bad[0]), bad
 
 
+ENGINE_NAMES = {"engine", "eng", "llm"}  # how code outside serve/engine/ names an LLMEngine (a variable or self.engine)
+ENGINE_PARTS = {"target", "drafts", "scheduler", "blocks", "spec", "watchdog"}  # its internals
+
+
+def engine_reach_ins(paths: list[Path]) -> list[str]:
+    """Reads of an engine's internals outside serve/engine/: its parts (target runner, draft slot, scheduler,
+    block manager) or a private attribute; callers use LLMEngine's accessors (aux_layer_ids, target_model, ...)."""
+    bad = []
+    for path in paths:
+        if _layer(_dotted(path)) == ENGINE_API:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            owner = node.value.id if isinstance(node.value, ast.Name) else getattr(node.value, "attr", None)
+            if owner in ENGINE_NAMES and (node.attr in ENGINE_PARTS or node.attr.startswith("_")):
+                bad.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
+    return bad
+
+
+def test_no_reads_of_engine_internals():
+    bad = engine_reach_ins(_modules())
+    assert not bad, "outside serve/engine/ use LLMEngine's public accessors:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "code, want",
+    [
+        ("engine.target.model.set_aux_layers([1])", "engine.target"),
+        ("self.engine.scheduler._preempt(seq)", "self.engine.scheduler"),
+        ("x = engine._pending_rollback", "engine._pending_rollback"),
+        ("engine.set_aux_layers([1]); engine.aux_layer_ids; engine.target_model", None),
+    ],
+)
+def test_engine_reach_ins_catch(monkeypatch, code, want):
+    fake = REPO / "serve" / "x.py"
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: code if self == fake else Path.read_bytes(self).decode())
+    bad = engine_reach_ins([fake])
+    assert (not bad) if want is None else (bad and want in bad[0]), bad
+
+
 def test_jobs_holds_entry_points_only():
     """jobs/: one module per command of the CLI (plus the CLI and what entry points share); measurement lives in jobs/bench/."""
     from eagleray.jobs.cli import COMMANDS

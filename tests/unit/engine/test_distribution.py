@@ -68,14 +68,14 @@ def test_sampled_spec_follows_target(target, tokenizer, copy_draft, exact, tree)
 
 
 def test_broken_verifier_is_detected(target, tokenizer, copy_draft, exact, monkeypatch):
-    from eagleray.serve.engine.verify import ChainVerifier
+    from eagleray.serve.engine.verify import Verifier
 
-    real = ChainVerifier.__call__
+    real = Verifier.chain
 
     def argmax_q(self, logits, tokens, probs, temperature, seed):
         wrong = torch.nn.functional.one_hot(probs.argmax(-1), probs.shape[-1]).to(probs.dtype)  # [B, K, Vd]
         return real(self, logits, tokens, wrong, temperature, seed)
 
-    monkeypatch.setattr(ChainVerifier, "__call__", argmax_q)
+    monkeypatch.setattr(Verifier, "chain", argmax_q)
     samples = _sample(target, tokenizer, copy_draft, range(N, 2 * N), check_rate=False)
     assert _chi2_pvalue(samples, exact) < 1e-6

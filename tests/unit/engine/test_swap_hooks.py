@@ -53,10 +53,10 @@ def test_watchdog_rollback_restores_aux_layers(target, tokenizer, copy_draft, ra
     assert target.aux_layer_ids == a_aux
     try:
         engine.swap_draft(random_draft, aux_layer_ids=[0, 1, 3])  # B captures different layers
-        assert target.aux_layer_ids == [0, 1, 3] and engine.previous_aux == a_aux
+        assert target.aux_layer_ids == [0, 1, 3] and engine.drafts.previous_aux == a_aux and engine.previous_draft is copy_draft
         engine._on_low_acceptance("rollback", 0.1)
         outs = engine.generate(PROMPTS[:2], PARAMS)  # the first step rolls back to A
-        assert engine.spec.draft.draft is copy_draft
+        assert engine.current_draft is copy_draft
         assert target.aux_layer_ids == a_aux
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     finally:

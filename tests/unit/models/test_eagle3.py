@@ -18,6 +18,7 @@ from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.models.llama import LlamaModel
+from eagleray.platform.models.row_graphs import DecodeRows
 from eagleray.tests.support.tiny import make_tiny_llama
 
 AUX = [1, 2, 4]
@@ -202,7 +203,9 @@ def test_greedy_chain_graph_equals_the_step_by_step_chain(target, draft_dir):
             for j in range(3):
                 pos = first + j
                 slots = tables.gather(1, (pos // 4)[:, None]).squeeze(1).long() * 4 + pos % 4
-                logits, hidden = runner.run(ids, pos, tables, (pos + 1).to(torch.int32), slots, hidden, from_aux=False)
+                logits, hidden = runner.run(
+                    DecodeRows(ids, pos, tables, (pos + 1).to(torch.int32), slots), hidden, from_aux=False
+                )
                 ids = draft.to_target_ids(logits.argmax(-1))
                 got.append(ids)
             outs.append(torch.stack(got, 1))

@@ -7,17 +7,9 @@ import pytest
 import torch
 
 from eagleray.platform.models.attention import AttentionMetadata
-from eagleray.platform.models.attention_gpu import decode_attention_torch, decode_attention_triton
-from eagleray.platform.models.decode_ops import (
-    add_rmsnorm,
-    add_rmsnorm_torch,
-    rope_write_kv,
-    rope_write_kv_torch,
-    silu_mul,
-    silu_mul_torch,
-)
 from eagleray.platform.models.graphs import DecodeGraphRunner
 from eagleray.platform.models.llama import LlamaModel
+from eagleray.platform.models.row_graphs import DecodeRows
 
 VOCAB = 96  # conftest.SMALL
 BLOCK = 4
@@ -44,7 +36,7 @@ def _runner_step(runner, tok, lens):
     pos = torch.tensor(lens)  # [B]
     tables = torch.tensor(TABLES, dtype=torch.int32)  # [B, 5]
     slots = tables.gather(1, (pos // BLOCK)[:, None]).squeeze(1).long() * BLOCK + pos % BLOCK  # [B]
-    return runner.run(tok, pos, tables, (pos + 1).to(torch.int32), slots)
+    return runner.run(DecodeRows(tok, pos, tables, (pos + 1).to(torch.int32), slots))
 
 
 @pytest.mark.parametrize(
@@ -80,40 +72,6 @@ def test_decode_runner_equals_eager(variant, fused, triton, tiny_dirs):
     torch.testing.assert_close(fast_kv.k[:, :13], eager_kv.k[:, :13], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("window", [None, 5])
-def test_triton_decode_attention_matches_torch(window):
-    g = torch.Generator().manual_seed(0)
-    b, hq, hkv, d, bs, nblocks = 3, 8, 2, 16, 4, 20
-    k_cache = torch.randn(nblocks, bs, hkv, d, generator=g)
-    v_cache = torch.randn(nblocks, bs, hkv, d, generator=g)
-    q = torch.randn(b, hq, d, generator=g)
-    tables = torch.randperm(nblocks, generator=g)[: b * 6].view(b, 6).to(torch.int32)  # [B, 6]
-    lens = torch.tensor([23, 1, 9], dtype=torch.int32)
-    ref = decode_attention_torch(q, k_cache, v_cache, tables, lens, 0.25, window)
-    got = decode_attention_triton(q, k_cache, v_cache, tables, lens, 0.25, window, tile=16)
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-
-
-def test_fused_elementwise_kernels_match_references():
-    g = torch.Generator().manual_seed(1)
-    h, delta, w = torch.randn(3, 40, generator=g), torch.randn(3, 40, generator=g), torch.randn(40, generator=g)
-    for d_ in (None, delta):
-        for got, ref in zip(add_rmsnorm(h, d_, w, 1e-5, True), add_rmsnorm_torch(h, d_, w, 1e-5)):
-            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-    gu = torch.randn(3, 2 * 48, generator=g)
-    torch.testing.assert_close(silu_mul(gu, True), silu_mul_torch(gu), atol=1e-6, rtol=1e-6)
-    hq, hkv, d = 4, 2, 16
-    qkv = torch.randn(3, (hq + 2 * hkv) * d, generator=g)
-    pos, slots = torch.tensor([0, 7, 30]), torch.tensor([5, 0, 11])
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    caches = [torch.zeros(4, 4, hkv, d) for _ in range(4)]
-    q_ref = rope_write_kv_torch(qkv, pos, inv, caches[0], caches[1], slots, hq, hkv)
-    q_got = rope_write_kv(qkv, pos, inv, caches[2], caches[3], slots, hq, hkv, True)
-    torch.testing.assert_close(q_got, q_ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(caches[2], caches[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(caches[3], caches[1])
-
-
 def test_from_config_random_model_runs():
     cfg = dict(
         vocab_size=64,
@@ -146,7 +104,7 @@ def test_invariant_rows_score_a_position_alike_alone_in_a_batch_and_in_a_verific
     def score(row_seq, pos, ids):
         pos, t = torch.tensor(pos), tables[torch.tensor(row_seq)]
         slots = t.gather(1, (pos // BLOCK)[:, None]).squeeze(1).long() * BLOCK + pos % BLOCK
-        logits, aux = runner.run(ids, pos, t, (pos + 1).to(torch.int32), slots)
+        logits, aux = runner.run(DecodeRows(ids, pos, t, (pos + 1).to(torch.int32), slots))
         return logits.clone(), aux.clone()
 
     with torch.inference_mode():
@@ -172,3 +130,29 @@ def test_invariant_step_refuses_a_tensor_parallel_or_unfused_model(tiny_dirs):
     model.tp = type(model.tp)(rank=0, world=2)
     with pytest.raises(EaglerayError, match="one rank"):
         FusedDecodeStep(model, use_triton=False, invariant=True)
+
+
+def test_batch1_gemv_step_equals_eager(tiny_dirs):
+    model = LlamaModel.from_dir(tiny_dirs["llama_tied"], aux_layer_ids=[0, 2, 4])
+    prompt = torch.randint(0, 96, (7,), generator=torch.Generator().manual_seed(3))
+    tables = [[3, 0, 5]]
+    eager_kv, fast_kv = (model.make_kv_cache(num_blocks=8, block_size=BLOCK) for _ in range(2))
+    runner = DecodeGraphRunner(model, fast_kv, max_blocks_per_seq=3, buckets=(1,), use_triton=True, use_gemv=True)
+    assert runner.step.use_gemv
+    with torch.inference_mode():
+        attn = AttentionMetadata.build([7], [0], tables, BLOCK)
+        hidden, _ = model(prompt, torch.arange(7), attn, eager_kv)
+        fast_kv.k.copy_(eager_kv.k)
+        fast_kv.v.copy_(eager_kv.v)
+        tok, n = model.compute_logits(hidden[-1:]).argmax(-1), 7  # [1]
+        for _ in range(2):
+            attn = AttentionMetadata.build([1], [n], tables, BLOCK)
+            h, ref_aux = model(tok, torch.tensor([n]), attn, eager_kv)
+            ref = model.compute_logits(h)
+            pos, t = torch.tensor([n]), torch.tensor(tables, dtype=torch.int32)
+            slots = t[0, n // BLOCK].long().view(1) * BLOCK + n % BLOCK
+            got, got_aux = runner.run(DecodeRows(tok, pos, t, (pos + 1).to(torch.int32), slots))
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+            torch.testing.assert_close(got_aux, ref_aux, atol=1e-4, rtol=0)
+            tok, n = ref.argmax(-1), n + 1
+    torch.testing.assert_close(fast_kv.k[:6], eager_kv.k[:6], atol=1e-5, rtol=0)

@@ -1,13 +1,16 @@
-"""Fused element-wise ops of the decode step: each a PyTorch reference and a Triton kernel.
+"""Fused element-wise ops of the decode step: each a Triton kernel with its PyTorch reference.
 
-The references are exactly what :mod:`eagleray.platform.models.layers` computes (same op order and
-roundings), so the fused step equals the model's own forward on any device. The kernels reproduce
-those roundings (bf16 results of bf16 products, fp32 norm statistics) in one launch each, which
-matters at batch 1 where a decode step is hundreds of tiny kernels around the weight reads.
+The references (``*_reference``) are exactly what :mod:`eagleray.platform.models.layers` computes
+(same op order and roundings), so the fused step equals the model's own forward on any device. The
+kernels reproduce those roundings (bf16 results of bf16 products, fp32 norm statistics) in one
+launch each, which matters at batch 1 where a decode step is hundreds of tiny kernels around the
+weight reads.
 
 - :func:`add_rmsnorm`: h' = h + delta (rounded to h's dtype), y = w * rmsnorm(h') -> (y, h')
 - :func:`rope_write_kv`: rotary on q and k of a fused qkv row, k/v stored at their cache slots -> q
 - :func:`silu_mul`: silu(gate) * up of a fused gate_up row
+- :func:`rotary_halves` (``@triton.jit``): rotary on one head's two halves, shared with
+  :mod:`eagleray.kernels.decode_gemv`
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from eagleray.platform.models.attention import write_kv
-from eagleray.platform.models.rope import rotate_half
+from eagleray.kernels.errors import KernelInputError
+from eagleray.kernels.reference_ops import rotary_cos_sin, rotate_half, write_kv
 
 try:
     import triton
@@ -25,7 +28,7 @@ except ImportError:  # pragma: no cover
     triton = None
 
 
-def add_rmsnorm_torch(
+def add_rmsnorm_reference(
     h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h, delta [T, H] -> (normed [T, H], h + delta [T, H]); RMSNorm as layers.RMSNorm."""
@@ -36,7 +39,7 @@ def add_rmsnorm_torch(
     return weight * x32.to(h.dtype), h
 
 
-def rope_write_kv_torch(
+def rope_write_kv_reference(
     qkv: torch.Tensor,
     positions: torch.Tensor,
     inv_freq: torch.Tensor,
@@ -50,21 +53,30 @@ def rope_write_kv_torch(
     t, d = qkv.shape[0], k_cache.shape[-1]
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
-    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [T, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [T, 1, D]
-    cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+    cos, sin = rotary_cos_sin(positions, inv_freq, q.dtype)  # [T, 1, D] each
     q = q * cos + rotate_half(q) * sin  # [T, Hq, D]
     k = k * cos + rotate_half(k) * sin  # [T, Hkv, D]
     write_kv(k_cache, v_cache, k, v, slots)
     return q
 
 
-def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
 if triton is not None:
+
+    @triton.jit
+    def rotary_halves(a1, a2, pos_ptr, inv_ptr, j, dt):
+        """Rotary on one head's halves a1, a2 [n] (fp32 holding ``dt`` values) at the position ``*pos_ptr``, for
+        the frequencies ``inv_ptr[j]``: the bf16 roundings of q*cos + rotate_half(q)*sin -> (o1, o2) in ``dt``."""
+        f = tl.load(pos_ptr).to(tl.float32) * tl.load(inv_ptr + j)  # [n] fp32
+        c = tl.cos(f).to(dt).to(tl.float32)
+        s = tl.sin(f).to(dt).to(tl.float32)
+        o1 = ((a1 * c).to(dt).to(tl.float32) + (-(a2 * s)).to(dt).to(tl.float32)).to(dt)
+        o2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
+        return o1, o2
 
     @triton.jit
     def _add_rmsnorm_kernel(
@@ -115,15 +127,9 @@ if triton is not None:
         slot = tl.load(slot_ptr + t)
         if h < HQ + HKV:
             i = tl.arange(0, HALF)
-            f = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_ptr + i)  # [HALF] fp32
-            x1 = tl.load(base + i)
-            x2 = tl.load(base + HALF + i)
-            dt = x1.dtype
-            c = tl.cos(f).to(dt).to(tl.float32)
-            s = tl.sin(f).to(dt).to(tl.float32)
-            a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-            o1 = ((a1 * c).to(dt).to(tl.float32) + (-(a2 * s)).to(dt).to(tl.float32)).to(dt)
-            o2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
+            x1 = tl.load(base + i)  # [HALF]
+            x2 = tl.load(base + HALF + i)  # [HALF]
+            o1, o2 = rotary_halves(x1.to(tl.float32), x2.to(tl.float32), pos_ptr + t, inv_ptr, i, x1.dtype)
             if h < HQ:
                 qd = q_ptr + (t * HQ + h) * D
                 tl.store(qd + i, o1.to(q_ptr.dtype.element_ty))
@@ -155,12 +161,29 @@ if triton is not None:
         tl.store(out_ptr + t * inter + c, (a * u).to(dt), mask=mask)
 
 
+def _require_triton(op: str) -> None:
+    if triton is None:
+        raise KernelInputError(
+            f"{op}: triton", "the triton package", "none installed", f"pip install triton, or use {op}_reference"
+        )
+
+
+def _require_rows(op: str, arg: str, x: torch.Tensor, dims: int) -> None:
+    """``x`` is a ``dims``-D tensor whose rows are contiguous (what the kernels' pointer arithmetic assumes)."""
+    if x.dim() != dims or not x.is_contiguous():
+        raise KernelInputError(
+            f"{op}: {arg}", f"a contiguous {dims}-D tensor", f"shape {tuple(x.shape)}, strides {x.stride()}", "pass .contiguous()"
+        )
+
+
 def add_rmsnorm(
-    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, use_triton: bool
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(w * rmsnorm(h + delta), h + delta) for h, delta [T, H] contiguous."""
-    if not use_triton:
-        return add_rmsnorm_torch(h, delta, weight, eps)
+    _require_triton("add_rmsnorm")
+    for arg, x in (("h", h), ("delta", delta)):
+        if x is not None:
+            _require_rows("add_rmsnorm", arg, x, 2)
     t, n = h.shape
     out = torch.empty_like(h)  # [T, H]
     h_new = torch.empty_like(h) if delta is not None else h  # [T, H]
@@ -188,12 +211,17 @@ def rope_write_kv(
     slots: torch.Tensor,
     hq: int,
     hkv: int,
-    use_triton: bool,
 ) -> torch.Tensor:
-    """qkv [T, (Hq+2Hkv)*D] -> q [T, Hq, D] (rotary applied); k (rotary) and v stored at ``slots``."""
-    if not use_triton:
-        return rope_write_kv_torch(qkv, positions, inv_freq, k_cache, v_cache, slots, hq, hkv)
+    """qkv [T, (Hq+2Hkv)*D] -> q [T, Hq, D] (rotary applied); k (rotary) and v stored at ``slots`` [T]."""
+    _require_triton("rope_write_kv")
     t, d = qkv.shape[0], k_cache.shape[-1]
+    if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] != (hq + 2 * hkv) * d:
+        raise KernelInputError(
+            "rope_write_kv: qkv",
+            f"[T, (Hq+2Hkv)*D] = [T, {(hq + 2 * hkv) * d}] with contiguous rows",
+            f"shape {tuple(qkv.shape)}, strides {qkv.stride()}",
+            "pass the fused qkv product of this layer (hq, hkv and the cache's head_dim must match it)",
+        )
     q = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device)  # [T, Hq, D]
     _rope_kv_kernel[(t, hq + 2 * hkv)](
         qkv,
@@ -214,11 +242,11 @@ def rope_write_kv(
     return q
 
 
-def silu_mul(gate_up: torch.Tensor, use_triton: bool) -> torch.Tensor:  # [T, 2I] -> [T, I]
-    if not use_triton:
-        return silu_mul_torch(gate_up)
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    _require_triton("silu_mul")
+    _require_rows("silu_mul", "gate_up", gate_up, 2)
     t, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
+    out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)  # [T, I]
     block = 1024
     _silu_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
     return out

@@ -11,15 +11,18 @@ block once (split over rows, full K per program, fp32 accumulation) and fold in:
   to q and k, stores q, and writes k and v into the paged cache (each program owns matching
   halves of one head's rows).
 
-Roundings follow :mod:`eagleray.platform.models.decode_ops` (bf16 results of each op), so results
-equal the unfused step up to the summation order of the products. Batch 1 only: ``x`` is [1, K].
+Roundings follow :mod:`eagleray.kernels.decode_ops` (bf16 results of each op), so results equal
+the unfused step up to the summation order of the products; the references (``*_reference``) are
+that unfused step. Batch 1 only: ``x`` is [1, K].
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from eagleray.platform.errors import EaglerayError
+from eagleray.kernels.decode_ops import add_rmsnorm_reference, rope_write_kv_reference, silu_mul_reference
+from eagleray.kernels.errors import KernelInputError
 
 try:
     import triton
@@ -48,7 +51,46 @@ def config(n: int, k: int) -> tuple[int, int, int, int]:
     return min(block_n, triton.next_power_of_2(n)), block_k, 4, 3
 
 
+def gemv_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    mode: str = "plain",
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """What :func:`gemv` computes, unfused: the prologue op, the product (+ bias), the residual add."""
+    if mode == "norm":
+        x, _ = add_rmsnorm_reference(x, None, norm_weight, eps)  # [1, K]
+    elif mode == "silu":
+        x = silu_mul_reference(x)  # [1, 2K] -> [1, K]
+    out = F.linear(x, weight, bias)  # [1, N]
+    return out if residual is None else residual + out
+
+
+def qkv_rope_gemv_reference(
+    h: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    hq: int,
+    hkv: int,
+) -> torch.Tensor:
+    """What :func:`qkv_rope_gemv` computes, unfused: RMSNorm, the qkv product, rotary and the K/V store."""
+    x, _ = add_rmsnorm_reference(h, None, norm_weight, eps)  # [1, H]
+    return rope_write_kv_reference(F.linear(x, weight, bias), positions, inv_freq, k_cache, v_cache, slots, hq, hkv)
+
+
 if triton is not None:
+    from eagleray.kernels.decode_ops import rotary_halves
 
     @triton.jit
     def _ld(ptrs, mask, EVEN: tl.constexpr):
@@ -141,16 +183,6 @@ if triton is not None:
         tl.store(out_ptr + rows, y, mask=rmask)
 
     @triton.jit
-    def _rotate(a1, a2, pos_ptr, inv_ptr, j, dt):
-        """Rotary on one head's halves (bf16 roundings of q*cos + rotate_half(q)*sin)."""
-        f = tl.load(pos_ptr).to(tl.float32) * tl.load(inv_ptr + j)  # [BH] fp32
-        c = tl.cos(f).to(dt).to(tl.float32)
-        s = tl.sin(f).to(dt).to(tl.float32)
-        o1 = ((a1 * c).to(dt).to(tl.float32) + (-(a2 * s)).to(dt).to(tl.float32)).to(dt)
-        o2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
-        return o1, o2
-
-    @triton.jit
     def _qkv_rope_kernel(
         x_ptr,
         nw_ptr,  # [K] residual stream, norm weight
@@ -189,7 +221,7 @@ if triton is not None:
         a1, a2 = tl.split(tl.trans(tl.reshape(acc, [2, BH])))  # [BH] each
         slot = tl.load(slot_ptr)
         if head < HQ + HKV:
-            o1, o2 = _rotate(a1, a2, pos_ptr, inv_ptr, j, dt)
+            o1, o2 = rotary_halves(a1, a2, pos_ptr, inv_ptr, j, dt)
             if head < HQ:
                 tl.store(q_ptr + head * D + j, o1)
                 tl.store(q_ptr + head * D + HALF + j, o2)
@@ -203,12 +235,17 @@ if triton is not None:
             tl.store(vd + HALF + j, a2.to(v_ptr.dtype.element_ty))
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check(op: str, x: torch.Tensor, weight: torch.Tensor) -> None:
     if triton is None:
-        raise EaglerayError("decode_gemv needs the triton package\n    fix: pip install triton, or use_triton=False")
+        raise KernelInputError(
+            f"{op}: triton", "the triton package", "none installed", f"pip install triton, or use {op}_reference"
+        )
     if x.shape[0] != 1 or x.shape[-1] != weight.shape[1] or weight.stride(1) != 1 or x.stride(-1) != 1:
-        raise EaglerayError(
-            f"gemv: need x [1, K] and weight [N, K] with contiguous rows; got {tuple(x.shape)} and {tuple(weight.shape)}"
+        raise KernelInputError(
+            f"{op}: x, weight",
+            "x [1, K] and weight [N, K] with contiguous rows",
+            f"{tuple(x.shape)} and {tuple(weight.shape)} (strides {x.stride()}, {weight.stride()})",
+            "pass one row (batch 1) and the layer's weight; larger batches go through the batched step",
         )
 
 
@@ -225,7 +262,7 @@ def gemv(
     """[1, K] (or [1, 2K] gate_up for ``silu``) @ weight [N, K].T (+ bias) (+ residual [1, N]) -> [1, N]."""
     k = weight.shape[1]
     xin = x[:, :k] if mode == "silu" else x  # [1, K]
-    _check(xin, weight)
+    _check("gemv", xin, weight)
     n = weight.shape[0]
     bn, bk, warps, stages = config(n, k)
     out = torch.empty(1, n, dtype=weight.dtype, device=weight.device)  # [1, N]
@@ -270,11 +307,16 @@ def qkv_rope_gemv(
     hkv: int,
 ) -> torch.Tensor:
     """h [1, H] -> q [1, Hq, D] of rmsnorm(h) @ W_qkv.T with rotary; k (rotary) and v stored at ``slots``."""
-    _check(h, weight)
+    _check("qkv_rope_gemv", h, weight)
     d = k_cache.shape[-1]
     half, k = d // 2, weight.shape[1]
     if weight.shape[0] != (hq + 2 * hkv) * d or d & (d - 1):
-        raise EaglerayError(f"qkv_rope_gemv: weight {tuple(weight.shape)} does not match heads {hq}+2x{hkv} of {d}")
+        raise KernelInputError(
+            "qkv_rope_gemv: weight",
+            f"[(Hq+2Hkv)*D, K] = [{(hq + 2 * hkv) * d}, K] with D a power of two",
+            f"{tuple(weight.shape)} (D={d} from the cache)",
+            "pass the layer's fused qkv weight and its head counts",
+        )
     bh, bk, warps, stages = config(weight.shape[0] // 2, k)
     bh = min(bh, half)
     q = torch.empty(1, hq, d, dtype=h.dtype, device=h.device)  # [1, Hq, D]

@@ -1,29 +1,24 @@
-"""Decode attention with no host synchronisation (one new token per sequence), for CUDA graphs.
+"""Paged decode attention (one new token per sequence) with no host synchronisation: a Triton kernel
+and its PyTorch reference, for CUDA graphs.
 
-:class:`DecodeMetadata` is the decode-only counterpart of
-:class:`~eagleray.platform.models.attention.AttentionMetadata`: every field is a device tensor of a
-fixed shape, nothing is read back to the host, so a decode step can be captured once per batch size
-and replayed. ``paged_attention`` hands attention to the metadata when it carries its own
-(``meta.attend``), so ``LlamaModel.forward`` runs unchanged on this path.
+- :func:`decode_attention_reference`: gathers every sequence's blocks by block table (fixed width
+  ``max_blocks``) and runs SDPA with a length mask. Any device; the CPU path.
+- :func:`decode_attention`: a split-K paged decode kernel (flash-decoding) that reads only the valid
+  tokens of each sequence: grid (B, Hkv, splits), each program takes the Hq/Hkv query heads of one
+  KV head over a range of TILE-token tiles, then a second kernel merges the splits by their
+  log-sum-exp. GPU (or the Triton interpreter in tests). With ``split_tokens`` the splits have a fixed
+  length, so a row's result does not depend on the batch (:func:`split_plan`).
 
-Two implementations of the same function:
-
-- :func:`decode_attention_torch`: gathers every sequence's blocks by block table (fixed width
-  ``max_blocks``) and runs SDPA with a length mask. Any device; the CPU reference.
-- :func:`decode_attention_triton`: a split-K paged decode kernel (flash-decoding) that reads only
-  the valid tokens of each sequence: grid (B, Hkv, splits), each program takes the Hq/Hkv query
-  heads of one KV head over a range of TILE-token tiles, then a second kernel merges the splits by
-  their log-sum-exp. GPU (or the Triton interpreter in tests).
+The caches are one layer's [num_blocks, block_size, Hkv, D]; ``block_tables`` [B, max_blocks] int32
+(-1 past a sequence's blocks) and ``seq_lens`` [B] int32 count the new token.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-from eagleray.platform.errors import EaglerayError
+from eagleray.kernels.errors import KernelInputError
 
 try:  # Triton is optional on CPU machines
     import triton
@@ -34,56 +29,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is absent
 SPLIT_TARGET_PROGRAMS = 256  # aim for about two programs per SM of an H100/H200
 
 
-@dataclass
-class DecodeMetadata:
-    """A decode batch of B sequences, one new token each; all tensors live on the model's device."""
-
-    block_tables: torch.Tensor  # [B, max_blocks] int32, entries past a sequence's length are ignored
-    seq_lens: torch.Tensor  # [B] int32 tokens in the cache after writing the new one (>= 1)
-    slot_mapping: torch.Tensor  # [B] int64 cache slot of each new token
-    block_size: int
-    use_triton: bool = False
-    split_tokens: int | None = None  # fixed split-K length (a multiple of the tile): batch-invariant attention
-
-    @property
-    def num_tokens(self) -> int:
-        return self.seq_lens.shape[0]
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor] | None,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
-        """Write k, v [B, Hkv, D] into ``cache``, then attend q [B, Hq, D] -> [B, Hq, D]."""
-        if cache is None:
-            raise EaglerayError("decode attention needs a KV cache\n    fix: pass kv_cache to the forward")
-        from eagleray.platform.models.attention import write_kv
-
-        write_kv(cache[0], cache[1], k, v, self.slot_mapping)
-        return decode_attention(q, cache[0], cache[1], self, scale, sliding_window)
-
-
-def decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: DecodeMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """q [B, Hq, D] over one layer's paged cache [num_blocks, block_size, Hkv, D] -> [B, Hq, D]."""
-    if meta.use_triton:
-        return decode_attention_triton(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, split_tokens=meta.split_tokens
-        )
-    return decode_attention_torch(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window)
-
-
-def decode_attention_torch(
+def decode_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -122,7 +68,9 @@ def split_plan(max_len: int, batch: int, kv_heads: int, tile: int, split_tokens:
     tiles = max(1, -(-max_len // tile))
     if split_tokens is not None:
         if split_tokens % tile or split_tokens <= 0:
-            raise EaglerayError(f"split_tokens={split_tokens} must be a positive multiple of the tile {tile}")
+            raise KernelInputError(
+                "split_tokens", f"a positive multiple of the tile ({tile})", str(split_tokens), "pick a multiple of the tile"
+            )
         per_split = split_tokens // tile
         return per_split, -(-tiles // per_split)
     want = max(1, min(tiles, -(-SPLIT_TARGET_PROGRAMS // max(1, batch * kv_heads))))
@@ -220,25 +168,40 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + d, out.to(out_ptr.dtype.element_ty))
 
 
-def _check_triton_inputs(
+def _check(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
 ) -> None:
+    def bad(arg: str, expected: str, got, fix: str) -> KernelInputError:
+        return KernelInputError(f"decode_attention: {arg}", expected, str(got), fix)
+
     if triton is None:
-        raise EaglerayError("decode_attention_triton needs the triton package\n    fix: pip install triton, or use_triton=False")
+        raise bad("triton", "the triton package", "none installed", "pip install triton, or use decode_attention_reference")
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
     if k_cache.stride() != v_cache.stride() or k_cache.shape != v_cache.shape:
-        raise EaglerayError("decode attention: K and V caches must have the same shape and strides")
+        raise bad(
+            "k_cache, v_cache",
+            "the same shape and strides",
+            f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}, strides {k_cache.stride()} / {v_cache.stride()}",
+            "pass one layer's K and V of the same KVCache",
+        )
     if hq % hkv or d & (d - 1) or d < 16 or q.stride(-1) != 1 or k_cache.stride(-1) != 1:
-        raise EaglerayError(
-            f"decode attention: unsupported q {tuple(q.shape)} / cache {tuple(k_cache.shape)} "
-            f"(need Hq % Hkv == 0, head_dim a power of two >= 16, contiguous last dims)"
+        raise bad(
+            "q, k_cache",
+            "Hq % Hkv == 0, head_dim a power of two >= 16, contiguous last dims",
+            f"q {tuple(q.shape)}, cache {tuple(k_cache.shape)}",
+            "use decode_attention_reference for this shape",
         )
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (b,):
-        raise EaglerayError("decode attention: block_tables and seq_lens must be int32, seq_lens [B]")
+        raise bad(
+            "block_tables, seq_lens",
+            f"int32 tensors, seq_lens [{b}]",
+            f"{block_tables.dtype}, {seq_lens.dtype} {tuple(seq_lens.shape)}",
+            "cast them with .to(torch.int32), one length a sequence",
+        )
 
 
-def decode_attention_triton(
+def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -250,7 +213,7 @@ def decode_attention_triton(
     split_tokens: int | None = None,
 ) -> torch.Tensor:
     """Split-K paged decode attention: q [B, Hq, D] -> [B, Hq, D]; reads only valid tokens."""
-    _check_triton_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    _check(q, k_cache, v_cache, block_tables, seq_lens)
     b, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv

@@ -1,0 +1,66 @@
+"""The engine's draft slot: the serving draft, the one before it, and the target layers each reads.
+
+    install(draft, aux_layer_ids)   the serving draft becomes the previous one; ``draft`` serves,
+                                    reading ``aux_layer_ids`` of the target (default: what it captures now)
+    request_rollback()              the watchdog's action: back to the previous draft at the next step
+    take_rollback()                 (draft, aux ids) of a pending rollback, once
+
+A draft swap recomputes running sequences (the engine preempts them); this module holds no
+sequence state, only which draft runs and what it reads.
+"""
+
+from __future__ import annotations
+
+from eagleray.platform.models.eagle3 import Eagle3Draft
+from eagleray.serve.engine.model_runner import DraftRunner, TargetRunner
+from eagleray.serve.engine.profile import StepProfiler
+from eagleray.serve.engine.spec_step import SpecContext
+from eagleray.serve.engine.verify import Verifier
+
+
+class DraftSlot:
+    """``chain_steps``: the greedy chain steps a draft's CUDA graphs are captured for (k-1; 0 for a tree);
+    ``chain_rows``: run the draft on row graphs (CUDA, chain) sized like the target's."""
+
+    def __init__(self, target: TargetRunner, verify_backend: str, prof: StepProfiler, chain_rows: bool, chain_steps: int):
+        self.target = target
+        self.verify_backend = verify_backend
+        self.prof = prof
+        self.chain_steps = chain_steps
+        self.rows = (target.rows.buckets[-1], target.rows.max_blocks) if chain_rows else (0, 0)  # max rows, max blocks
+        self.spec: SpecContext | None = None  # what a speculative step runs with the serving draft
+        self.aux_layer_ids: list[int] = []  # the target layers the serving draft reads
+        self.previous: Eagle3Draft | None = None
+        self.previous_aux: list[int] = []  # the target layers ``previous`` reads
+        self.rollback_pending = False
+
+    @property
+    def current(self) -> Eagle3Draft | None:
+        return self.spec.draft.draft if self.spec is not None else None
+
+    def install(self, draft: Eagle3Draft, aux_layer_ids: list[int] | None = None) -> None:
+        """Serve ``draft``; the serving draft (if any) becomes the previous one."""
+        if self.spec is not None:
+            self.previous, self.previous_aux = self.current, list(self.aux_layer_ids)
+        if aux_layer_ids is not None:
+            self.target.model.set_aux_layers(aux_layer_ids)
+        runner = DraftRunner(draft, self.target.kv.num_blocks, self.target.block_size, *self.rows)
+        if runner.rows is not None:  # CUDA: every bucket's graph now, not inside the first requests' steps
+            runner.rows.capture(self.chain_steps)
+        self.aux_layer_ids = list(self.target.model.aux_layer_ids)
+        verifier = Verifier(self.verify_backend, draft.d2t, self.target.vocab_size)
+        self.spec = SpecContext(self.target, runner, verifier, self.prof)
+
+    def request_rollback(self) -> bool:
+        """Switch back to the previous draft before the next step; False when there is none."""
+        if self.previous is None:
+            return False
+        self.rollback_pending = True
+        return True
+
+    def take_rollback(self) -> tuple[Eagle3Draft, list[int]] | None:
+        """The (draft, aux layer ids) a pending rollback returns to; clears it. None when none is pending."""
+        if not self.rollback_pending:
+            return None
+        self.rollback_pending = False
+        return self.previous, self.previous_aux
