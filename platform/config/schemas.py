@@ -229,6 +229,15 @@ class TrainTesting(StrictModel):
     )
 
 
+class ReplayConfig(StrictModel):
+    data_dir: str = Field(
+        description="A datagen output (the original training data) mixed into the rows trained on, so fine-tuning on new data does not forget it."
+    )
+    fraction: float = Field(
+        0.3, ge=0.0, lt=1.0, description="Share of training rows drawn from replay.data_dir (the rest from data_dir)."
+    )
+
+
 class TrainingConfig(StrictModel):
     data_dir: str = Field(
         description="Datagen output directory (shards + manifest.json + vocab_counts.npy), or 'online' (see `online`)."
@@ -244,6 +253,14 @@ class TrainingConfig(StrictModel):
     )
     aux_layer_ids: list[int] | None = Field(
         None, description="Target layers the draft reads; default the dataset's (offline) or EAGLE-3's (2, N//2, N-3) (online)."
+    )
+    replay: ReplayConfig | None = Field(
+        None,
+        description="Offline only: mix rows of another dataset (e.g. the champion's original data) into training; continual fine-tuning on captured traffic uses it with init_from.",
+    )
+    run_tags: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra tags of the MLflow run (the adaptation loop records its traffic window and decision id here).",
     )
     draft_vocab_size: int = Field(
         32000, ge=1, description="Draft vocabulary size (capped at the target's vocab), the most frequent loss-masked tokens."
@@ -311,6 +328,8 @@ class TrainingConfig(StrictModel):
             raise ValueError(
                 "data_dir is 'online' but `online` is not set; add online.prompts (conversations ending with the assistant answer)"
             )
+        if self.data_dir == "online" and self.replay is not None:
+            raise ValueError("replay mixes offline shards but data_dir is 'online'; point data_dir at a datagen output")
         if self.data_dir == "online" and self.max_shards is not None:
             raise ValueError("max_shards selects offline shards but data_dir is 'online'; use online.limit to train on less data")
         return self
