@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ValidationError, Field, model_validator
 
 from eagleray.platform.config.load import StrictModel
 
@@ -401,3 +401,21 @@ class AdaptConfig(StrictModel):
         default_factory=lambda: MlflowConfig(experiment="eagleray-adapt"),
         description="Tracking (every decision is a run of mlflow.experiment) and the registry holding the alias.",
     )
+
+    @model_validator(mode="after")
+    def _train_fields(self) -> "AdaptConfig":
+        """The fine-tuning fields are checked now, not after a pass has snapshotted and trained."""
+        owned = sorted(set(self.train) & set(ADAPT_OWNED_TRAIN_FIELDS))
+        if owned:
+            raise ValueError(
+                f"train.{owned[0]} is set by the loop; remove it (the loop sets {', '.join(ADAPT_OWNED_TRAIN_FIELDS)})"
+            )
+        try:
+            TrainingConfig.model_validate({**self.train, "data_dir": "-", "output_dir": "-"})
+        except ValidationError as err:
+            e = err.errors()[0]
+            raise ValueError(f"train.{'.'.join(str(x) for x in e['loc'])}: {e['msg']}") from None
+        return self
+
+
+ADAPT_OWNED_TRAIN_FIELDS = ("data_dir", "init_from", "output_dir", "target", "eval_fraction", "mlflow", "alias", "register_model")
