@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ValidationError, Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from eagleray.platform.config.load import StrictModel
 
