@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from pydantic import Field
@@ -24,6 +25,7 @@ from eagleray.serve.hotswap import DraftManager
 from eagleray.serve.prometheus import ServeMetrics
 from eagleray.serve.protocol import APIError
 from eagleray.serve.responses import Delta
+from eagleray.serve.schedule import run_every
 from eagleray.serve.serving_config import ServingConfig
 
 logger = logging.getLogger(__name__)
@@ -87,6 +89,7 @@ class EngineServer:
             self.capture = CaptureClient(self.cfg.capture, meta, self.metrics)
         self._poller: asyncio.Task | None = None
         self._adapt_watch: asyncio.Task | None = None
+        self._schedule: asyncio.Task | None = None
         logger.info(
             "engine ready: target %s, draft %s, max_model_len %d", self.spec.path, self.drafts.version, self.engine.max_model_len
         )
@@ -192,6 +195,12 @@ class EngineServer:
         """With capture on: follow the adaptation loop's last decision (its file under capture.path) into /metrics."""
         if self.capture is not None and self._adapt_watch is None:
             self._adapt_watch = asyncio.get_running_loop().create_task(self._adapt_status_loop())
+            sched = self.cfg.adapt_schedule
+            if sched is not None:
+                log = Path(self.cfg.capture.path) / sched.log
+                self._schedule = asyncio.get_running_loop().create_task(
+                    run_every(sched.command, sched.every_s, log, self.metrics)
+                )
 
     async def _adapt_status_loop(self, every: float = 5.0) -> None:
         seen = None

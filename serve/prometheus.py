@@ -71,6 +71,11 @@ class ServeMetrics:
             ("domain", "draft"),
         )
         self.adapt_promoted = gauge("eagleray_adapt_promoted", "1 when the last adaptation decision moved the alias, else 0.")
+        self.adapt_runs = counter(
+            "eagleray_adapt_runs_total",
+            "Scheduled adaptation runs (serving.adapt_schedule) by outcome: ok, failed, not_started.",
+            ("outcome",),
+        )
         self.adapt_time = gauge(
             "eagleray_adapt_last_timestamp_seconds", "When the last adaptation decision was taken (unix time)."
         )
@@ -149,6 +154,10 @@ class ServeMetrics:
         self.capture_dropped.inc(tags={"reason": reason})
         self.snapshot[f"capture_dropped_{reason}"] += 1
         self.snapshot["capture_dropped"] += 1
+
+    def record_adapt_run(self, outcome: str) -> None:
+        self.adapt_runs.inc(tags={"outcome": outcome})
+        self.snapshot[f"adapt_runs_{outcome}"] += 1
 
     def set_adapt(self, status: dict[str, Any]) -> None:
         """The adaptation loop's last decision (platform/capture_store.read_adapt_status)."""

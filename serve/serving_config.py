@@ -17,6 +17,15 @@ class CaptureTesting(StrictModel):
     )
 
 
+class AdaptSchedule(StrictModel):
+    command: list[str] = Field(
+        min_length=1,
+        description="The command the engine deployment runs every every_s, e.g. [python, -m, eagleray.jobs.adapt, --config, adapt.yaml, --once].",
+    )
+    every_s: float = Field(gt=0.0, description="Seconds between the end of one run and the start of the next.")
+    log: str = Field("adapt-schedule.log", description="Output of the runs, appended; relative paths are under capture.path.")
+
+
 class CaptureConfig(StrictModel):
     """Capture of served requests as training data (see docs/capture.md). Off unless ``serving.capture`` is set."""
 
@@ -69,6 +78,9 @@ class ServingConfig(EngineConfig):
         None,
         description="Capture a sample of finished requests (token ids, loss mask over the answer, the target's aux and final hidden states) as training shards; null (default) captures nothing.",
     )
+    adapt_schedule: AdaptSchedule | None = Field(
+        None, description="Run the adaptation loop from the engine deployment on a schedule (needs capture); null: never."
+    )
     ingress_resources: dict[str, float] = Field(
         default_factory=dict,
         description="Custom Ray resources of the HTTP ingress replica, e.g. {'node:__internal_head__': 0.01} keeps it on the head node, so that losing a worker node never drops the entry point.",
@@ -81,6 +93,10 @@ class ServingConfig(EngineConfig):
         if self.capture is not None and self.draft is None:
             raise ValueError(
                 "capture: needs a draft (the target computes the aux hidden states the shards hold only for one); set draft.source or remove capture"
+            )
+        if self.adapt_schedule is not None and self.capture is None:
+            raise ValueError(
+                "adapt_schedule: the adaptation loop trains on captured traffic; set capture or remove adapt_schedule"
             )
         if self.capture is not None and self.decode_path == "rows":
             raise ValueError(

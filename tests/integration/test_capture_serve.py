@@ -8,8 +8,10 @@ after their first row, and a writer that takes 0.3 s per row (``testing.write_de
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pyarrow.parquet as pq
@@ -21,6 +23,7 @@ from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.serve.serving_config import ServingConfig
 
 CTX = 128
+TICK = "import pathlib, sys; p = pathlib.Path(sys.argv[1]); p.write_text((p.read_text() if p.exists() else '') + 'x')"
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +59,7 @@ def capture_server(tiny_target, tmp_path_factory):
                 "buffer_requests": 2,
                 "testing": {"write_delay_s": 0.3},
             },
+            "adapt_schedule": {"command": [sys.executable, "-c", TICK, str(root / "ticks")], "every_s": 1},
         }
     )
     try:
@@ -171,3 +175,10 @@ def test_metrics_export_capture_counts_and_the_last_adaptation(capture_server):
     assert got[("ray_eagleray_capture_dropped_total", "buffer_full", None, None)] >= 1
     assert got[("ray_eagleray_capture_bytes_total", None, None, None)] > 0
     assert os.path.isdir(cfg.capture.path)
+
+
+def test_the_adaptation_command_runs_on_its_schedule(capture_server):
+    url, cfg, _ = capture_server
+    ticks = Path(cfg.adapt_schedule.command[-1])
+    until(lambda: ticks.exists() and len(ticks.read_text()) >= 2, 60, "two scheduled runs")
+    until(lambda: httpx.get(url + "/health", timeout=30).json()["metrics"].get("adapt_runs_ok", 0) >= 2, 30, "runs counted")

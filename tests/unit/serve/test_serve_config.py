@@ -74,6 +74,14 @@ def test_serving_config_carries_the_engine_settings():
         ({"draft": {"source": "random"}, "capture": {"path": "/tmp/x", "rate": 1.5}}, "serving.capture.rate"),
         ({"draft": {"source": "random"}, "capture": {"path": "/tmp/x", "sample": 0.5}}, "serving.capture.sample"),
         ({"draft": {"source": "random"}, "capture": {"rate": 0.5}}, "serving.capture.path"),
+        (
+            {"draft": {"source": "random"}, "adapt_schedule": {"command": ["x"], "every_s": 60}},
+            "adapt_schedule: the adaptation loop",
+        ),
+        (
+            {"draft": {"source": "random"}, "capture": {"path": "/x"}, "adapt_schedule": {"command": [], "every_s": 60}},
+            "serving.adapt_schedule.command",
+        ),
     ],
 )
 def test_capture_config_errors_name_the_field(serving, says):
