@@ -28,6 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "eagleray.jobs.promote",
         "measure a candidate draft against the champion and plain decoding; set the alias if it wins",
     ),
+    "adapt": (
+        "eagleray.jobs.adapt",
+        "the adaptation loop: fine-tune the champion on captured traffic, gate it, move the alias on a pass",
+    ),
     "bench": ("eagleray.jobs.bench", "benchmarks (verify, spec, gpu) that print a table and write JSON"),
     "quickstart": ("eagleray.jobs.quickstart", "the whole loop on this machine with defaults"),
 }

@@ -9,19 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from pydantic import Field
 
+from eagleray.platform import capture_store
 from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
 from eagleray.platform.config.load import StrictModel, parse_config
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.registry import ResolvedDraft, registry_version, resolve_draft
+from eagleray.serve.capture import CaptureClient
 from eagleray.serve.engine import AsyncEngine, LLMEngine, RequestFailed, SamplingParams, TPLaunch
 from eagleray.serve.hotswap import DraftManager
 from eagleray.serve.prometheus import ServeMetrics
 from eagleray.serve.protocol import APIError
 from eagleray.serve.responses import Delta
+from eagleray.serve.schedule import run_every
 from eagleray.serve.serving_config import ServingConfig
 
 logger = logging.getLogger(__name__)
@@ -74,7 +78,18 @@ class EngineServer:
         self.metrics = ServeMetrics(self.cfg.model_name)
         self.drafts = DraftManager(self.engine, self.loop, self.spec, self.cfg, self.metrics, first)
         self.metrics.set_watchdog("ok")
+        self.capture: CaptureClient | None = None
+        if self.cfg.capture is not None:
+            self.engine.enable_capture()
+            meta = {
+                "target_fingerprint": self.spec.fingerprint,
+                "tokenizer_fingerprint": self.spec.tokenizer_fingerprint,
+                "hidden_size": self.spec.hidden_size,
+            }
+            self.capture = CaptureClient(self.cfg.capture, meta, self.metrics)
         self._poller: asyncio.Task | None = None
+        self._adapt_watch: asyncio.Task | None = None
+        self._schedule: asyncio.Task | None = None
         logger.info(
             "engine ready: target %s, draft %s, max_model_len %d", self.spec.path, self.drafts.version, self.engine.max_model_len
         )
@@ -124,7 +139,8 @@ class EngineServer:
                 code="context_length_exceeded",
             )
         self._check_token_ids(payload["params"].get("stop_token_ids", []), "stop_token_ids")
-        params = SamplingParams(**payload["params"], max_tokens=max_tokens or ctx - len(ids))
+        capture = self.capture is not None and self.capture.wants(payload.get("store"))
+        params = SamplingParams(**payload["params"], max_tokens=max_tokens or ctx - len(ids), capture_states=capture)
         return ids, params
 
     async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -135,6 +151,7 @@ class EngineServer:
         except APIError as err:
             yield {"kind": "error", **err.to_dict()}
             return
+        self._watch_adapt()
         yield {"kind": "start", "prompt_tokens": len(ids)}
         try:
             async for out in self.loop.stream(ids, params, rid):
@@ -143,6 +160,8 @@ class EngineServer:
                 )
                 self.metrics.record_tokens(len(out.delta_token_ids))
                 if out.finished:
+                    if out.hidden is not None:
+                        self.capture.submit(out.request_id, ids, out, self.drafts.version)  # never waits
                     self.metrics.record_request(len(out.token_ids), out.spec)
                     self.metrics.set_watchdog(self.drafts.watchdog_state())
                     self.metrics.set_draft(self.drafts.version)
@@ -171,8 +190,35 @@ class EngineServer:
             "tensor_parallel": self.engine.tensor_parallel,
         }
 
+    def _watch_adapt(self) -> None:
+        """With capture on: follow the adaptation loop's last decision (its file under capture.path) into /metrics."""
+        if self.capture is not None and self._adapt_watch is None:
+            self._adapt_watch = asyncio.get_running_loop().create_task(self._adapt_status_loop())
+            sched = self.cfg.adapt_schedule
+            if sched is not None:
+                log = Path(self.cfg.capture.path) / sched.log
+                self._schedule = asyncio.get_running_loop().create_task(
+                    run_every(sched.command, sched.every_s, log, self.metrics)
+                )
+
+    async def _adapt_status_loop(self, every: float = 5.0) -> None:
+        seen = None
+        while True:
+            status = await asyncio.to_thread(capture_store.read_adapt_status, self.cfg.capture.path)
+            if status is not None and status != seen:
+                seen = status
+                self.metrics.set_adapt(status)
+            await asyncio.sleep(every)
+
+    async def capture_flush(self) -> dict[str, Any]:
+        """Write the captured requests buffered now as a shard (the adaptation loop's --flush, tests)."""
+        if self.capture is None:
+            raise EaglerayError("capture is off on this deployment\n    fix: set serving.capture")
+        return await self.capture.flush()
+
     async def health(self) -> dict[str, Any]:
         self.loop.ensure_started()
+        self._watch_adapt()
         return {
             "status": "ok" if self.loop.alive else "unhealthy",
             "model": self.cfg.model_name,
@@ -196,6 +242,9 @@ class EngineServer:
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.shutdown()
+        capture = getattr(self, "capture", None)
+        if capture is not None:
+            capture.close()
 
     # ------------------------------------------------------------------ drafts
     async def swap(self, source: str) -> dict[str, Any]:

@@ -75,6 +75,7 @@ def sampling_payload(req: ChatCompletionRequest | CompletionRequest, kind: str) 
     params = req.sampling()
     return {
         "kind": kind,
+        "store": req.store,
         "prompt": prompt,
         "prompt_field": prompt_field,
         "max_tokens": max_tokens,
@@ -237,6 +238,14 @@ class OpenAIIngress:
                 f"model {req.model!r} does not exist; this server serves {self.cfg.model_name!r} (GET /v1/models)",
                 param="model",
                 code="model_not_found",
+            )
+        if req.store and self.cfg.capture is None:
+            raise APIError(
+                400,
+                "store: true asks this server to keep the completion, but capture is off here; "
+                "send store: false or leave it out (or the operator sets serving.capture)",
+                param="store",
+                code="invalid_value",
             )
         builder = ResponseBuilder(kind, req.model)
         payload = {**sampling_payload(req, kind), "request_id": builder.id}

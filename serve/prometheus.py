@@ -56,6 +56,29 @@ class ServeMetrics:
         self.watchdog = gauge("eagleray_watchdog_state", "Acceptance watchdog: 0 ok, 1 fired, 2 speculation off, 3 rolled back.")
         self.swaps = counter("eagleray_draft_swaps_total", "Draft hot-swap attempts by outcome.", ("outcome",))
         self.requests = counter("eagleray_requests_total", "Requests finished.")
+        self.captured = counter("eagleray_capture_requests_total", "Finished requests captured as training rows.")
+        self.capture_bytes = counter(
+            "eagleray_capture_bytes_total", "Bytes of captured rows (bf16 hidden states + token ids) handed to the writer."
+        )
+        self.capture_dropped = counter(
+            "eagleray_capture_dropped_total",
+            "Captures dropped (the request itself was served), by reason: buffer_full, writer_failed, too_short, inconsistent.",
+            ("reason",),
+        )
+        self.adapt_tau = gauge(
+            "eagleray_adapt_tau",
+            "The last adaptation decision's measured tau, by domain (traffic: held-out captured requests, control: the fixed set) and draft (champion = before, candidate = after).",
+            ("domain", "draft"),
+        )
+        self.adapt_promoted = gauge("eagleray_adapt_promoted", "1 when the last adaptation decision moved the alias, else 0.")
+        self.adapt_runs = counter(
+            "eagleray_adapt_runs_total",
+            "Scheduled adaptation runs (serving.adapt_schedule) by outcome: ok, failed, not_started.",
+            ("outcome",),
+        )
+        self.adapt_time = gauge(
+            "eagleray_adapt_last_timestamp_seconds", "When the last adaptation decision was taken (unix time)."
+        )
         self.snapshot: dict[str, Any] = collections.defaultdict(float)
         self._window_s = window_s
         self._recent: collections.deque[tuple[float, int, int, int]] = collections.deque()  # (t, tokens, drafts, accepted)
@@ -120,6 +143,34 @@ class ServeMetrics:
         """outcome: 'swapped', 'refused_guard', 'refused_smoke', 'failed_load', 'rolled_back', 'unchanged'."""
         self.swaps.inc(tags={"outcome": outcome})
         self.snapshot[f"swaps_{outcome}"] += 1
+
+    def record_capture(self, nbytes: int) -> None:
+        self.captured.inc()
+        self.capture_bytes.inc(nbytes)
+        self.snapshot["capture_requests"] += 1
+        self.snapshot["capture_bytes"] += nbytes
+
+    def record_capture_drop(self, reason: str) -> None:
+        self.capture_dropped.inc(tags={"reason": reason})
+        self.snapshot[f"capture_dropped_{reason}"] += 1
+        self.snapshot["capture_dropped"] += 1
+
+    def record_adapt_run(self, outcome: str) -> None:
+        self.adapt_runs.inc(tags={"outcome": outcome})
+        self.snapshot[f"adapt_runs_{outcome}"] += 1
+
+    def set_adapt(self, status: dict[str, Any]) -> None:
+        """The adaptation loop's last decision (platform/capture_store.read_adapt_status)."""
+        for domain in ("traffic", "control"):
+            for draft, key in (("champion", "before"), ("candidate", "after")):
+                tau = (status.get("tau") or {}).get(domain, {}).get(key)
+                if tau is not None:
+                    self.adapt_tau.set(float(tau), tags={"domain": domain, "draft": draft})
+                    self.snapshot[f"adapt_tau_{domain}_{key}"] = float(tau)
+        self.adapt_promoted.set(1.0 if status.get("promoted") else 0.0)
+        self.adapt_time.set(float(status.get("at", 0.0)))
+        self.snapshot["adapt_promoted"] = bool(status.get("promoted"))
+        self.snapshot["adapt_at"] = float(status.get("at", 0.0))
 
     def to_dict(self) -> dict[str, Any]:
         now = self._clock()  # an idle replica's token rate decays to 0 instead of keeping its last value

@@ -116,9 +116,10 @@ class DraftTrial:
         )
         return LLMEngine(self.target, self.tokenizer, EngineConfig(**base, draft=dcfg), draft)
 
-    def measure(self, label: str, draft_dir: Path | None, version: str | None) -> Measurement:
+    def measure(self, label: str, draft_dir: Path | None, version: str | None, prompts: list | None = None) -> Measurement:
+        """``prompts``: messages or token ids to run instead of the configured held-out sets."""
         engine = self._engine(draft_dir)
-        outs, seconds = timed_generate(engine, self.prompts, self.params)
+        outs, seconds = timed_generate(engine, self.prompts if prompts is None else prompts, self.params)
         m = Measurement(label, version, sum(len(o.token_ids) for o in outs), seconds)
         if draft_dir is not None:
             spec = engine.metrics.spec

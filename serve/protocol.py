@@ -114,7 +114,6 @@ _COMMON_DEFAULT_ONLY: dict[str, tuple[tuple, str]] = {
     "structured_outputs": ((None,), "structured outputs are not implemented"),
     "response_format": ((None, {"type": "text"}), "structured outputs (json_object, json_schema) are not implemented"),
     "priority": ((None, 0), "requests are served in arrival order"),
-    "store": ((None, False), "completions are not stored"),
     "service_tier": ((None, "auto", "default"), "there is one service tier"),
     "kv_transfer_params": ((None,), "disaggregated prefill is not implemented"),
 }

@@ -6,8 +6,54 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from eagleray.platform.config.load import StrictModel
 from eagleray.platform.config.schemas import MlflowConfig, check_custom_resources
 from eagleray.serve.engine import EngineConfig
+
+
+class CaptureTesting(StrictModel):
+    write_delay_s: float = Field(
+        0.0, ge=0.0, description="Testing only: the writer sleeps this long in every add (a slow disk), to fill the buffer."
+    )
+
+
+class AdaptSchedule(StrictModel):
+    command: list[str] = Field(
+        min_length=1,
+        description="The command the engine deployment runs every every_s, e.g. [python, -m, eagleray.jobs.adapt, --config, adapt.yaml, --once].",
+    )
+    every_s: float = Field(gt=0.0, description="Seconds between the end of one run and the start of the next.")
+    log: str = Field("adapt-schedule.log", description="Output of the runs, appended; relative paths are under capture.path.")
+
+
+class CaptureConfig(StrictModel):
+    """Capture of served requests as training data (see docs/capture.md). Off unless ``serving.capture`` is set."""
+
+    path: str = Field(
+        description="Directory of the captured shards (shards/shard-<ms>-<id>.parquet in the datagen format); create it on storage every replica reaches."
+    )
+    rate: float = Field(1.0, ge=0.0, le=1.0, description="Share of finished requests captured, drawn per request.")
+    max_gib: float = Field(
+        10.0,
+        gt=0.0,
+        description="Disk cap of the shards under path: after each write the oldest shards are deleted to stay under it.",
+    )
+    retention_days: float = Field(30.0, gt=0.0, description="Shards whose last row is older than this are deleted.")
+    require_store: bool = Field(
+        False,
+        description="Capture only requests that send store: true (OpenAI's default). Default: every request except those that send store: false.",
+    )
+    buffer_requests: int = Field(
+        64,
+        ge=1,
+        description="Captures handed to the writer actor and not yet buffered by it; a capture beyond this is dropped (counted), the request never waits.",
+    )
+    rows_per_shard: int = Field(64, ge=1, description="Requests per shard: the writer writes a shard when it holds this many.")
+    flush_seconds: float = Field(
+        30.0, gt=0.0, description="A shard is written at the latest this long after its first request was buffered."
+    )
+    seed: int | None = Field(None, description="Seed of the per-request sampling draw (None: from the OS).")
+    testing: CaptureTesting = Field(default_factory=CaptureTesting, description="eagleray's own tests only; leave unset.")
 
 
 class ServingConfig(EngineConfig):
@@ -28,6 +74,13 @@ class ServingConfig(EngineConfig):
         default_factory=dict,
         description="Custom Ray resources the engine replica needs (e.g. {'engine': 1} for nodes started with `ray start --resources '{\"engine\": 1}'`): Serve places it, and any replacement after a lost node, only on nodes that have them; until one does, /health says 'restarting'.",
     )
+    capture: CaptureConfig | None = Field(
+        None,
+        description="Capture a sample of finished requests (token ids, loss mask over the answer, the target's aux and final hidden states) as training shards; null (default) captures nothing.",
+    )
+    adapt_schedule: AdaptSchedule | None = Field(
+        None, description="Run the adaptation loop from the engine deployment on a schedule (needs capture); null: never."
+    )
     ingress_resources: dict[str, float] = Field(
         default_factory=dict,
         description="Custom Ray resources of the HTTP ingress replica, e.g. {'node:__internal_head__': 0.01} keeps it on the head node, so that losing a worker node never drops the entry point.",
@@ -37,6 +90,18 @@ class ServingConfig(EngineConfig):
     def _custom_resources(self) -> "ServingConfig":
         check_custom_resources("engine_resources", self.engine_resources, "set target.device / target.tensor_parallel_size")
         check_custom_resources("ingress_resources", self.ingress_resources, "the ingress reserves no CPU or GPU")
+        if self.capture is not None and self.draft is None:
+            raise ValueError(
+                "capture: needs a draft (the target computes the aux hidden states the shards hold only for one); set draft.source or remove capture"
+            )
+        if self.adapt_schedule is not None and self.capture is None:
+            raise ValueError(
+                "adapt_schedule: the adaptation loop trains on captured traffic; set capture or remove adapt_schedule"
+            )
+        if self.capture is not None and self.decode_path == "rows":
+            raise ValueError(
+                "capture: reads the target's final hidden states from the varlen forward; set decode_path: varlen or remove capture"
+            )
         return self
 
     def engine_config(self, **update: Any) -> EngineConfig:

@@ -151,8 +151,21 @@ def train_batches(
     eval_fraction: float,
     shuffle_buffer: int,
     skip: int = 0,
+    replay_files: list[Path] | None = None,
+    replay_fraction: float = 0.0,
 ) -> Iterator[TTTBatch]:
-    """Endless stream of this rank's training batches; ``skip`` batches are passed over undecoded (resume)."""
+    """Endless stream of this rank's training batches; ``skip`` batches are passed over undecoded (resume).
+
+    With ``replay_files`` each row comes from them with probability ``replay_fraction`` (a seeded draw,
+    so a resumed run sees the same stream), else from ``files``; both cycle forever."""
+    if replay_files:
+        kw = dict(rank=rank, world=world, seed=seed, eval_fraction=eval_fraction)
+        rows = mix(endless_rows(files, **kw), endless_rows(replay_files, **kw), replay_fraction, random.Random(seed * 13 + rank))
+        batches = group(rows, batch_size, shuffle_buffer, random.Random(seed * 7919 + rank))
+        for produced, rows_b in enumerate(batches, 1):
+            if produced > skip:
+                yield collate(rows_b, max_seq_len)
+        return  # not reached: the mixed stream is endless
     epoch, produced = 0, 0
     while True:
         rows = iter_rows(files, rank=rank, world=world, eval_fraction=eval_fraction, seed=seed, epoch=epoch)
@@ -168,6 +181,28 @@ def train_batches(
                 f"    fix: lower eval_fraction or num_workers, or generate more data"
             )
         epoch += 1
+
+
+def endless_rows(files: list[Path], *, rank: int, world: int, seed: int, eval_fraction: float) -> Iterator[Row]:
+    """This rank's training rows of ``files``, epoch after epoch (each reshuffled)."""
+    epoch = 0
+    while True:
+        n = 0
+        for row in iter_rows(files, rank=rank, world=world, eval_fraction=eval_fraction, seed=seed, epoch=epoch):
+            n += 1
+            yield row
+        if n == 0:
+            raise DataError(
+                f"rank {rank} of {world} got no training rows from {len(files)} shard(s)\n"
+                f"    fix: lower eval_fraction or num_workers, or generate more data"
+            )
+        epoch += 1
+
+
+def mix(primary: Iterator[Row], replay: Iterator[Row], fraction: float, rng: random.Random) -> Iterator[Row]:
+    """Rows of ``replay`` with probability ``fraction``, else of ``primary`` (both endless)."""
+    while True:
+        yield next(replay) if rng.random() < fraction else next(primary)
 
 
 def eval_batches(

@@ -39,8 +39,8 @@ def start_run(cfg: TrainingConfig, facts: dict[str, Any], run_name: str | None =
     cfg.mlflow.tracking_uri = uri
     client = mlflow.MlflowClient()
     exp = client.get_experiment_by_name(cfg.mlflow.experiment)
-    run = client.create_run(exp.experiment_id, run_name=run_name, tags={"eagleray.job": "train"})
-    params = {**flatten(cfg.model_dump(mode="json", exclude={"mlflow", "testing"})), **flatten(facts)}
+    run = client.create_run(exp.experiment_id, run_name=run_name, tags={"eagleray.job": "train", **cfg.run_tags})
+    params = {**flatten(cfg.model_dump(mode="json", exclude={"mlflow", "testing", "run_tags"})), **flatten(facts)}
     items = list(params.items())
     for i in range(0, len(items), 90):  # MLflow caps a batch at 100 params
         client.log_batch(run.info.run_id, params=[mlflow.entities.Param(k, v) for k, v in items[i : i + 90]])

@@ -7,7 +7,8 @@ in eagleray and in vLLM on CPU, fp32, T=0: τ, acceptance per position, tokens/s
 side by side, jobs/bench/vllm.py). `spec` (plain vs speculative decoding in eagleray's engine vs transformers,
 jobs/bench/spec.py). `engine` (the engine on GPU: plain, speculative and adaptive per batch size, SmolLM2
 and 8B shapes, jobs/bench/engine.py). `scaling` (drafts trained on different amounts of data, one plain baseline, τ against
-data size as a table, JSON, PNG and an MLflow run, jobs/bench/scaling.py).
+data size as a table, JSON, PNG and an MLflow run, jobs/bench/scaling.py). `adapt_shift` (code traffic through the
+Serve app with capture on, the adaptation loop, the hot-swap: τ before/after, capture overhead, jobs/bench/adapt_shift.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ SUITES = {
     "train": "eagleray.jobs.bench.train_step",
     "vllm": "eagleray.jobs.bench.vllm",
     "scaling": "eagleray.jobs.bench.scaling",
+    "adapt_shift": "eagleray.jobs.bench.adapt_shift",
 }
 
 

@@ -6,9 +6,9 @@ Every model forbids unknown fields and describes every field; errors name the do
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from eagleray.platform.config.load import StrictModel
 
@@ -229,6 +229,15 @@ class TrainTesting(StrictModel):
     )
 
 
+class ReplayConfig(StrictModel):
+    data_dir: str = Field(
+        description="A datagen output (the original training data) mixed into the rows trained on, so fine-tuning on new data does not forget it."
+    )
+    fraction: float = Field(
+        0.3, ge=0.0, lt=1.0, description="Share of training rows drawn from replay.data_dir (the rest from data_dir)."
+    )
+
+
 class TrainingConfig(StrictModel):
     data_dir: str = Field(
         description="Datagen output directory (shards + manifest.json + vocab_counts.npy), or 'online' (see `online`)."
@@ -244,6 +253,14 @@ class TrainingConfig(StrictModel):
     )
     aux_layer_ids: list[int] | None = Field(
         None, description="Target layers the draft reads; default the dataset's (offline) or EAGLE-3's (2, N//2, N-3) (online)."
+    )
+    replay: ReplayConfig | None = Field(
+        None,
+        description="Offline only: mix rows of another dataset (e.g. the champion's original data) into training; continual fine-tuning on captured traffic uses it with init_from.",
+    )
+    run_tags: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra tags of the MLflow run (the adaptation loop records its traffic window and decision id here).",
     )
     draft_vocab_size: int = Field(
         32000, ge=1, description="Draft vocabulary size (capped at the target's vocab), the most frequent loss-masked tokens."
@@ -311,6 +328,8 @@ class TrainingConfig(StrictModel):
             raise ValueError(
                 "data_dir is 'online' but `online` is not set; add online.prompts (conversations ending with the assistant answer)"
             )
+        if self.data_dir == "online" and self.replay is not None:
+            raise ValueError("replay mixes offline shards but data_dir is 'online'; point data_dir at a datagen output")
         if self.data_dir == "online" and self.max_shards is not None:
             raise ValueError("max_shards selects offline shards but data_dir is 'online'; use online.limit to train on less data")
         return self
@@ -331,3 +350,72 @@ class PromotionConfig(StrictModel):
     )
     dry_run: bool = Field(False, description="Measure and print the decision, but neither set the alias nor write tags.")
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="Registry holding the versions and alias.")
+
+
+class AdaptConfig(StrictModel):
+    """The adaptation loop (``python -m eagleray.jobs.adapt``): captured traffic -> fine-tune the champion -> gate -> alias."""
+
+    capture_path: str = Field(description="The serving deployment's capture.path (its shards and adapt/last.json).")
+    work_dir: str = Field(
+        description="Where each decision's snapshot, training output and report go (<work_dir>/<decision id>/)."
+    )
+    target: TargetConfig = Field(default_factory=TargetConfig, description="The served target.")
+    alias: str = Field(
+        "champion", description="Alias the Serve app follows (draft.source models:/<name>@<alias>); moved on a pass."
+    )
+    min_new_requests: int = Field(
+        200, ge=1, description="Train only when at least this many requests were captured after the last adaptation's window."
+    )
+    held_out_fraction: float = Field(
+        0.2,
+        gt=0.0,
+        lt=1.0,
+        description="Captured requests held out by a hash of their request id: never trained on, they are the gate's shifted-domain prompts.",
+    )
+    max_held_out: int = Field(64, ge=1, description="At most this many held-out captured prompts are measured by the gate.")
+    control: list[str] = Field(
+        default_factory=lambda: ["mtbench"], description="The fixed control set(s) the candidate must not regress on."
+    )
+    control_limit: int = Field(16, ge=1, description="Prompts per control set.")
+    max_tokens: int = Field(64, ge=1, description="Tokens generated per gate prompt (greedy).")
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="Chain length k of the gate's measurements.")
+    min_tau_gain: float = Field(
+        0.05, ge=0.0, description="Candidate τ on held-out traffic must beat the champion's by this fraction."
+    )
+    max_control_regression: float = Field(
+        0.02, ge=0.0, description="Candidate τ on the control set may be at most this fraction below the champion's."
+    )
+    min_speedup: float | None = Field(
+        None,
+        gt=0.0,
+        description="Also require candidate tokens/s on held-out traffic >= plain decoding x this (plain is measured only when set).",
+    )
+    train: dict[str, Any] = Field(
+        default_factory=dict,
+        description="TrainingConfig fields of the fine-tuning run (max_steps, learning_rate, batch_size, replay, backend, ...); data_dir, init_from, output_dir, target, eval_fraction and mlflow are set by the loop.",
+    )
+    every_s: float | None = Field(
+        None, gt=0.0, description="Run a pass this often, forever (a long-running `ray job submit` job); null: one pass."
+    )
+    mlflow: MlflowConfig = Field(
+        default_factory=lambda: MlflowConfig(experiment="eagleray-adapt"),
+        description="Tracking (every decision is a run of mlflow.experiment) and the registry holding the alias.",
+    )
+
+    @model_validator(mode="after")
+    def _train_fields(self) -> "AdaptConfig":
+        """The fine-tuning fields are checked now, not after a pass has snapshotted and trained."""
+        owned = sorted(set(self.train) & set(ADAPT_OWNED_TRAIN_FIELDS))
+        if owned:
+            raise ValueError(
+                f"train.{owned[0]} is set by the loop; remove it (the loop sets {', '.join(ADAPT_OWNED_TRAIN_FIELDS)})"
+            )
+        try:
+            TrainingConfig.model_validate({**self.train, "data_dir": "-", "output_dir": "-"})
+        except ValidationError as err:
+            e = err.errors()[0]
+            raise ValueError(f"train.{'.'.join(str(x) for x in e['loc'])}: {e['msg']}") from None
+        return self
+
+
+ADAPT_OWNED_TRAIN_FIELDS = ("data_dir", "init_from", "output_dir", "target", "eval_fraction", "mlflow", "alias", "register_model")

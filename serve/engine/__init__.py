@@ -17,7 +17,7 @@ from eagleray.serve.engine.config import EngineConfig
 from eagleray.serve.engine.engine import LLMEngine
 from eagleray.serve.engine.loader import close_target, load_draft, load_models
 from eagleray.serve.engine.metrics import EngineMetrics
-from eagleray.serve.engine.outputs import RequestOutput
+from eagleray.serve.engine.outputs import CapturedHidden, RequestOutput
 from eagleray.serve.engine.policy import bucket
 from eagleray.serve.engine.profile import PHASES
 from eagleray.serve.engine.sampling import SamplingParams
@@ -31,6 +31,7 @@ __all__ = [
     "LLMEngine",
     "RequestFailed",
     "RequestOutput",
+    "CapturedHidden",
     "SamplingParams",
     "TPLaunch",
     "bucket",

@@ -23,7 +23,7 @@ from eagleray.serve.engine.config import EngineConfig
 from eagleray.serve.engine.draft_slot import DraftSlot
 from eagleray.serve.engine.metrics import EngineMetrics
 from eagleray.serve.engine.model_runner import ForwardBatch, TargetRunner, block_table_tensor
-from eagleray.serve.engine.outputs import Detokenizer, RequestOutput, make_output
+from eagleray.serve.engine.outputs import CapturedHidden, Detokenizer, RequestOutput, make_output
 from eagleray.serve.engine.policy import AcceptanceWatchdog, AdaptivePolicy
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.sampling import SamplingParams, filter_logits, sample_rows
@@ -69,6 +69,7 @@ class LLMEngine:
         chain = self.tree is None
         self.drafts = DraftSlot(self.target, config.verify_backend, self.prof, self.use_rows and chain, k_max - 1 if chain else 0)
         self._last_accepted: list[int] = []  # accepted drafts per sequence of the last speculative step
+        self.capture_width = 0  # > 0 after enable_capture: the target's aux rows end with its final hidden [H]
         self.policy = AdaptivePolicy(
             k_max, dcfg.policy.adaptive if dcfg else False, config.plain_probe_interval, can_lower_k=self.tree is None
         )
@@ -112,6 +113,11 @@ class LLMEngine:
                 f"request needs up to {need} KV blocks (prompt {len(ids)} + max_tokens {params.max_tokens} tokens), "
                 f"the cache has {self.blocks.num_blocks}\n    fix: raise engine.num_kv_blocks or lower max_tokens"
             )
+        if params.capture_states and not self.capture_width:
+            raise EaglerayError(
+                "capture_states is set but this engine does not capture hidden states\n"
+                "    fix: call LLMEngine.enable_capture() first (serving: set serving.capture)"
+            )
         rid = request_id or f"req-{len(self._seqs)}-{self._rng.getrandbits(32):08x}"
         if rid in self._seqs:
             raise EaglerayError(f"request_id {rid!r} is already in use\n    fix: pass a unique request_id")
@@ -122,6 +128,25 @@ class LLMEngine:
             self._callbacks[rid] = on_output
         self.scheduler.add(seq)
         return rid
+
+    def enable_capture(self) -> None:
+        """Let requests ask for the target's hidden states (``SamplingParams.capture_states``).
+
+        The target then appends its final normed state to the aux rows it returns (one concatenation
+        a step); the draft still reads only its aux columns."""
+        if self.drafts.spec is None:
+            raise EaglerayError(
+                "capture needs a draft: without one the target computes no aux hidden states\n"
+                "    fix: serve with a draft (draft.source), or turn capture off"
+            )
+        if self.target.rows is not None:
+            raise EaglerayError(
+                f"capture reads the target's final hidden states from the varlen forward; engine.decode_path "
+                f"{self.config.decode_path!r} runs the row step, which returns logits only\n"
+                f"    fix: set engine.decode_path: varlen while capturing"
+            )
+        self.target.capture_final = True
+        self.capture_width = self.target.model.hidden_size
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
@@ -312,7 +337,7 @@ class LLMEngine:
             self._compact(seq, res.src_positions[: len(kept)], old_cached)
         seq.num_cached = seq.num_tokens - 1
         if self.drafts.spec is not None and res.aux is not None:
-            seq.append_aux(res.aux[: seq.num_cached - old_cached])  # [n, A] rows of the newly committed positions
+            seq.append_aux(res.aux[: seq.num_cached - old_cached], self.capture_width)  # [n, A] newly committed rows
         seq.step += 1
         self.blocks.truncate(seq, seq.num_tokens)
         return kept
@@ -328,10 +353,19 @@ class LLMEngine:
             self.metrics.num_requests_finished += 1
             self._seqs.pop(seq.request_id, None)
         out = make_output(seq, kept, text, delta_text)
+        if out.finished and seq.captured is not None:
+            out.hidden = self._captured(seq)
         cb = self._callbacks.pop(out.request_id, None) if out.finished else self._callbacks.get(out.request_id)
         if cb is not None:
             cb(out)
         return out
+
+    def _captured(self, seq: Sequence) -> CapturedHidden:
+        """A finished captured sequence's rows, split into the draft's aux and the target's final state."""
+        rows = torch.cat(seq.captured)  # [T, A + H]; never empty: the prefill committed the prompt's rows
+        seq.captured = None
+        h = self.capture_width
+        return CapturedHidden(rows[:, :-h], rows[:, -h:], list(self.target.model.aux_layer_ids))
 
     def _compact(self, seq: Sequence, src_positions: list[int], start: int) -> None:
         bs = self.blocks.block_size

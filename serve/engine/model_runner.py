@@ -92,6 +92,7 @@ class TargetRunner:
         if self.workers is not None:
             self.runner_id = self.workers.new_runner_id()
             self.workers.call("kv", self.runner_id, num_blocks, block_size)
+        self.capture_final = False  # serving capture: forward appends the final normed hidden [T, H] to aux
         self.rows: DecodeGraphRunner | None = None
         if max_rows > 0:
             self.rows = DecodeGraphRunner(
@@ -115,10 +116,13 @@ class TargetRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, logits_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> logits [S, V] fp32 at ``logits_index`` (default: every token), aux [T, A] or None."""
+        """-> logits [S, V] fp32 at ``logits_index`` (default: every token), aux [T, A] or None
+        ([T, A + H] with ``capture_final``: the final normed hidden state appended)."""
         if self.workers is not None:
             self.workers.call("forward", self.runner_id, batch, logits_index)
         hidden, aux = self.model(batch.input_ids, batch.positions, batch.attn, self.kv)  # [T, H], [T, A]
+        if self.capture_final and aux is not None:
+            aux = torch.cat([aux, hidden], dim=-1)  # [T, A + H]: the final normed state rides with the aux rows
         if logits_index is not None:
             hidden = hidden[logits_index]  # [S, H]
         return self.model.compute_logits(hidden).float(), aux

@@ -5,7 +5,23 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from eagleray.serve.engine.sequence import Sequence
+
+
+@dataclass
+class CapturedHidden:
+    """The target's hidden states of a finished request that asked for them (``capture_states``).
+
+    Row t belongs to token t of ``prompt + output`` for t < T = the positions the target ran (every
+    token but the last): ``aux`` [T, n_aux*H] the aux layers' inputs in ascending id order (what the
+    draft read), ``final`` [T, H] the state after the target's final norm (its logits are lm_head(final)).
+    """
+
+    aux: torch.Tensor  # [T, n_aux*H]
+    final: torch.Tensor  # [T, H]
+    aux_layer_ids: list[int]
 
 
 @dataclass
@@ -22,6 +38,7 @@ class RequestOutput:
     finish_reason: str | None = None
     spec: dict = field(default_factory=dict)  # per-request speculative statistics (SpecStats.to_dict)
     metrics: dict = field(default_factory=dict)  # ttft_s, elapsed_s, tokens_per_s
+    hidden: CapturedHidden | None = None  # final output of a request with capture_states only
 
 
 class Detokenizer:

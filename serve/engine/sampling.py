@@ -30,6 +30,10 @@ class SamplingParams(BaseModel):
         True,
         description="Decode text every step; False leaves text empty (token ids only: batch regeneration, where decoding every stream each step costs more than the step).",
     )
+    capture_states: bool = Field(
+        False,
+        description="Return the target's hidden states of this request (the aux rows the draft read and the final normed state) with its final output (RequestOutput.hidden); needs LLMEngine.enable_capture().",
+    )
 
     @model_validator(mode="after")
     def _stop_needs_text(self) -> "SamplingParams":

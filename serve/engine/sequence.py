@@ -81,6 +81,11 @@ class Sequence:
     spec: SpecStats = field(default_factory=SpecStats)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
+    captured: list[torch.Tensor] | None = None  # capture_states: every aux row chunk [n_i, A + H], positions 0..num_cached-1
+
+    def __post_init__(self):
+        if self.params.capture_states:
+            self.captured = []
 
     @property
     def tokens(self) -> list[int]:
@@ -104,12 +109,20 @@ class Sequence:
         self.num_cached = 0
         self.draft_cached = 0
         self.pending_aux = []
+        if self.captured is not None:
+            self.captured = []  # the recompute captures every position again
         self.status = SequenceStatus.WAITING
 
-    def append_aux(self, aux: torch.Tensor | None) -> None:
-        """Queue aux states [n, A] of newly committed positions for the draft."""
-        if aux is not None:
-            self.pending_aux.append(aux)
+    def append_aux(self, aux: torch.Tensor | None, extra: int = 0) -> None:
+        """Queue aux states [n, A] of newly committed positions for the draft.
+
+        ``extra``: trailing columns that are not the draft's (the target's final normed state [n, H] while
+        the engine captures); a captured sequence keeps the whole rows, the draft gets the first A columns."""
+        if aux is None:
+            return
+        if self.captured is not None:
+            self.captured.append(aux.clone())  # a view would keep the whole step's tensor alive
+        self.pending_aux.append(aux[:, : aux.shape[-1] - extra] if extra else aux)
 
     def take_aux(self) -> torch.Tensor:
         """All queued aux states [n, A], in position order; the queue is emptied."""

@@ -207,6 +207,7 @@ SURROGATE = b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud80
         ("/v1/completions", {**COMP, "stop_token_ids": [10**6]}, AUTH, 400, "stop_token_ids"),
         ("/v1/completions", {**COMP, "repetition_penalty": 1.3}, AUTH, 400, "repetition_penalty"),
         ("/v1/chat/completions", {**CHAT, "logprobs": True}, AUTH, 400, "logprobs"),
+        ("/v1/chat/completions", {**CHAT, "store": True}, AUTH, 400, "store"),  # capture is off here
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": None}]}, AUTH, 400, "messages.0.content"),
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, AUTH, 400, "messages.0.role"),
     ],

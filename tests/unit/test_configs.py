@@ -90,6 +90,7 @@ def test_example_configs_validate(path):
         "train": schemas.TrainingConfig,
         "serve": ServingConfig,
         "promote": schemas.PromotionConfig,
+        "adapt": schemas.AdaptConfig,
     }.get(kind)
     data = yaml.safe_load(path.read_text())
     if kind == "serve" and "applications" in data:  # a Ray Serve config with eagleray's ServingConfig inside
@@ -103,3 +104,16 @@ def test_example_configs_validate(path):
         return
     assert cls is not None, f"{path.name}: unknown config kind {kind!r}"
     load_yaml_config(cls, path)
+
+
+@pytest.mark.parametrize(
+    "train, says",
+    [
+        ({"max_stepz": 3}, "train.max_stepz"),
+        ({"data_dir": "/x"}, "train.data_dir is set by the loop"),
+        ({"max_steps": 0}, "train.max_steps"),
+    ],
+)
+def test_adapt_train_fields_are_checked_when_the_config_loads(train, says):
+    with pytest.raises(ConfigError, match=says.replace(".", r"\.")):
+        parse_config(schemas.AdaptConfig, {"capture_path": "c", "work_dir": "w", "train": train}, prefix="adapt")

@@ -64,3 +64,35 @@ def test_serving_config_carries_the_engine_settings():
     assert (eng.max_num_seqs, eng.block_size, eng.kv_cache_gib, eng.verify_backend) == (4, 32, 0.25, "reference")
     with pytest.raises(ConfigError, match=r"serving\.kv_cache_gb"):
         parse_config(ServingConfig, {"kv_cache_gb": 1}, prefix="serving")
+
+
+@pytest.mark.parametrize(
+    "serving, says",
+    [
+        ({"capture": {"path": "/tmp/x"}}, "capture: needs a draft"),
+        ({"draft": {"source": "random"}, "decode_path": "rows", "capture": {"path": "/tmp/x"}}, "decode_path: varlen"),
+        ({"draft": {"source": "random"}, "capture": {"path": "/tmp/x", "rate": 1.5}}, "serving.capture.rate"),
+        ({"draft": {"source": "random"}, "capture": {"path": "/tmp/x", "sample": 0.5}}, "serving.capture.sample"),
+        ({"draft": {"source": "random"}, "capture": {"rate": 0.5}}, "serving.capture.path"),
+        (
+            {"draft": {"source": "random"}, "adapt_schedule": {"command": ["x"], "every_s": 60}},
+            "adapt_schedule: the adaptation loop",
+        ),
+        (
+            {"draft": {"source": "random"}, "capture": {"path": "/x"}, "adapt_schedule": {"command": [], "every_s": 60}},
+            "serving.adapt_schedule.command",
+        ),
+    ],
+)
+def test_capture_config_errors_name_the_field(serving, says):
+    from eagleray.platform.config.load import parse_config
+    from eagleray.serve.serving_config import ServingConfig
+
+    with pytest.raises(ConfigError, match=says.replace(".", r"\.")):
+        parse_config(ServingConfig, serving, prefix="serving")
+
+
+def test_capture_is_off_by_default():
+    from eagleray.serve.serving_config import ServingConfig
+
+    assert ServingConfig().capture is None

@@ -1,0 +1,261 @@
+"""``python -m eagleray.jobs.bench adapt_shift``: the draft follows a shift of the traffic to code.
+
+    [0] registry (sqlite, --work): the champion draft as version 1, @champion
+    [1] before: τ of the champion on the held-out HumanEval prompts (the last --held-out of 164) and on MT-bench
+    [2] capture overhead: the Serve app (capture off) then (capture at rate 1.0) under the same load:
+        the first --traffic HumanEval prompts, --concurrency clients; throughput = generated tokens / wall time
+    [3] the adaptation loop (jobs/adapt.adapt_once) on the captured traffic: fine-tune, gate, alias
+    [4] the traffic again: the app hot-swaps through its alias poller (τ over time, no failed request)
+    [5] after: τ of the draft now @champion on the same held-out HumanEval prompts and MT-bench
+
+Writes --json (tau_code_before/after, tau_mtbench_before/after, failed_requests, captured_requests,
+capture_overhead, ...) and --plot (τ of every served request over time, the hot-swap marked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from eagleray.jobs.bench.common import log, write_json
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="eagleray bench adapt_shift", description=__doc__.split("\n")[0])
+    p.add_argument("--target", default="smollm2")
+    p.add_argument("--champion", default="random", help="the starting draft: a directory, models:/..., or random")
+    p.add_argument("--replay", default=None, help="the champion's original data (a datagen output) mixed into fine-tuning")
+    p.add_argument("--traffic", type=int, default=100, help="HumanEval prompts sent as traffic (the first N of 164)")
+    p.add_argument("--held-out", type=int, default=64, help="HumanEval prompts measured before/after (the last N of 164)")
+    p.add_argument("--mtbench", type=int, default=80, help="MT-bench prompts measured before/after (the control)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--k", type=int, default=4, help="draft tokens per step")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--train-steps", type=int, default=200)
+    p.add_argument("--learning-rate", type=float, default=1e-4)
+    p.add_argument("--work", default=".cache/adapt-shift")
+    p.add_argument("--json", default="docs/bench/adapt-shift.json")
+    p.add_argument("--plot", default="docs/bench/adapt-shift.png")
+    return p.parse_args(argv)
+
+
+def messages(source: str, start: int, stop: int | None) -> list[list[dict]]:
+    from eagleray.platform.prompts import load_prompts
+
+    recs = load_prompts(source).records if source != "mtbench" else load_prompts(source, limit=stop).records
+    return [[m.to_dict() for m in r.messages] for r in recs[start:stop]]
+
+
+def measure(args, draft_dir: Path, sets: dict[str, list]) -> dict[str, float]:
+    """τ of ``draft_dir`` on each prompt set (greedy, one loaded target, the engine)."""
+    from eagleray.platform.config.schemas import PromotionConfig
+    from eagleray.serve.promotion import DraftTrial
+
+    pcfg = PromotionConfig(
+        candidate=str(draft_dir),
+        target={"model": args.target, "device": "cpu"},
+        prompts=["mtbench"],
+        limit=1,
+        max_tokens=args.max_tokens,
+        num_speculative_tokens=args.k,
+    )
+    trial = DraftTrial(pcfg)
+    return {name: trial.measure(name, draft_dir, None, prompts).tau for name, prompts in sets.items()}
+
+
+def register_champion(args, work: Path, spec) -> tuple[str, Path]:
+    import mlflow
+
+    from eagleray.platform import registry
+
+    uri = registry.configure(f"sqlite:///{work / 'mlflow.db'}", experiment="adapt-shift")
+    src = registry.resolve_draft(args.champion, spec).path
+    with mlflow.start_run(run_name="champion") as run:
+        mlflow.log_artifacts(str(src), "draft")
+    v = registry.register_draft("shift-draft", run.info.run_id, "draft").version
+    registry.set_alias("shift-draft", "champion", v)
+    return uri, src
+
+
+def load(url: str, prompts: list, args, phase: str, record: list[dict]) -> dict[str, float]:
+    """Send ``prompts`` with --concurrency clients; every answer recorded (time, τ, draft, status)."""
+    import httpx
+
+    todo = list(enumerate(prompts))
+    lock = threading.Lock()
+    tokens = failed = 0
+
+    def client() -> None:
+        nonlocal tokens, failed
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i, msgs = todo.pop(0)
+            body = {"model": "eagleray", "messages": msgs, "max_tokens": args.max_tokens, "temperature": 0}
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
+            ok = r.status_code == 200
+            ext = r.json().get("eagleray", {}) if ok else {}
+            with lock:
+                tokens += r.json()["usage"]["completion_tokens"] if ok else 0
+                failed += 0 if ok else 1
+                record.append(
+                    {"t": time.time(), "phase": phase, "ok": ok, "tau": ext.get("tau"), "draft": ext.get("draft_version")}
+                )
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(args.concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    log(f"  {phase}: {len(prompts)} requests, {tokens} tokens in {seconds:.1f}s = {tokens / seconds:.2f} tok/s, {failed} failed")
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "failed": failed}
+
+
+def serving(args, uri: str, capture: str | None):
+    from eagleray.serve.serving_config import ServingConfig
+
+    return ServingConfig.model_validate(
+        {
+            "target": {"model": args.target, "device": "cpu"},
+            "draft": {"source": "models:/shift-draft@champion", "num_speculative_tokens": args.k},
+            "alias_poll_seconds": 2,
+            "mlflow": {"tracking_uri": uri},
+            "max_num_seqs": args.concurrency,
+            "decode_path": "varlen",
+            **({"capture": {"path": capture, "rate": 1.0, "flush_seconds": 2}} if capture else {}),
+        }
+    )
+
+
+def plot(record: list[dict], swap_t: float | None, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = record[0]["t"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for phase, color in (("capture off", "grey"), ("capture on", "C0"), ("after adaptation", "C2")):
+        pts = [(r["t"] - t0, r["tau"]) for r in record if r["phase"] == phase and r["tau"] is not None]
+        if pts:
+            ax.scatter(*zip(*pts), s=10, color=color, label=phase)
+    if swap_t is not None:
+        ax.axvline(swap_t - t0, color="C3", linestyle="--", label="alias moved (hot-swap)")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("τ of the request (mean acceptance length)")
+    ax.set_title("code traffic: τ per served request over time")
+    ax.legend(loc="best")
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+
+
+def run(argv: list[str]) -> dict[str, Any]:
+    import httpx
+    from ray import serve
+
+    from eagleray.jobs.adapt import adapt_once
+    from eagleray.platform import capture_store, registry
+    from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
+    from eagleray.platform.config.schemas import AdaptConfig
+    from eagleray.serve.app import build
+    from eagleray.serve.local import APP_NAME, start_local, stop_local, wait_ready
+
+    args = parse(argv)
+    t_start = time.time()
+    work = Path(args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("EAGLERAY_HOME", str(work / "home"))
+    spec = TargetSpec.from_dir(resolve_target(args.target, "fp32"))
+    humaneval = messages("humaneval", 0, None)
+    traffic, held = humaneval[: args.traffic], humaneval[len(humaneval) - args.held_out :]
+    mtbench = messages("mtbench", 0, args.mtbench)
+    log(f"[0] registry {work / 'mlflow.db'}: champion {args.champion}")
+    uri, champ_dir = register_champion(args, work, spec)
+    log(f"[1] before: τ of the champion on {len(held)} held-out HumanEval and {len(mtbench)} MT-bench prompts")
+    before = measure(args, champ_dir, {"code": held, "mtbench": mtbench})
+    log(f"  τ code {before['code']:.3f}, MT-bench {before['mtbench']:.3f}")
+    record: list[dict] = []
+    capture_dir = work / f"traffic-{int(t_start)}"
+    log(f"[2] capture overhead: the same {len(traffic)} requests with capture off, then at rate 1.0")
+    url = start_local(serving(args, uri, None), num_cpus=2, timeout_s=600)
+    try:
+        off = load(url, traffic, args, "capture off", record)
+        serve.run(build(serving(args, uri, str(capture_dir))), name=APP_NAME, route_prefix="/", blocking=False)
+        wait_ready(url, None, 600)  # serve.run returned with the new replica running
+        on = load(url, traffic, args, "capture on", record)
+        deadline = time.monotonic() + 120
+        while capture_store.count_rows(capture_store.list_shards(capture_dir)) < len(traffic) and time.monotonic() < deadline:
+            time.sleep(1)
+        captured = capture_store.count_rows(capture_store.list_shards(capture_dir))
+        metrics = httpx.get(url + "/health", timeout=30).json()["metrics"]
+        log(f"  captured {captured} requests ({metrics.get('capture_dropped', 0)} dropped)")
+        log("[3] the adaptation loop on the captured traffic")
+        cfg = AdaptConfig.model_validate(
+            {
+                "capture_path": str(capture_dir),
+                "work_dir": str(work / "adapt"),
+                "target": {"model": args.target, "device": "cpu"},
+                "min_new_requests": max(1, len(traffic) // 2),
+                "held_out_fraction": 0.2,
+                "max_held_out": 16,
+                "control": ["mtbench"],
+                "control_limit": min(16, args.mtbench),
+                "max_tokens": args.max_tokens,
+                "num_speculative_tokens": args.k,
+                "train": {
+                    "max_steps": args.train_steps,
+                    "learning_rate": args.learning_rate,
+                    "warmup_steps": min(20, args.train_steps // 5),
+                    "batch_size": 4,
+                    "backend": "local",
+                    "log_every": 10,
+                    "checkpoint_every": args.train_steps,
+                    "eval_batches": 4,
+                    **({"replay": {"data_dir": args.replay, "fraction": 0.3}} if args.replay else {}),
+                },
+                "mlflow": {"tracking_uri": uri, "experiment": "adapt-shift", "registered_model": "shift-draft"},
+            }
+        )
+        decision = adapt_once(cfg, emit=log)
+        swap_t = time.time() if decision.action == "promote" else None
+        log(f"[4] the traffic again ({'the app hot-swaps to ' + decision.candidate if swap_t else 'no new draft'})")
+        again = load(url, traffic, args, "after adaptation", record)
+    finally:
+        stop_local()
+    now = registry.resolve_draft("models:/shift-draft@champion", spec, tracking_uri=uri)
+    log(f"[5] after: τ of {now.version} on the same held-out prompts")
+    after = measure(args, now.path, {"code": held, "mtbench": mtbench})
+    log(f"  τ code {after['code']:.3f}, MT-bench {after['mtbench']:.3f}")
+    served_versions = sorted({r["draft"] for r in record if r["draft"]})
+    result = {
+        "tau_code_before": before["code"],
+        "tau_code_after": after["code"],
+        "tau_mtbench_before": before["mtbench"],
+        "tau_mtbench_after": after["mtbench"],
+        "tau_code_gain": after["code"] / before["code"] - 1 if before["code"] else None,
+        "tau_mtbench_change": after["mtbench"] / before["mtbench"] - 1 if before["mtbench"] else None,
+        "failed_requests": off["failed"] + on["failed"] + again["failed"],
+        "captured_requests": captured,
+        "capture_overhead": 1 - on["tokens_per_s"] / off["tokens_per_s"],
+        "throughput": {"capture_off": off, "capture_on": on, "after_adaptation": again},
+        "decision": decision.to_dict(),
+        "served_draft_versions": served_versions,
+        "traffic_requests": len(traffic),
+        "settings": vars(args),
+        "requests": record,
+        "wall_s": time.time() - t_start,
+    }
+    write_json(result, args.json)
+    plot(record, swap_t, args.plot)
+    log(f"wrote {args.json} and {args.plot}")
+    print(json.dumps({k: v for k, v in result.items() if k not in ("requests", "throughput", "decision", "settings")}, indent=1))
+    return result

@@ -1,0 +1,179 @@
+"""Serving capture: a sample of finished requests -> training shards, without the request waiting.
+
+    engine deployment (a request finished with its hidden states)
+        CaptureClient.submit: build the shard row (bf16 bytes), hand it to the writer actor
+            (``writer.add.remote``: no wait); more than ``buffer_requests`` unacknowledged
+            -> the capture is dropped and counted, the request is not touched
+    CaptureWriter (a Ray actor, one per engine replica, 0 CPUs)
+        buffers rows; writes a shard (platform/capture_store) at rows_per_shard or flush_seconds,
+        then deletes shards past retention_days / over max_gib
+
+Which requests: none with ``"store": false``; with ``require_store`` only those with ``"store": true``;
+of the rest a ``rate`` share drawn per request. What a row holds: see platform/capture_store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import RayError
+
+from eagleray.platform import capture_store
+from eagleray.platform.shard_format import encode_bf16
+from eagleray.serve.engine import RequestOutput
+from eagleray.serve.prometheus import ServeMetrics
+from eagleray.serve.serving_config import CaptureConfig
+
+logger = logging.getLogger(__name__)
+
+
+def shard_row(request_id: str, prompt_ids: list[int], out: RequestOutput) -> dict[str, Any] | str:
+    """The SHARD_SCHEMA row of a finished captured request, or why it cannot be one (a drop reason)."""
+    hidden = out.hidden
+    n = len(prompt_ids) + len(out.token_ids) - 1  # the last output token never ran through the target
+    if hidden is None or hidden.aux.shape[0] != n or hidden.final.shape[0] != n:
+        rows = None if hidden is None else hidden.aux.shape[0]
+        logger.error("capture of %s: %s hidden-state rows for %d tokens (engine bug); dropped", request_id, rows, n)
+        return "inconsistent"
+    if len(out.token_ids) < 2:
+        return "too_short"  # no answer token left to learn once the last one is cut
+    return {
+        "prompt_id": request_id,
+        "source": "traffic",
+        "response": out.text,
+        "num_tokens": n,
+        "truncated": out.finish_reason == "length",
+        "input_ids": (list(prompt_ids) + list(out.token_ids))[:n],
+        "loss_mask": [0] * len(prompt_ids) + [1] * (n - len(prompt_ids)),
+        "aux_hidden": encode_bf16(hidden.aux),
+        "final_hidden": encode_bf16(hidden.final),
+        "_aux_layer_ids": list(hidden.aux_layer_ids),
+    }
+
+
+class CaptureWriter:
+    """Buffers captured rows and writes them as shards (the body of the writer actor)."""
+
+    def __init__(self, cfg: dict[str, Any], meta: dict[str, Any]):
+        self.cfg = CaptureConfig.model_validate(cfg)
+        self.meta = dict(meta)  # target/tokenizer fingerprints, hidden_size
+        self.rows: list[dict[str, Any]] = []
+        self.first_ms: int | None = None
+        self.aux_ids: list[int] | None = None
+        self.draft_versions: set[str] = set()
+        self.written = {"shards": 0, "rows": 0, "bytes": 0, "expired": 0, "evicted": 0}
+        self._ticker: asyncio.Task | None = None
+
+    async def add(self, row: dict[str, Any], draft_version: str | None) -> dict[str, Any]:
+        """Buffer one row (flushing first when it reads other aux layers); returns ``{"stored": True}``."""
+        if self._ticker is None:
+            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        if self.cfg.testing.write_delay_s:
+            time.sleep(self.cfg.testing.write_delay_s)  # blocks the actor like a slow disk would
+        aux_ids = row.pop("_aux_layer_ids")
+        if self.aux_ids is not None and aux_ids != self.aux_ids:
+            self.flush()  # a shard holds one aux-layer set
+        self.aux_ids = aux_ids
+        now = int(time.time() * 1000)
+        self.first_ms = self.first_ms or now
+        self.rows.append(row)
+        if draft_version:
+            self.draft_versions.add(draft_version)
+        if len(self.rows) >= self.cfg.rows_per_shard:
+            self.flush()
+        return {"stored": True}
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.cfg.flush_seconds))
+            if self.rows and time.time() * 1000 - self.first_ms >= self.cfg.flush_seconds * 1000:
+                self.flush()
+
+    def flush(self) -> dict[str, Any]:
+        """Write the buffered rows as one shard (if any), then apply retention and the size cap."""
+        if self.rows:
+            meta = {
+                **self.meta,
+                "aux_layer_ids": self.aux_ids,
+                "first_ms": self.first_ms,
+                "last_ms": int(time.time() * 1000),
+                "rows": len(self.rows),
+                "draft_versions": sorted(self.draft_versions),
+            }
+            path = capture_store.write_shard(self.cfg.path, self.rows, meta)
+            self.written["shards"] += 1
+            self.written["rows"] += len(self.rows)
+            self.written["bytes"] += path.stat().st_size
+            logger.info("capture: wrote %s (%d requests)", path.name, len(self.rows))
+            self.rows, self.first_ms, self.draft_versions = [], None, set()
+        limits = capture_store.enforce_limits(self.cfg.path, int(self.cfg.max_gib * 2**30), self.cfg.retention_days * 86400)
+        self.written["expired"] += limits["expired"]
+        self.written["evicted"] += limits["evicted"]
+        return self.status(limits["bytes"])
+
+    def status(self, disk_bytes: int | None = None) -> dict[str, Any]:
+        return {"buffered": len(self.rows), **self.written, **({"disk_bytes": disk_bytes} if disk_bytes is not None else {})}
+
+
+CaptureWriterActor = ray.remote(num_cpus=0, max_concurrency=1)(CaptureWriter)
+
+
+class CaptureClient:
+    """The engine deployment's side: the sampling draw, the hand-off, the counts (never blocks a request)."""
+
+    def __init__(self, cfg: CaptureConfig, meta: dict[str, Any], metrics: ServeMetrics):
+        self.cfg, self.metrics = cfg, metrics
+        self.rng = random.Random(cfg.seed)
+        self.writer = CaptureWriterActor.remote(cfg.model_dump(mode="json"), meta)
+        self.inflight = 0
+        self._acks: set[asyncio.Task] = set()
+
+    def wants(self, store: bool | None) -> bool:
+        """Whether to capture a request with this ``store`` field (decided before it runs)."""
+        if store is False or (self.cfg.require_store and store is not True):
+            return False
+        return self.rng.random() < self.cfg.rate
+
+    def submit(self, request_id: str, prompt_ids: list[int], out: RequestOutput, draft_version: str | None) -> None:
+        """Hand a finished request to the writer, or drop it (counted) when the writer is behind."""
+        if self.inflight >= self.cfg.buffer_requests:
+            self.metrics.record_capture_drop("buffer_full")
+            return
+        row = shard_row(request_id, prompt_ids, out)
+        if isinstance(row, str):
+            self.metrics.record_capture_drop(row)
+            return
+        nbytes = len(row["aux_hidden"]) + len(row["final_hidden"]) + 4 * len(row["input_ids"])
+        self.inflight += 1
+        task = asyncio.get_running_loop().create_task(self._ack(self.writer.add.remote(row, draft_version), nbytes))
+        self._acks.add(task)
+        task.add_done_callback(self._acks.discard)
+
+    async def _ack(self, ref: ray.ObjectRef, nbytes: int) -> None:
+        try:
+            result = await ref
+        except RayError as err:  # the writer died or failed: this capture is lost, serving goes on
+            logger.warning("capture writer failed: %s", err)
+            self.metrics.record_capture_drop("writer_failed")
+            return
+        finally:
+            self.inflight -= 1
+        if result["stored"]:
+            self.metrics.record_capture(nbytes)
+        else:
+            self.metrics.record_capture_drop(result["reason"])
+
+    async def flush(self) -> dict[str, Any]:
+        """Write what the writer holds now (tests, shutdown) and return its counts."""
+        if self._acks:
+            await asyncio.gather(*self._acks)
+        return await self.writer.flush.remote()
+
+    def close(self) -> None:
+        """Ask the writer to write its buffer (the replica is going away; not waited for)."""
+        self.writer.flush.remote()
