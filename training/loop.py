@@ -190,10 +190,33 @@ def _checkpoint(cfg, session, plan, model, opt, sched, step, metrics, eval_facto
 
 def _step_logger(cfg: TrainingConfig, run_id: str | None):
     if run_id is None:
-        return None
+        return ConsoleProgress(cfg.max_steps)
     from eagleray.training.tracking import StepLogger
 
     return StepLogger(cfg.mlflow.tracking_uri, run_id)
+
+
+class ConsoleProgress:
+    """Rank 0's progress line when no MLflow run tracks the training (a local run, a lent GPU machine):
+    step, loss, first-step accuracy, simulated τ, tokens/s and the ETA."""
+
+    def __init__(self, max_steps: int):
+        self.max_steps, self.started = max_steps, time.perf_counter()
+
+    def __call__(self, metrics: dict[str, float], step: int) -> None:
+        if "loss" not in metrics:  # the final eval/* metrics
+            print(f"train: eval at step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()), flush=True)
+            return
+        elapsed = time.perf_counter() - self.started
+        eta = elapsed / max(step, 1) * (self.max_steps - step)
+        print(
+            f"train: step {step}/{self.max_steps} loss {metrics['loss']:.3f} acc_0 {metrics.get('acc_0', 0.0):.3f} "
+            f"sim_tau {metrics.get('sim_tau', 0.0):.3f} {metrics.get('tokens_per_s', 0.0):.0f} tok/s, ETA {eta / 60:.1f} min",
+            flush=True,
+        )
+
+    def restarted(self, step: int) -> None:
+        print(f"train: resumed from step {step}", flush=True)
 
 
 def _maybe_die(cfg: TrainingConfig, session: Session, step: int) -> None:

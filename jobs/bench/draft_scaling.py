@@ -141,6 +141,7 @@ def regen(args: argparse.Namespace) -> dict:
     }
     result["tokens_per_s"] = round(result["generated_tokens"] / max(wall, 1e-9), 1)
     _write(args.work / "regen.json", result)
+    _pack_answers(args, args.work / "early")  # at once: a lease can end before the drafts are done
     log(
         f"regen: {result['answered']} of {result['prompts_in']} turns answered, {result['errors']} errors, {result['truncated']} "
         f"truncated, {result['lost']} lost, {result['duplicated']} duplicated; {result['generated_tokens']} tokens in {wall:.0f} s "
@@ -481,9 +482,16 @@ def pack(args: argparse.Namespace) -> None:
         tar.add(dst, arcname="best-draft-bf16")
     args.out.mkdir(parents=True, exist_ok=True)
     _split(args.work / "best-draft.tar", args.out, "best-draft.tar.part")
-    subprocess.run(["xz", "-T0", "-6", "-kf", str(args.work / "conversations.jsonl")], check=True)
-    _split(args.work / "conversations.jsonl.xz", args.out, "conversations.jsonl.xz.part")
+    _pack_answers(args, args.out)
     log(f"pack: best draft {best['data_fraction']:g} (τ {best['tau_mtbench_chain']}) and the answers in {args.out}")
+
+
+def _pack_answers(args: argparse.Namespace, out: Path) -> None:
+    """The regenerated conversations and regen.json, xz-compressed in <= 15 MB pieces under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["xz", "-T0", "-6", "-kf", str(args.work / "conversations.jsonl")], check=True)
+    _split(args.work / "conversations.jsonl.xz", out, "conversations.jsonl.xz.part")
+    (out / "regen.json").write_text((args.work / "regen.json").read_text())
 
 
 def _split(path: Path, out: Path, prefix: str, size: int = 15 << 20) -> None:

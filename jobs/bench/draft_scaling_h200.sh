@@ -69,12 +69,13 @@ wait)
   while [ $SECONDS -lt $end ] && pgrep -f "draft_scaling all" > /dev/null; do sleep 10; done
   grep -v watchdog $ROOT/ds/run.log | tail -n 25
   for f in $ROOT/ds/drafts/*/train.log; do echo "== $f"; grep -v watchdog "$f" | tail -n 3; done
+  cp $ROOT/ds/early/* $OUT/ 2>/dev/null || true   # the answers, as soon as they exist (a lease may end first)
   ;;
 collect)
   cp $ROOT/ds/regen.json $OUT/regen-sharegpt-h200.json
   cp $ROOT/ds/scaling.json $OUT/scaling-h200.json || true
   tar -C $ROOT/ds -cJf $OUT/logs.tar.xz run.log regen/config.yaml $(cd $ROOT/ds && ls regen/*.log drafts/*/train.log drafts/*/train.json 2>/dev/null)
-  python3 -m eagleray.jobs.bench.draft_scaling pack --work $ROOT/ds --out $OUT
+  python3 -m eagleray.jobs.bench.draft_scaling pack --work $ROOT/ds --out $OUT   # the answers too: 64 MiB a call
   ls -la $OUT
   ;;
 *)

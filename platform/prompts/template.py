@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from eagleray.platform.errors import EaglerayError
 
 
@@ -60,6 +62,10 @@ def tokenize_with_mask(tok, messages: list[dict], response: str, max_seq_len: in
     return Tokenized(full[:max_seq_len], mask[:max_seq_len], truncated)
 
 
+CHARS_PER_TOKEN_BOUND = 16  # text cut for tokenizing a long conversation: max_seq_len tokens fit in this many chars each
+CUT_MARGIN = 64  # tokens past max_seq_len that must come out of the cut text, so the cut cannot change the kept ones
+
+
 def tokenize_conversation_with_mask(tok, messages: list[dict], max_seq_len: int) -> Tokenized:
     """Template a whole conversation; mask = EVERY assistant message's tokens (each from after its generation
     prompt through its end-of-turn token), for conversations whose every answer the target wrote itself
@@ -67,18 +73,29 @@ def tokenize_conversation_with_mask(tok, messages: list[dict], max_seq_len: int)
 
     The conversation is tokenized once; each assistant message's span is found in the rendered text (the
     template of the messages before it with the generation prompt, and of the messages through it, must be
-    prefixes of the whole) and mapped to tokens by their character offsets.
+    prefixes of the whole) and mapped to tokens by their character offsets. Only what the first
+    ``max_seq_len`` tokens can reach is rendered and tokenized (a long conversation costs no more than a
+    short one); the cut is checked: it must leave ``CUT_MARGIN`` tokens beyond those kept, else the whole text
+    is tokenized.
     """
     render = lambda msgs, gen: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)  # noqa: E731
     text = render(messages, False)
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]  # [T], [T] (start, end) characters
+    budget = (max_seq_len + CUT_MARGIN) * CHARS_PER_TOKEN_BOUND
+    enc = tok(text[:budget], add_special_tokens=False, return_offsets_mapping=True)
+    if len(text) > budget and len(enc["input_ids"]) < max_seq_len + CUT_MARGIN:
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"][:max_seq_len])  # [T]
+    starts = np.asarray([a for a, _ in enc["offset_mapping"][:max_seq_len]], dtype=np.int64)  # [T] first char of each token
+    reach = int(starts[-1]) if len(starts) else 0
     eos = tok.eos_token or ""
-    spans = []
+    bounds = []  # sorted, disjoint [start, end) character spans of the learned assistant tokens
     for i, m in enumerate(messages):
         if m["role"] != "assistant" or i == 0:  # an opening assistant message answers no prompt: not learned
             continue
-        before, through = render(messages[:i], True), render(messages[: i + 1], False)
+        before = render(messages[:i], True)
+        if len(before) > reach:
+            break  # this answer starts after the last kept token
+        through = render(messages[: i + 1], False)
         if not (text.startswith(through) and through.startswith(before)):
             raise RowError(
                 "template_mismatch",
@@ -86,6 +103,6 @@ def tokenize_conversation_with_mask(tok, messages: list[dict], max_seq_len: int)
                 f"assistant tokens of message {i} cannot be located",
             )
         end = through.rfind(eos, len(before)) if eos else -1
-        spans.append((len(before), end + len(eos) if end >= 0 else len(through)))
-    mask = [int(any(a <= start < b for a, b in spans)) for start, _ in offsets]
-    return Tokenized(ids[:max_seq_len], mask[:max_seq_len], len(ids) > max_seq_len)
+        bounds += [len(before), end + len(eos) if end >= 0 else len(through)]
+    inside = np.searchsorted(np.asarray(bounds, dtype=np.int64), starts, side="right") % 2 == 1  # [T]
+    return Tokenized(ids, inside.astype(int).tolist(), len(enc["input_ids"]) > max_seq_len or len(text) > budget)

@@ -46,3 +46,52 @@ def test_empty_response_masks_only_eos(tok):
 def test_truncation(tok):
     t = tokenize_with_mask(tok, [{"role": "user", "content": "hello world " * 20}], "answer " * 20, max_seq_len=32)
     assert t.truncated and len(t.input_ids) == len(t.loss_mask) == 32
+
+
+def _conversation(turns: int, words: int = 6) -> list[dict]:
+    msgs = [{"role": "system", "content": "be brief"}]
+    for i in range(turns):
+        msgs += [
+            {"role": "user", "content": f"question {i} " + "fox " * words},
+            {"role": "assistant", "content": f"answer {i} " + "dog " * words},
+        ]
+    return msgs
+
+
+def test_every_assistant_turn_is_masked_as_its_own_last_turn_would_be(tok):
+    """The all-turns mask is the union of the single-answer masks of each assistant turn (same ids)."""
+    from eagleray.platform.prompts.template import tokenize_conversation_with_mask
+
+    msgs = _conversation(3)
+    t = tokenize_conversation_with_mask(tok, msgs, max_seq_len=4096)
+    union = [0] * len(t.input_ids)
+    for i, m in enumerate(msgs):
+        if m["role"] == "assistant":
+            one = tokenize_with_mask(tok, msgs[:i], m["content"], max_seq_len=4096)
+            assert t.input_ids[: len(one.input_ids)] == one.input_ids
+            union = [a | b for a, b in zip(union, one.loss_mask + [0] * (len(union) - len(one.loss_mask)))]
+    assert t.loss_mask == union and not t.truncated
+    assert _masked_text(tok, t) == "".join(f"answer {i} " + "dog " * 6 + "<|im_end|>" for i in range(3))
+
+
+def test_long_conversations_are_cut_before_tokenizing_with_the_same_result(tok, monkeypatch):
+    """Only what max_seq_len tokens reach is tokenized; the result equals tokenizing everything (planted: the
+    cut is checked, a too-short cut falls back to the whole text)."""
+    from eagleray.platform.prompts import template
+
+    msgs = _conversation(40, words=30)
+    full = template.tokenize_conversation_with_mask(tok, msgs, max_seq_len=100_000)
+    for n in (64, 300, 1000):
+        cut = template.tokenize_conversation_with_mask(tok, msgs, max_seq_len=n)
+        assert cut.input_ids == full.input_ids[:n] and cut.loss_mask == full.loss_mask[:n] and cut.truncated
+    monkeypatch.setattr(template, "CHARS_PER_TOKEN_BOUND", 1)  # a cut far too short: the check must catch it
+    short = template.tokenize_conversation_with_mask(tok, msgs, max_seq_len=300)
+    assert short.input_ids == full.input_ids[:300] and short.loss_mask == full.loss_mask[:300]
+
+
+def test_an_opening_assistant_message_is_not_learned(tok):
+    from eagleray.platform.prompts.template import tokenize_conversation_with_mask
+
+    msgs = [{"role": "assistant", "content": "hello there"}] + _conversation(1)[1:]
+    t = tokenize_conversation_with_mask(tok, msgs, max_seq_len=512)
+    assert _masked_text(tok, t) == "answer 0 " + "dog " * 6 + "<|im_end|>"

@@ -182,3 +182,34 @@ def test_relative_paths_are_made_absolute_for_ray_train_workers(synthetic_data, 
     assert got.target.model == str(Path(train_target).resolve()) and got.init_from == "models:/d@a"
     assert rel.data_dir == synthetic_data.name  # the caller's config is not modified
     assert absolute_paths(_cfg(synthetic_data, "smollm2", tmp_path)).target.model == "smollm2"
+
+
+def test_online_all_turns_learns_every_assistant_message_and_shows_progress(train_target, tmp_path, capsys):
+    """loss_turns 'all' (turn-by-turn regenerated data) masks every answer, 'last' only the final one; a run with no
+    MLflow run prints its progress (step, loss, ETA)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from eagleray.training.online import iter_online_rows
+
+    torch.set_num_threads(1)
+    turns = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "first answer"}]
+    turns += [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "second answer"}]
+    src = tmp_path / "convs.jsonl"
+    src.write_text(
+        "".join(
+            json.dumps({"messages": turns + [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "x"}]}) + "\n"
+            for i in range(8)
+        )
+    )
+    tok = AutoTokenizer.from_pretrained(str(train_target))
+    masked = {}
+    for mode in ("last", "all"):
+        cfg = _cfg("online", train_target, tmp_path, online={"prompts": [str(src)], "loss_turns": mode}, eval_fraction=0.0)
+        row = next(iter_online_rows(cfg, tok))
+        masked[mode] = tok.decode([i for i, m in zip(row["input_ids"], row["loss_mask"]) if m])
+    assert "first answer" not in masked["last"] and "first answer" in masked["all"] and "second answer" in masked["all"]
+    cfg = _cfg("online", train_target, tmp_path, online={"prompts": [str(src)], "loss_turns": "all"}, max_steps=2, log_every=1)
+    train_worker(cfg, LocalSession(tmp_path / "ckpt-all"))
+    assert "train: step 2/2 loss" in capsys.readouterr().out
