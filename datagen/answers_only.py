@@ -184,13 +184,7 @@ def regenerate(cfg: DatagenConfig, out: Path, device: str, emit: Callable[[str],
     bar.close()
     seconds = time.perf_counter() - started
     manifest = {
-        "target_fingerprint": spec.fingerprint,
-        "tokenizer_fingerprint": spec.tokenizer_fingerprint,
-        "target": cfg.target.model_dump(),
-        "backend": cfg.backend,
-        "device": device,
-        "generation": cfg.generation.model_dump(),
-        "max_prompt_tokens": cfg.prompt_token_cap,
+        **_provenance(cfg, spec, device),
         "rows": len(sel.written) + rows,
         "errors": len(sel.failed) + len(sel.too_long),
         "this_run": {"rows": rows, "generated_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(1e-9, seconds)},
@@ -201,6 +195,19 @@ def regenerate(cfg: DatagenConfig, out: Path, device: str, emit: Callable[[str],
         f"{manifest['rows']} rows and {manifest['errors']} errors in {out}"
     )
     return manifest
+
+
+def _provenance(cfg: DatagenConfig, spec: TargetSpec, device: str) -> dict[str, Any]:
+    """How the answers were made (the manifest's head): what ``backend: given`` checks, and the settings."""
+    return {
+        "target_fingerprint": spec.fingerprint,
+        "tokenizer_fingerprint": spec.tokenizer_fingerprint,
+        "target": cfg.target.model_dump(),
+        "backend": cfg.backend,
+        "device": device,
+        "generation": cfg.generation.model_dump(),
+        "max_prompt_tokens": cfg.prompt_token_cap,
+    }
 
 
 def shard_of(prompt_id: str, num_shards: int) -> int:
@@ -260,15 +267,9 @@ def regenerate_conversations(
     bar.close()
     gen.close()
     manifest = {
-        "target_fingerprint": spec.fingerprint,
-        "tokenizer_fingerprint": spec.tokenizer_fingerprint,
-        "target": cfg.target.model_dump(),
-        "backend": cfg.backend,
-        "device": device,
+        **_provenance(cfg, spec, device),
         "answer_turns": "all",
         "shard": [index, num_shards],
-        "generation": cfg.generation.model_dump(),
-        "max_prompt_tokens": cfg.prompt_token_cap,
         "selection": {"conversations_read": stats.records, "duplicates": stats.duplicates, "held_out": stats.held_out},
         **count_output(out, {r.prompt_id: sum(m.role == "user" for m in r.messages) for r in mine}),
         "this_run": {**st.to_dict(), "tokens_per_s": st.generated_tokens / max(1e-9, st.seconds)},

