@@ -496,6 +496,7 @@ def _pack_answers(args: argparse.Namespace, out: Path) -> None:
 
 def _split(path: Path, out: Path, prefix: str, size: int = 15 << 20) -> None:
     data = path.read_bytes()
+    out.mkdir(parents=True, exist_ok=True)
     for i in range(0, len(data), size):
         (out / f"{prefix}{i // size}").write_bytes(data[i : i + size])
 
@@ -518,8 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(p)
     args = p.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
-    if args.stage in ("all", "regen"):
-        regen(args)
+    if args.stage == "regen" or (args.stage == "all" and not (args.work / "regen.json").is_file()):
+        regen(args)  # `all` reuses answers already in --work (regen.json + conversations.jsonl, e.g. carried in)
     if args.stage in ("all", "train"):
         train_all(args)
     if args.stage == "train-one":
