@@ -81,9 +81,10 @@ def tokenize_conversation_with_mask(tok, messages: list[dict], max_seq_len: int)
     render = lambda msgs, gen: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)  # noqa: E731
     text = render(messages, False)
     budget = (max_seq_len + CUT_MARGIN) * CHARS_PER_TOKEN_BOUND
+    cut = len(text) > budget
     enc = tok(text[:budget], add_special_tokens=False, return_offsets_mapping=True)
-    if len(text) > budget and len(enc["input_ids"]) < max_seq_len + CUT_MARGIN:
-        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    if cut and len(enc["input_ids"]) < max_seq_len + CUT_MARGIN:  # the cut may reach into kept tokens: no cut
+        cut, enc = False, tok(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"][:max_seq_len])  # [T]
     starts = np.asarray([a for a, _ in enc["offset_mapping"][:max_seq_len]], dtype=np.int64)  # [T] first char of each token
     reach = int(starts[-1]) if len(starts) else 0
@@ -105,4 +106,4 @@ def tokenize_conversation_with_mask(tok, messages: list[dict], max_seq_len: int)
         end = through.rfind(eos, len(before)) if eos else -1
         bounds += [len(before), end + len(eos) if end >= 0 else len(through)]
     inside = np.searchsorted(np.asarray(bounds, dtype=np.int64), starts, side="right") % 2 == 1  # [T]
-    return Tokenized(ids, inside.astype(int).tolist(), len(enc["input_ids"]) > max_seq_len or len(text) > budget)
+    return Tokenized(ids, inside.astype(int).tolist(), cut or len(enc["input_ids"]) > max_seq_len)
