@@ -87,7 +87,7 @@ def test_long_conversations_are_cut_before_tokenizing_with_the_same_result(tok, 
     monkeypatch.setattr(template, "CHARS_PER_TOKEN_BOUND", 1)  # a cut far too short: the check must catch it
     short = template.tokenize_conversation_with_mask(tok, msgs, max_seq_len=300)
     assert short.input_ids == full.input_ids[:300] and short.loss_mask == full.loss_mask[:300] and short.truncated
-    whole = template.tokenize_conversation_with_mask(tok, msgs, max_seq_len=100_000)  # the fallback kept it all
+    whole = template.tokenize_conversation_with_mask(tok, msgs, max_seq_len=len(full.input_ids))  # fell back, kept all
     assert whole.input_ids == full.input_ids and not whole.truncated
 
 
