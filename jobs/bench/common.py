@@ -10,7 +10,7 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -104,6 +104,14 @@ def step_times(fn: Callable[[], object], n: int, device: torch.device) -> list[f
             fn()
             times.append(time.perf_counter() - t0)
     return times
+
+
+def print_rows(columns: list[tuple[str, str]], rows: Iterable[Sequence[object]]) -> None:
+    """A table after a blank line: each column's header over its values, every cell ``str()``-ed and padded by the
+    column's format spec (``"<12"``, ``">9"``; format numbers before passing them)."""
+    print("\n" + "".join(format(name, spec) for name, spec in columns))
+    for row in rows:
+        print("".join(format(str(value), spec) for (_, spec), value in zip(columns, row, strict=True)))
 
 
 def write_json(result: dict, out: str | Path | None, indent: int = 1) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from eagleray.jobs.bench.common import LLAMA_8B, log, run_suite, write_json
+from eagleray.jobs.bench.common import LLAMA_8B, log, print_rows, run_suite, write_json
 from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TargetConfig
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.host import pick_device
@@ -194,16 +194,23 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
+ENGINE_COLUMNS = [
+    ("model", "<8"),
+    ("batch", ">6"),
+    ("mode", ">6"),
+    ("k", ">3"),
+    ("adapt", ">7"),
+    ("tok/s", ">11"),
+    ("decode tok/s", ">14"),
+    ("step ms", ">9"),
+    ("pred", ">7"),
+    ("lossless", ">9"),
+]
+RECORD_KEYS = ("model", "batch", "mode", "k", "adaptive", "tok_s", "decode_tok_s", "step_ms", "predicted_speedup", "lossless")
+
+
 def print_table(result: dict) -> None:
-    print(
-        f"\n{'model':<8}{'batch':>6}{'mode':>6}{'k':>3}{'adapt':>7}{'tok/s':>11}{'decode tok/s':>14}{'step ms':>9}"
-        f"{'pred':>7}{'lossless':>9}"
-    )
-    for r in result["records"]:
-        print(
-            f"{r['model']:<8}{r['batch']:>6}{r['mode']:>6}{r['k']:>3}{str(r['adaptive']):>7}{r['tok_s']:>11}"
-            f"{str(r['decode_tok_s']):>14}{str(r['step_ms']):>9}{str(r['predicted_speedup']):>7}{str(r['lossless']):>9}"
-        )
+    print_rows(ENGINE_COLUMNS, ([r[key] for key in RECORD_KEYS] for r in result["records"]))
 
 
 def run(args: argparse.Namespace | list[str] | None = None) -> dict:
