@@ -29,7 +29,7 @@ from eagleray.platform.host import pick_device
 from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.models.llama import LlamaModel
 from eagleray.platform.prompts import load_prompts
-from eagleray.serve.engine import SamplingParams, load_models
+from eagleray.serve.engine import EngineConfig, SamplingParams, load_models
 from eagleray.serve.measure import plain_run, spec_run
 
 
@@ -72,7 +72,8 @@ def _runs(name: str, target, draft, tok, tcfg: TargetConfig, prompts: list, args
         use = prompts if name == "smollm2" or b > 8 else prompts[: args.limit_8b]
         use = use * max(1, -(-2 * b // len(use)))  # at least two rounds of the batch
         t0 = time.perf_counter()
-        token_prompts, plain, t_plain, eng = plain_run(target, tok, tcfg, use, params, b, args.profile, args.kv_cache_gib)
+        run_cfg = EngineConfig(target=tcfg, max_num_seqs=b, profile_steps=args.profile, kv_cache_gib=args.kv_cache_gib)
+        token_prompts, plain, t_plain, eng = plain_run(target, tok, run_cfg, use, params)
         rec = _record(name, b, "plain", 0, False, plain, t_plain, eng, None, None)
         plain_step, plain_decode = rec["step_ms"], rec["decode_tok_s"]
         rec["profile"] = eng.prof.table() if args.profile else None
@@ -84,9 +85,7 @@ def _runs(name: str, target, draft, tok, tcfg: TargetConfig, prompts: list, args
         modes = ([False] if b in fixed else []) + ([True] if b in adaptive_set else [])
         for adaptive in modes:
             dcfg = DraftConfig(source="random", num_speculative_tokens=args.k, policy=PolicyConfig(adaptive=adaptive))
-            r = spec_run(
-                target, draft, tok, tcfg, dcfg, token_prompts, params, plain, t_plain, b, args.profile, args.kv_cache_gib
-            )
+            r = spec_run(target, draft, tok, run_cfg.model_copy(update={"draft": dcfg}), token_prompts, params, plain, t_plain)
             rec = {
                 "model": name,
                 "batch": b,
