@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from eagleray.platform.host import free_port
-from eagleray.tests.support.cluster import BIN, WORKER_RESOURCE, job_api_up, ray_env, stop_group, wait_for
+from eagleray.tests.support.cluster import BIN, WORKER_RESOURCE, head_command, job_api_up, ray_env, stop_group, wait_for
 
 HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3, "health_check_timeout_ms": 1000}
 
@@ -186,25 +186,16 @@ def two_nodes(tmp_path_factory):
     logs = tmp_path_factory.mktemp("ray-two-nodes")
     port, dash, client = free_port(), free_port(), free_port()
     temp = Path(f"/tmp/ray-nl-{os.getpid()}")  # short: Ray's unix socket paths must stay < 108 chars
-    cmd = [
-        str(BIN / "ray"),
-        "start",
-        "--head",
-        "--block",
-        "--node-ip-address=127.0.0.1",
-        f"--port={port}",
+    cmd = head_command(
+        port,
+        dash,
+        temp,
+        150_000_000,
         f"--ray-client-server-port={client}",
-        "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dash}",
-        "--include-dashboard=true",
-        "--num-cpus=2",
         "--num-gpus=0",
-        "--object-store-memory=150000000",
-        f"--temp-dir={temp}",
-        "--disable-usage-stats",
         f"--system-config={json.dumps(HEALTH_CHECKS)}",
         *_node_ports(),
-    ]
+    )
     with open(logs / "head.log", "w") as f:
         head = subprocess.Popen(cmd, env=ray_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     cluster = TwoNodeCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", Node(head, logs / "head.log"), logs)

@@ -20,7 +20,7 @@ import yaml
 from eagleray.datagen import shards
 from eagleray.datagen.manifest import MANIFEST
 from eagleray.platform.host import free_port
-from eagleray.tests.support.cluster import BIN, job_api_up, ray_env, stop_group, wait_for
+from eagleray.tests.support.cluster import BIN, head_command, job_api_up, ray_env, stop_group, wait_for
 from eagleray.tests.support.datagen import FIXTURE, datagen_config, expected_ids
 
 
@@ -28,21 +28,7 @@ from eagleray.tests.support.datagen import FIXTURE, datagen_config, expected_ids
 def cluster(tmp_path_factory):
     port, dash = free_port(), free_port()
     temp = Path(f"/tmp/ray-dg-{os.getpid()}")
-    cmd = [
-        str(BIN / "ray"),
-        "start",
-        "--head",
-        "--block",
-        "--node-ip-address=127.0.0.1",
-        f"--port={port}",
-        "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dash}",
-        "--include-dashboard=true",
-        "--num-cpus=2",
-        "--object-store-memory=200000000",
-        f"--temp-dir={temp}",
-        "--disable-usage-stats",
-    ]
+    cmd = head_command(port, dash, temp, 200_000_000)
     log = open(tmp_path_factory.mktemp("ray") / "ray-start.log", "w")
     head = subprocess.Popen(cmd, env=ray_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{dash}"

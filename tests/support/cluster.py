@@ -26,6 +26,26 @@ def ray_env() -> dict[str, str]:
     }
 
 
+def head_command(port: int, dashboard_port: int, temp: Path, object_store_bytes: int, *extra: str) -> list[str]:
+    """`ray start --head --block` on 127.0.0.1 with 2 CPUs, the dashboard (job API) and its own ports and temp dir."""
+    return [
+        str(BIN / "ray"),
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        f"--port={port}",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard_port}",
+        "--include-dashboard=true",
+        "--num-cpus=2",
+        f"--object-store-memory={object_store_bytes}",
+        f"--temp-dir={temp}",
+        "--disable-usage-stats",
+        *extra,
+    ]
+
+
 def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = None, every: float = 0.2):
     """``pred()``'s first truthy value within ``timeout`` seconds; fails early when ``proc`` exits."""
     end = time.monotonic() + timeout
