@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from eagleray.kernels.errors import KernelInputError
+from eagleray.kernels.errors import KernelInputError, no_triton
 
 try:  # Triton is optional on CPU machines
     import triton
@@ -175,7 +175,7 @@ def _check(
         return KernelInputError(f"decode_attention: {arg}", expected, str(got), fix)
 
     if triton is None:
-        raise bad("triton", "the triton package", "none installed", "pip install triton, or use decode_attention_reference")
+        raise no_triton("decode_attention")
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
     if k_cache.stride() != v_cache.stride() or k_cache.shape != v_cache.shape:

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from eagleray.kernels.decode_ops import add_rmsnorm_reference, rope_write_kv_reference, silu_mul_reference
-from eagleray.kernels.errors import KernelInputError
+from eagleray.kernels.decode_ops import KVWrite, add_rmsnorm_reference, rope_write_kv_reference, silu_mul_reference
+from eagleray.kernels.errors import KernelInputError, no_triton
 
 try:
     import triton
@@ -71,22 +71,11 @@ def gemv_reference(
 
 
 def qkv_rope_gemv_reference(
-    h: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    positions: torch.Tensor,
-    inv_freq: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-    hq: int,
-    hkv: int,
+    h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, bias: torch.Tensor | None, kv: KVWrite
 ) -> torch.Tensor:
     """What :func:`qkv_rope_gemv` computes, unfused: RMSNorm, the qkv product, rotary and the K/V store."""
     x, _ = add_rmsnorm_reference(h, None, norm_weight, eps)  # [1, H]
-    return rope_write_kv_reference(F.linear(x, weight, bias), positions, inv_freq, k_cache, v_cache, slots, hq, hkv)
+    return rope_write_kv_reference(F.linear(x, weight, bias), kv)
 
 
 if triton is not None:
@@ -237,9 +226,7 @@ if triton is not None:
 
 def _check(op: str, x: torch.Tensor, weight: torch.Tensor) -> None:
     if triton is None:
-        raise KernelInputError(
-            f"{op}: triton", "the triton package", "none installed", f"pip install triton, or use {op}_reference"
-        )
+        raise no_triton(op)
     if x.shape[0] != 1 or x.shape[-1] != weight.shape[1] or weight.stride(1) != 1 or x.stride(-1) != 1:
         raise KernelInputError(
             f"{op}: x, weight",
@@ -293,22 +280,11 @@ def gemv(
 
 
 def qkv_rope_gemv(
-    h: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    positions: torch.Tensor,
-    inv_freq: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-    hq: int,
-    hkv: int,
+    h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, bias: torch.Tensor | None, kv: KVWrite
 ) -> torch.Tensor:
-    """h [1, H] -> q [1, Hq, D] of rmsnorm(h) @ W_qkv.T with rotary; k (rotary) and v stored at ``slots``."""
+    """h [1, H] -> q [1, Hq, D] of rmsnorm(h) @ W_qkv.T with rotary; k (rotary) and v stored at ``kv.slots``."""
     _check("qkv_rope_gemv", h, weight)
-    d = k_cache.shape[-1]
+    d, hq, hkv = kv.k_cache.shape[-1], kv.hq, kv.hkv
     half, k = d // 2, weight.shape[1]
     if weight.shape[0] != (hq + 2 * hkv) * d or d & (d - 1):
         raise KernelInputError(
@@ -325,15 +301,15 @@ def qkv_rope_gemv(
         norm_weight,
         weight,
         bias if bias is not None else weight,
-        positions,
-        inv_freq,
+        kv.positions,
+        kv.inv_freq,
         q,
-        k_cache,
-        v_cache,
-        slots,
+        kv.k_cache,
+        kv.v_cache,
+        kv.slots,
         k,
         weight.stride(0),
-        k_cache.stride(1),
+        kv.k_cache.stride(1),
         float(eps),
         hq,
         hkv,

@@ -15,10 +15,12 @@ weight reads.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
-from eagleray.kernels.errors import KernelInputError
+from eagleray.kernels.errors import KernelInputError, no_triton
 from eagleray.kernels.reference_ops import rotary_cos_sin, rotate_half, write_kv
 
 try:
@@ -39,24 +41,27 @@ def add_rmsnorm_reference(
     return weight * x32.to(h.dtype), h
 
 
-def rope_write_kv_reference(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    inv_freq: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-    hq: int,
-    hkv: int,
-) -> torch.Tensor:
-    """qkv [T, (Hq+2Hkv)*D] -> rotated q [T, Hq, D]; rotated k and v written to ``slots`` [T]."""
-    t, d = qkv.shape[0], k_cache.shape[-1]
+class KVWrite(NamedTuple):
+    """Where one layer's new k and v go this step, and the rotary applied to q and k on the way."""
+
+    positions: torch.Tensor  # [T] int64
+    inv_freq: torch.Tensor  # [D/2] fp32
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D] (slot stride: stride(1))
+    v_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D], strides of k_cache
+    slots: torch.Tensor  # [T] int64 cache slot of each token
+    hq: int  # query heads
+    hkv: int  # key/value heads
+
+
+def rope_write_kv_reference(qkv: torch.Tensor, kv: KVWrite) -> torch.Tensor:
+    """qkv [T, (Hq+2Hkv)*D] -> rotated q [T, Hq, D]; rotated k and v written to ``kv.slots`` [T]."""
+    t, d, hq, hkv = qkv.shape[0], kv.k_cache.shape[-1], kv.hq, kv.hkv
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
-    cos, sin = rotary_cos_sin(positions, inv_freq, q.dtype)  # [T, 1, D] each
+    cos, sin = rotary_cos_sin(kv.positions, kv.inv_freq, q.dtype)  # [T, 1, D] each
     q = q * cos + rotate_half(q) * sin  # [T, Hq, D]
     k = k * cos + rotate_half(k) * sin  # [T, Hkv, D]
-    write_kv(k_cache, v_cache, k, v, slots)
+    write_kv(kv.k_cache, kv.v_cache, k, v, kv.slots)
     return q
 
 
@@ -163,9 +168,7 @@ if triton is not None:
 
 def _require_triton(op: str) -> None:
     if triton is None:
-        raise KernelInputError(
-            f"{op}: triton", "the triton package", "none installed", f"pip install triton, or use {op}_reference"
-        )
+        raise no_triton(op)
 
 
 def _require_rows(op: str, arg: str, x: torch.Tensor, dims: int) -> None:
@@ -202,19 +205,10 @@ def add_rmsnorm(
     return out, h_new
 
 
-def rope_write_kv(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    inv_freq: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-    hq: int,
-    hkv: int,
-) -> torch.Tensor:
-    """qkv [T, (Hq+2Hkv)*D] -> q [T, Hq, D] (rotary applied); k (rotary) and v stored at ``slots`` [T]."""
+def rope_write_kv(qkv: torch.Tensor, kv: KVWrite) -> torch.Tensor:
+    """qkv [T, (Hq+2Hkv)*D] -> q [T, Hq, D] (rotary applied); k (rotary) and v stored at ``kv.slots`` [T]."""
     _require_triton("rope_write_kv")
-    t, d = qkv.shape[0], k_cache.shape[-1]
+    t, d, hq, hkv = qkv.shape[0], kv.k_cache.shape[-1], kv.hq, kv.hkv
     if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] != (hq + 2 * hkv) * d:
         raise KernelInputError(
             "rope_write_kv: qkv",
@@ -225,14 +219,14 @@ def rope_write_kv(
     q = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device)  # [T, Hq, D]
     _rope_kv_kernel[(t, hq + 2 * hkv)](
         qkv,
-        positions,
-        inv_freq,
+        kv.positions,
+        kv.inv_freq,
         q,
-        k_cache,
-        v_cache,
-        slots,
+        kv.k_cache,
+        kv.v_cache,
+        kv.slots,
         qkv.stride(0),
-        k_cache.stride(1),
+        kv.k_cache.stride(1),
         hq,
         hkv,
         D=d,

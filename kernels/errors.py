@@ -23,5 +23,10 @@ class VerifyInputError(KernelInputError):
     """An argument of a verification kernel has the wrong shape, dtype, stride or device."""
 
 
+def no_triton(op: str) -> KernelInputError:
+    """What a Triton kernel's wrapper raises where the triton package is missing: the fix names its reference."""
+    return KernelInputError(f"{op}: triton", "the triton package", "none installed", f"pip install triton, or use {op}_reference")
+
+
 class KernelBuildError(RuntimeError):
     """A native kernel cannot be built or loaded on this machine (the message says why and what to do)."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagleray.kernels.errors import KernelInputError
+from eagleray.kernels.errors import KernelInputError, no_triton
 
 try:
     import triton
@@ -169,7 +169,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
         return KernelInputError(f"invariant_linear: {arg}", expected, str(got), fix)
 
     if triton is None:
-        raise bad("triton", "the triton package", "none installed", "pip install triton, or use invariant_linear_reference")
+        raise no_triton("invariant_linear")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise bad(
             "x, weight",

@@ -26,29 +26,14 @@ def timed_generate(engine: LLMEngine, prompts, params: SamplingParams) -> tuple[
     return outs, time.perf_counter() - t0
 
 
-def plain_run(
-    target,
-    tok,
-    tcfg: TargetConfig,
-    prompts: list,
-    params: SamplingParams,
-    batch: int = 1,
-    profile: bool = True,
-    kv_cache_gib: float = 1.0,
-    decode_path: str = "auto",
-):
-    """Plain decoding of ``prompts`` (messages or token ids) -> (token prompts, outputs, seconds, engine);
-    the target captures nothing. ``profile``: time each step's phases (on CUDA a sync per phase)."""
+def plain_run(target, tok, cfg: EngineConfig, prompts: list, params: SamplingParams):
+    """Plain decoding of ``prompts`` (messages or token ids) with the engine settings ``cfg`` (its draft unused)
+    -> (token prompts, outputs, seconds, engine); the target captures nothing. ``cfg.profile_steps``: time each
+    step's phases (on CUDA a sync per phase)."""
     aux_ids = target.aux_layer_ids
     target.set_aux_layers([])
     try:
-        engine = LLMEngine(
-            target,
-            tok,
-            EngineConfig(
-                target=tcfg, max_num_seqs=batch, profile_steps=profile, kv_cache_gib=kv_cache_gib, decode_path=decode_path
-            ),
-        )
+        engine = LLMEngine(target, tok, cfg.model_copy(update={"draft": None}))
         token_prompts = [engine.tokenize(m) for m in prompts]
         outs, seconds = timed_generate(engine, token_prompts, params)
     finally:
@@ -57,24 +42,9 @@ def plain_run(
 
 
 def spec_run(
-    target,
-    draft,
-    tok,
-    tcfg: TargetConfig,
-    dcfg: DraftConfig,
-    token_prompts: list,
-    params: SamplingParams,
-    plain: list,
-    t_plain: float,
-    batch: int = 1,
-    profile: bool = True,
-    kv_cache_gib: float = 1.0,
-    decode_path: str = "auto",
+    target, draft, tok, cfg: EngineConfig, token_prompts: list, params: SamplingParams, plain: list, t_plain: float
 ) -> dict:
-    """Speculative decoding of the same token prompts, compared with the plain run (outputs and speed)."""
-    cfg = EngineConfig(
-        target=tcfg, draft=dcfg, max_num_seqs=batch, profile_steps=profile, kv_cache_gib=kv_cache_gib, decode_path=decode_path
-    )
+    """Speculative decoding (draft ``cfg.draft``) of the same token prompts, compared with the plain run (outputs and speed)."""
     engine = LLMEngine(target, tok, cfg, draft)
     spec, t_spec = timed_generate(engine, token_prompts, params)
     stats = engine.metrics.spec
@@ -107,8 +77,9 @@ def compare_engines(
     target, draft, tok, tcfg: TargetConfig, dcfg: DraftConfig, prompts: list, params: SamplingParams, batch: int = 1
 ) -> tuple[dict, list]:
     """Plain then speculative decoding of the same prompts on one target -> (metrics, (token prompts, plain outputs))."""
-    token_prompts, plain, t_plain, plain_engine = plain_run(target, tok, tcfg, prompts, params, batch)
-    result = spec_run(target, draft, tok, tcfg, dcfg, token_prompts, params, plain, t_plain, batch)
+    cfg = EngineConfig(target=tcfg, draft=dcfg, max_num_seqs=batch, profile_steps=True)
+    token_prompts, plain, t_plain, plain_engine = plain_run(target, tok, cfg, prompts, params)
+    result = spec_run(target, draft, tok, cfg, token_prompts, params, plain, t_plain)
     result["plain_profile"] = plain_engine.prof.table()
     result.update(decode_speedups(result, plain_engine.metrics.plain, batch, dcfg))
     return result, (token_prompts, plain)

@@ -10,56 +10,52 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable, Sequence
 
 import torch
 
-LLAMA_8B = dict(
-    model_type="llama",
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=131072,
-    tie_word_embeddings=False,
-    rope_theta=500000.0,
-    rope_scaling={
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-)
-SMOLLM2 = dict(
-    model_type="llama",
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=8192,
-    tie_word_embeddings=True,
-    rope_theta=100000.0,
-)
-TINY = dict(  # a random Llama small enough for quick checks on any machine
-    model_type="llama",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
-    rope_theta=10000.0,
-)
+
+def llama_config(
+    vocab: int,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    max_positions: int,
+    rope_theta: float,
+    **extra,
+) -> dict:
+    """A Llama ``config.json`` dict of these sizes (RMSNorm eps 1e-5, untied head unless ``extra`` says otherwise)."""
+    return (
+        dict(
+            model_type="llama",
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=False,
+            rope_theta=rope_theta,
+        )
+        | extra
+    )
+
+
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+# llama_config(vocab, hidden, intermediate, layers, heads, kv_heads, max_positions, rope_theta, ...)
+LLAMA_8B = llama_config(128256, 4096, 14336, 32, 32, 8, 131072, 500000.0, rope_scaling=LLAMA3_ROPE_SCALING)
+SMOLLM2 = llama_config(49152, 576, 1536, 30, 9, 3, 8192, 100000.0, tie_word_embeddings=True)
+TINY = llama_config(256, 64, 128, 4, 4, 2, 4096, 10000.0)  # a random Llama small enough for quick checks on any machine
 CONFIGS = {"8b": LLAMA_8B, "smollm2": SMOLLM2, "tiny": TINY}  # the shapes a benchmark's --model names
 
 
@@ -108,6 +104,14 @@ def step_times(fn: Callable[[], object], n: int, device: torch.device) -> list[f
             fn()
             times.append(time.perf_counter() - t0)
     return times
+
+
+def print_rows(columns: list[tuple[str, str]], rows: Iterable[Sequence[object]]) -> None:
+    """A table after a blank line: each column's header over its values, every cell ``str()``-ed and padded by the
+    column's format spec (``"<12"``, ``">9"``; format numbers before passing them)."""
+    print("\n" + "".join(format(name, spec) for name, spec in columns))
+    for row in rows:
+        print("".join(format(str(value), spec) for (_, spec), value in zip(columns, row, strict=True)))
 
 
 def write_json(result: dict, out: str | Path | None, indent: int = 1) -> None:

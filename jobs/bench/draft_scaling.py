@@ -329,7 +329,7 @@ def evaluate(args: argparse.Namespace) -> list[dict]:
     it is measured again with ``engine.decode_path: varlen``, and the record says so)."""
     import pickle
 
-    from eagleray.serve.engine import close_target, load_models
+    from eagleray.serve.engine import EngineConfig, close_target, load_models
     from eagleray.serve.measure import plain_run
 
     suites, tcfg, greedy, sampled = _eval_setup(args)
@@ -338,7 +338,8 @@ def evaluate(args: argparse.Namespace) -> list[dict]:
         target, _, tok, _ = load_models(tcfg, None)
         plain = {}  # (suite, batch, sampled) -> (token prompts, outputs, seconds)
         for suite, b, smp in (("mtbench", 8, False), ("mtbench", 1, False), ("humaneval", 8, False), ("mtbench", 8, True)):
-            tp, outs, sec, _ = plain_run(target, tok, tcfg, suites[suite], sampled if smp else greedy, b, False, 8.0)
+            run_cfg = EngineConfig(target=tcfg, max_num_seqs=b, kv_cache_gib=8.0)
+            tp, outs, sec, _ = plain_run(target, tok, run_cfg, suites[suite], sampled if smp else greedy)
             plain[(suite, b, smp)] = (tp, outs, sec)
             log(f"eval plain {suite} b{b}{' T=1' if smp else ''}: {sum(len(o.token_ids) for o in outs) / sec:.0f} tok/s")
         close_target(target)
@@ -366,7 +367,7 @@ def evaluate_one(args: argparse.Namespace) -> dict:
     import pickle
 
     from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TreeConfig
-    from eagleray.serve.engine import load_models
+    from eagleray.serve.engine import EngineConfig, load_models
     from eagleray.serve.measure import spec_run
 
     suites, tcfg, greedy, sampled = _eval_setup(args)
@@ -378,7 +379,8 @@ def evaluate_one(args: argparse.Namespace) -> dict:
     def spec(suite: str, b: int, smp: bool, dcfg=chain) -> dict:
         tp, outs, sec = plain[(suite, b, smp)]
         params = sampled if smp else greedy
-        return spec_run(target, draft, tok, tcfg, dcfg, tp, params, outs, sec, b, False, 8.0, args.decode_path)
+        cfg = EngineConfig(target=tcfg, draft=dcfg, max_num_seqs=b, kv_cache_gib=8.0, decode_path=args.decode_path)
+        return spec_run(target, draft, tok, cfg, tp, params, outs, sec)
 
     rec = {"data_fraction": f, "decode_path": args.decode_path, **_train_facts(args, f)}
     r = spec("mtbench", 1, False)  # first: the number the run is for

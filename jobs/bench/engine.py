@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
-from eagleray.jobs.bench.common import LLAMA_8B, log, run_suite, write_json
+from eagleray.jobs.bench.common import LLAMA_8B, log, print_rows, run_suite, write_json
 from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TargetConfig
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.host import pick_device
 from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.models.llama import LlamaModel
 from eagleray.platform.prompts import load_prompts
-from eagleray.serve.engine import SamplingParams, load_models
+from eagleray.serve.engine import EngineConfig, SamplingParams, load_models
 from eagleray.serve.measure import plain_run, spec_run
 
 
@@ -72,7 +72,8 @@ def _runs(name: str, target, draft, tok, tcfg: TargetConfig, prompts: list, args
         use = prompts if name == "smollm2" or b > 8 else prompts[: args.limit_8b]
         use = use * max(1, -(-2 * b // len(use)))  # at least two rounds of the batch
         t0 = time.perf_counter()
-        token_prompts, plain, t_plain, eng = plain_run(target, tok, tcfg, use, params, b, args.profile, args.kv_cache_gib)
+        run_cfg = EngineConfig(target=tcfg, max_num_seqs=b, profile_steps=args.profile, kv_cache_gib=args.kv_cache_gib)
+        token_prompts, plain, t_plain, eng = plain_run(target, tok, run_cfg, use, params)
         rec = _record(name, b, "plain", 0, False, plain, t_plain, eng, None, None)
         plain_step, plain_decode = rec["step_ms"], rec["decode_tok_s"]
         rec["profile"] = eng.prof.table() if args.profile else None
@@ -84,9 +85,7 @@ def _runs(name: str, target, draft, tok, tcfg: TargetConfig, prompts: list, args
         modes = ([False] if b in fixed else []) + ([True] if b in adaptive_set else [])
         for adaptive in modes:
             dcfg = DraftConfig(source="random", num_speculative_tokens=args.k, policy=PolicyConfig(adaptive=adaptive))
-            r = spec_run(
-                target, draft, tok, tcfg, dcfg, token_prompts, params, plain, t_plain, b, args.profile, args.kv_cache_gib
-            )
+            r = spec_run(target, draft, tok, run_cfg.model_copy(update={"draft": dcfg}), token_prompts, params, plain, t_plain)
             rec = {
                 "model": name,
                 "batch": b,
@@ -194,16 +193,23 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
+ENGINE_COLUMNS = [
+    ("model", "<8"),
+    ("batch", ">6"),
+    ("mode", ">6"),
+    ("k", ">3"),
+    ("adapt", ">7"),
+    ("tok/s", ">11"),
+    ("decode tok/s", ">14"),
+    ("step ms", ">9"),
+    ("pred", ">7"),
+    ("lossless", ">9"),
+]
+RECORD_KEYS = ("model", "batch", "mode", "k", "adaptive", "tok_s", "decode_tok_s", "step_ms", "predicted_speedup", "lossless")
+
+
 def print_table(result: dict) -> None:
-    print(
-        f"\n{'model':<8}{'batch':>6}{'mode':>6}{'k':>3}{'adapt':>7}{'tok/s':>11}{'decode tok/s':>14}{'step ms':>9}"
-        f"{'pred':>7}{'lossless':>9}"
-    )
-    for r in result["records"]:
-        print(
-            f"{r['model']:<8}{r['batch']:>6}{r['mode']:>6}{r['k']:>3}{str(r['adaptive']):>7}{r['tok_s']:>11}"
-            f"{str(r['decode_tok_s']):>14}{str(r['step_ms']):>9}{str(r['predicted_speedup']):>7}{str(r['lossless']):>9}"
-        )
+    print_rows(ENGINE_COLUMNS, ([r[key] for key in RECORD_KEYS] for r in result["records"]))
 
 
 def run(args: argparse.Namespace | list[str] | None = None) -> dict:

@@ -21,6 +21,7 @@ import torch
 from eagleray.jobs.bench import gpu as bench_gpu
 from eagleray.jobs.bench.common import LLAMA_8B, log
 from eagleray.kernels import decode_gemv
+from eagleray.kernels.decode_ops import KVWrite
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.graphs import DecodeGraphRunner
 from eagleray.platform.models.llama import LlamaModel
@@ -100,7 +101,8 @@ def _launcher(name: str, n: int, k: int, bufs: dict):
     if name == "qkv_rope":
         kc = torch.randn(64, 16, 8, 128, device=dev, dtype=torch.bfloat16)
         pos, slot, inv = torch.tensor([100], device=dev), torch.tensor([7], device=dev), torch.rand(64, device=dev)
-        return lambda w: decode_gemv.qkv_rope_gemv(bufs["x"][:, :k], bufs["nw"][:k], 1e-5, w, None, pos, inv, kc, kc, slot, 32, 8)
+        kv = KVWrite(pos, inv, kc, kc, slot, 32, 8)
+        return lambda w: decode_gemv.qkv_rope_gemv(bufs["x"][:, :k], bufs["nw"][:k], 1e-5, w, None, kv)
     if name.endswith("_norm"):
         return lambda w: decode_gemv.gemv(bufs["x"][:, :k], w, mode="norm", norm_weight=bufs["nw"][:k], eps=1e-5)
     if name == "down_silu_res":

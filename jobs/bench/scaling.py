@@ -28,7 +28,7 @@ from eagleray.platform.checkpoints.guard import ensure_compatible
 from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
 from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TargetConfig
 from eagleray.platform.errors import EaglerayError
-from eagleray.serve.engine import SamplingParams, close_target, load_draft, load_models
+from eagleray.serve.engine import EngineConfig, SamplingParams, close_target, load_draft, load_models
 from eagleray.serve.measure import plain_run, spec_run
 
 
@@ -71,13 +71,15 @@ def measure_args(args) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     rows = []
     try:
-        token_prompts, plain, t_plain, _ = plain_run(target, tok, tcfg, messages, params, args.batch)
+        run_cfg = EngineConfig(target=tcfg, max_num_seqs=args.batch, profile_steps=True)
+        token_prompts, plain, t_plain, _ = plain_run(target, tok, run_cfg, messages, params)
         for f in facts:
             dcfg = DraftConfig(source=f["draft"], num_speculative_tokens=args.k, policy=PolicyConfig(adaptive=False))
             report = ensure_compatible(spec, Path(f["draft"]), algorithm=dcfg.algorithm)
             target.set_aux_layers(report.facts["aux_layer_ids"])
             draft = load_draft(Path(f["draft"]), target, device)
-            rows.append({**f, **spec_run(target, draft, tok, tcfg, dcfg, token_prompts, params, plain, t_plain, args.batch)})
+            spec_cfg = run_cfg.model_copy(update={"draft": dcfg})
+            rows.append({**f, **spec_run(target, draft, tok, spec_cfg, token_prompts, params, plain, t_plain)})
     finally:
         close_target(target)
     taus = [r["tau"] for r in rows]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from eagleray.jobs.bench.common import add_engine_arguments, prompt_messages, run_suite
+from eagleray.jobs.bench.common import add_engine_arguments, print_rows, prompt_messages, run_suite
 from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TargetConfig, TreeConfig
 from eagleray.serve.engine import SamplingParams, close_target, load_models
 from eagleray.serve.measure import compare_engines
@@ -136,9 +136,8 @@ def print_table(r: dict) -> None:
     if "transformers" in r:
         hf = r["transformers"]["tokens_per_s"]
         rows.append(("transformers generate", hf, f"{hf / r['plain']['tokens_per_s']:.2f}x", "", ""))
-    print(f"\n{'decoder':<26}{'tok/s':>10}{'vs plain':>10}{'tau':>7}{'lossless':>10}")
-    for name, tps, rel, tau, lossless in rows:
-        print(f"{name:<26}{tps:>10.2f}{rel:>10}{tau:>7}{lossless:>10}")
+    columns = [("decoder", "<26"), ("tok/s", ">10"), ("vs plain", ">10"), ("tau", ">7"), ("lossless", ">10")]
+    print_rows(columns, ((name, f"{tps:.2f}", *rest) for name, tps, *rest in rows))
     print(
         f"acceptance per position: {r['acceptance_per_pos']}  ({r['num_prompts']} prompts from {r['prompts']}, "
         f"max_tokens={r['max_tokens']}, T={r['temperature']}, {r['device']}, {r['dtype']})"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from eagleray.jobs.bench.common import add_engine_arguments, prompt_messages, run_suite
+from eagleray.jobs.bench.common import add_engine_arguments, print_rows, prompt_messages, run_suite
 from eagleray.platform import registry
 from eagleray.platform.checkpoints.draft import DraftCheckpoint
 from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
@@ -309,13 +309,20 @@ def print_table(r: dict) -> None:
             f"\nplain decoding: eagleray {r['plain']['eagleray']['tokens_per_s']:.2f} tok/s, "
             f"vllm {r['plain']['vllm']['tokens_per_s']:.2f} tok/s, outputs equal {r['plain']['outputs_equal']}/{r['num_prompts']}"
         )
-    print(f"\n{'engine':<12}{'tok/s':>9}{'tau':>8}{'drafts':>8}{'drafted':>9}{'accepted':>10}  acceptance per position")
-    for name in ("eagleray", "vllm"):
-        e = r[name]
-        print(
-            f"{name:<12}{e['tokens_per_s']:>9.2f}{e['tau']:>8.3f}{e['num_drafts']:>8}{e['num_draft_tokens']:>9}"
-            f"{e['num_accepted_tokens']:>10}  {e['acceptance_per_pos']}"
-        )
+    columns = [("engine", "<12"), ("tok/s", ">9"), ("tau", ">8"), ("drafts", ">8"), ("drafted", ">9"), ("accepted", ">10")]
+    rows = [
+        [
+            name,
+            f"{e['tokens_per_s']:.2f}",
+            f"{e['tau']:.3f}",
+            e["num_drafts"],
+            e["num_draft_tokens"],
+            e["num_accepted_tokens"],
+            f"  {e['acceptance_per_pos']}",
+        ]
+        for name, e in (("eagleray", r["eagleray"]), ("vllm", r["vllm"]))
+    ]
+    print_rows(columns + [("  acceptance per position", "")], rows)
     print(
         f"outputs equal: {r['outputs_equal']}/{r['num_prompts']}  tau rel diff: {r['tau_rel_diff']:.4f}  "
         f"agree within 5%: {r['agree_within_5pct']}  aux layers: {r['aux_layer_ids']['vllm']}  "

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from eagleray.kernels import cpu_decode
 from eagleray.kernels.decode_gemv import gemv, qkv_rope_gemv
 from eagleray.kernels.decode_ops import (
+    KVWrite,
     add_rmsnorm,
     add_rmsnorm_reference,
     rope_write_kv,
@@ -128,9 +129,7 @@ class FusedDecodeStep:
             if i in wanted:
                 aux.append(h)
             qkv = self._linear(x, *self.qkv[i])  # [B, (Hq+2Hkv)*D]
-            q = self.rope_write_kv(
-                qkv, positions, self.inv_freq, kv.k[i], kv.v[i], meta.slot_mapping, self.hq, self.hkv
-            )  # [B, Hq, D]
+            q = self.rope_write_kv(qkv, self._kv_write(i, positions, meta, kv))  # [B, Hq, D]
             o = meta.attend_cached(q, kv.k[i], kv.v[i], self.scale, self.window)  # [B, Hq, D]
             delta = self._proj(layer.self_attn.o_proj, o.reshape(b, -1))  # [B, H]
             x, h = self.add_rmsnorm(h, delta, layer.post_attention_layernorm.weight, self.eps)
@@ -140,6 +139,10 @@ class FusedDecodeStep:
             aux.append(h)
         logits = self._linear(x, m.lm_head.weight)[:, : m.arch.vocab_size] if self.invariant else m.compute_logits(x)
         return logits, (torch.cat(aux, dim=-1) if aux else None)
+
+    def _kv_write(self, i: int, positions: torch.Tensor, meta: DecodeMetadata, kv: KVCache) -> KVWrite:
+        """Layer ``i``'s new k and v: rotated at ``positions`` [B], stored in its cache at the rows' slots."""
+        return KVWrite(positions, self.inv_freq, kv.k[i], kv.v[i], meta.slot_mapping, self.hq, self.hkv)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, K] @ weight [N, K].T: batch-invariant when asked (Triton on GPU, the native kernel on CPU)."""
@@ -163,17 +166,7 @@ class FusedDecodeStep:
                 aux.append(h)
             attn, mlp = layer.self_attn, layer.mlp
             q = qkv_rope_gemv(
-                h,
-                layer.input_layernorm.weight,
-                eps,
-                *self.qkv[i],
-                positions,
-                self.inv_freq,
-                kv.k[i],
-                kv.v[i],
-                meta.slot_mapping,
-                self.hq,
-                self.hkv,
+                h, layer.input_layernorm.weight, eps, *self.qkv[i], self._kv_write(i, positions, meta, kv)
             )  # [1, Hq, D]
             o = meta.attend_cached(q, kv.k[i], kv.v[i], self.scale, self.window)  # [1, Hq, D]
             h = gemv(o.reshape(1, -1), attn.o_proj.weight, attn.o_proj.bias, residual=h)  # [1, H]

@@ -20,7 +20,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -30,9 +29,8 @@ from pathlib import Path
 import pytest
 
 from eagleray.platform.host import free_port
+from eagleray.tests.support.cluster import BIN, WORKER_RESOURCE, head_command, job_api_up, ray_env, stop_group, wait_for
 
-BIN = Path(sys.executable).parent
-WORKER_RESOURCE = "node_loss_worker"
 HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3, "health_check_timeout_ms": 1000}
 
 
@@ -50,30 +48,6 @@ def free_range(n: int) -> int:
             continue
         return base
     raise RuntimeError(f"no {n} consecutive free ports found")
-
-
-def ray_env() -> dict[str, str]:
-    """The environment of every Ray process: this one's (PYTHONPATH included, so a worktree's code is
-    what the cluster imports), with the venv's bin first on PATH."""
-    return {
-        **os.environ,
-        "RAY_AUTH_MODE": "disabled",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-
-
-def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = None, every: float = 0.2):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = pred()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"process exited ({proc.returncode}) while waiting for {what}")
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def _node_ports() -> list[str]:
@@ -206,56 +180,34 @@ class TwoNodeCluster:
         self.kill_worker()
 
 
-def _job_api_up(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/api/version", timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return False
-
-
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
     """A head (2 CPUs, dashboard + job API) and a worker node (2 CPUs, {WORKER_RESOURCE: 1}), both this test's own."""
     logs = tmp_path_factory.mktemp("ray-two-nodes")
     port, dash, client = free_port(), free_port(), free_port()
     temp = Path(f"/tmp/ray-nl-{os.getpid()}")  # short: Ray's unix socket paths must stay < 108 chars
-    cmd = [
-        str(BIN / "ray"),
-        "start",
-        "--head",
-        "--block",
-        "--node-ip-address=127.0.0.1",
-        f"--port={port}",
+    cmd = head_command(
+        port,
+        dash,
+        temp,
+        150_000_000,
         f"--ray-client-server-port={client}",
-        "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dash}",
-        "--include-dashboard=true",
-        "--num-cpus=2",
         "--num-gpus=0",
-        "--object-store-memory=150000000",
-        f"--temp-dir={temp}",
-        "--disable-usage-stats",
         f"--system-config={json.dumps(HEALTH_CHECKS)}",
         *_node_ports(),
-    ]
+    )
     with open(logs / "head.log", "w") as f:
         head = subprocess.Popen(cmd, env=ray_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     cluster = TwoNodeCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", Node(head, logs / "head.log"), logs)
     try:
-        wait_for(lambda: _job_api_up(cluster.dashboard), 90, "the Ray dashboard job API", head)
+        wait_for(lambda: job_api_up(cluster.dashboard), 90, "the Ray dashboard job API", head)
         cluster.head.record_pids()
         cluster.start_worker()
         yield cluster
     finally:
         cluster.stop_worker()
         cluster.head.record_pids()
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait(timeout=10)
+        stop_group(head, timeout=10)
         for pid in cluster.head.record_pids():
             try:
                 os.kill(pid, signal.SIGKILL)

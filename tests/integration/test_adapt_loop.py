@@ -18,27 +18,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from eagleray.platform import capture_store, registry
 from eagleray.platform.checkpoints.draft_factory import make_random_draft
 from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.platform.config.schemas import AdaptConfig
 from eagleray.serve.serving_config import ServingConfig
+from eagleray.tests.support.tiny import zero_tensor
 
 NAME, K, CTX = "adapt-draft", 3, 128
-
-
-def _zero(model_dir: Path, key: str) -> None:
-    from safetensors.torch import load_file, save_file
-
-    for f in model_dir.glob("*.safetensors"):
-        tensors = load_file(str(f))
-        if key in tensors:
-            tensors[key] = torch.zeros_like(tensors[key])
-            save_file(tensors, str(f), metadata={"format": "pt"})
-            return
-    raise KeyError(key)
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +42,10 @@ def world(tiny_target, tmp_path_factory):
     os.environ["EAGLERAY_HOME"] = str(root / "home")
     target = root / "target"
     shutil.copytree(tiny_target, target)
-    _zero(target, "model.norm.weight")
+    zero_tensor(target, "model.norm.weight")
     spec = TargetSpec.from_dir(target)
     good, bad = make_random_draft(spec, root / "good", seed=1), make_random_draft(spec, root / "bad", seed=2)
-    _zero(good, "norm.weight")
+    zero_tensor(good, "norm.weight")
     uri = registry.configure(f"sqlite:///{root / 'mlflow.db'}", experiment="adapt-test")
     for d in (good, bad):
         with mlflow.start_run() as run:

@@ -28,24 +28,12 @@ TICK = "import pathlib, sys; p = pathlib.Path(sys.argv[1]); p.write_text((p.read
 
 @pytest.fixture(scope="module")
 def capture_server(tiny_target, tmp_path_factory):
-    import ray
-
-    from eagleray.platform.host import free_port
     from eagleray.serve.local import start_local, stop_local
+    from eagleray.tests.support.cluster import init_ray_with_metrics
 
     root = tmp_path_factory.mktemp("capture")
     draft = make_random_draft(TargetSpec.from_dir(tiny_target), root / "draft", seed=1)
-    assert not ray.is_initialized()
-    metrics_port = free_port()
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-        _metrics_export_port=metrics_port,
-        _system_config={"metrics_report_interval_ms": 1000},
-    )
+    metrics_port = init_ray_with_metrics()
     cfg = ServingConfig.model_validate(
         {
             "target": {"model": str(tiny_target), "device": "cpu", "max_model_len": CTX},

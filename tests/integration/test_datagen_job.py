@@ -20,76 +20,24 @@ import yaml
 from eagleray.datagen import shards
 from eagleray.datagen.manifest import MANIFEST
 from eagleray.platform.host import free_port
+from eagleray.tests.support.cluster import BIN, head_command, job_api_up, ray_env, stop_group, wait_for
 from eagleray.tests.support.datagen import FIXTURE, datagen_config, expected_ids
-
-BIN = Path(sys.executable).parent
-
-
-def _env() -> dict:
-    return {
-        **os.environ,
-        "RAY_AUTH_MODE": "disabled",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-
-
-def _wait_for(pred, timeout: float, what: str, proc=None):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"process exited ({proc.returncode}) while waiting for {what}")
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     port, dash = free_port(), free_port()
     temp = Path(f"/tmp/ray-dg-{os.getpid()}")
-    cmd = [
-        str(BIN / "ray"),
-        "start",
-        "--head",
-        "--block",
-        "--node-ip-address=127.0.0.1",
-        f"--port={port}",
-        "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dash}",
-        "--include-dashboard=true",
-        "--num-cpus=2",
-        "--object-store-memory=200000000",
-        f"--temp-dir={temp}",
-        "--disable-usage-stats",
-    ]
+    cmd = head_command(port, dash, temp, 200_000_000)
     log = open(tmp_path_factory.mktemp("ray") / "ray-start.log", "w")
-    head = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    head = subprocess.Popen(cmd, env=ray_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{dash}"
     try:
-        _wait_for(lambda: _job_api_up(url), 60, "the Ray dashboard job API", head)
+        wait_for(lambda: job_api_up(url), 60, "the Ray dashboard job API", head)
         yield {"gcs": f"127.0.0.1:{port}", "dashboard": url}
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait(timeout=10)
+        stop_group(head, timeout=30)
         log.close()
-
-
-def _job_api_up(url: str) -> bool:
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"{url}/api/version", timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return False
 
 
 def _submit(cmd: list[str], agent_wait_s: float = 240.0) -> subprocess.CompletedProcess:
@@ -99,7 +47,7 @@ def _submit(cmd: list[str], agent_wait_s: float = 240.0) -> subprocess.Completed
     workers shared the cores). No job is created by a refused submit."""
     end = time.monotonic() + agent_wait_s
     while True:
-        res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
+        res = subprocess.run(cmd, env=ray_env(), capture_output=True, text=True, timeout=180)
         if res.returncode == 0 or "No available agent" not in res.stderr + res.stdout or time.monotonic() > end:
             return res
         time.sleep(2)
@@ -115,11 +63,11 @@ def test_driver_killed_then_ray_job_submit_resumes(cluster, tiny_target, tmp_pat
     # 1. A driver connected to the cluster, SIGKILLed as soon as its first shard lands.
     driver_log = open(tmp_path / "driver.log", "w")
     driver = subprocess.Popen(
-        job, env={**_env(), "RAY_ADDRESS": cluster["gcs"]}, stdout=driver_log, stderr=subprocess.STDOUT, start_new_session=True
+        job, env={**ray_env(), "RAY_ADDRESS": cluster["gcs"]}, stdout=driver_log, stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
         try:
-            _wait_for(lambda: shards.shard_files(out), 90, "the first shard", driver)
+            wait_for(lambda: shards.shard_files(out), 90, "the first shard", driver)
         except AssertionError as err:
             driver_log.flush()
             raise AssertionError(f"{err}; driver output:\n{(tmp_path / 'driver.log').read_text()[-4000:]}") from None

@@ -33,23 +33,11 @@ import yaml
 
 from eagleray.datagen import shards
 from eagleray.datagen.manifest import MANIFEST
+from eagleray.tests.support.cluster import BIN, WORKER_RESOURCE, ray_env
+from eagleray.tests.support.datagen import FIXTURE, datagen_config
 from eagleray.tests.support.synth import write_synthetic
 
 pytestmark = pytest.mark.slow
-
-BIN = Path(sys.executable).parent
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "datagen_prompts.jsonl"
-WORKER_RESOURCE = "node_loss_worker"  # conftest.WORKER_RESOURCE (conftest modules are not importable)
-
-
-def _env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "RAY_AUTH_MODE": "disabled",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
 
 
 def _get(url: str) -> dict:
@@ -81,22 +69,9 @@ def _worker_node_ids(cluster) -> set[str]:
 # ----------------------------------------------------------------------------------------------- datagen
 def _datagen_config(target: Path, out: Path) -> dict:
     """20 prompts, 2 per shard (10 shards), 1 s per shard in the hidden-state stage so the kill lands mid-run."""
-    return {
-        "prompts": [str(FIXTURE)],
-        "output_dir": str(out),
-        "backend": "transformers",
-        "target": {"model": str(target), "dtype": "fp32", "device": "cpu"},
-        "generation": {"max_tokens": 8},
-        "max_seq_len": 160,
-        "max_prompt_tokens": 96,
-        "rows_per_shard": 2,
-        "batch_size": 2,
-        "num_workers": 1,
-        "cpus_per_worker": 0.5,
-        "progress_seconds": 1,
-        "prefer_resource": WORKER_RESOURCE,
-        "testing": {"chunk_delay_s": 1.0},
-    }
+    return datagen_config(
+        target, FIXTURE, out, rows_per_shard=2, batch_size=2, prefer_resource=WORKER_RESOURCE, testing={"chunk_delay_s": 1.0}
+    )
 
 
 def _job_status(cluster, job_id: str) -> dict:
@@ -120,7 +95,7 @@ def _submit(cluster, cmd: list[str], job_id: str, agent_wait_s: float = 180.0) -
                 "--",
                 *cmd,
             ],
-            env=_env(),
+            env=ray_env(),
             capture_output=True,
             text=True,
             timeout=120,
@@ -234,8 +209,8 @@ def test_training_resumes_from_its_checkpoint_after_losing_the_worker_node(two_n
     import mlflow
     import ray
 
-    from eagleray.platform.config.schemas import TrainingConfig
     from eagleray.tests.support.tiny import make_tiny_llama
+    from eagleray.tests.support.training import small_training_config
     from eagleray.training.trainer import train
 
     two_nodes.ensure_worker()
@@ -243,15 +218,12 @@ def test_training_resumes_from_its_checkpoint_after_losing_the_worker_node(two_n
     data = write_synthetic(target, tmp_path / "data", rows=16, gen_len=18)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     max_steps, every = 8, 2
-    cfg = TrainingConfig(
-        data_dir=str(data),
-        target={"model": str(target)},
-        output_dir=str(tmp_path / "out"),
-        draft_vocab_size=128,
-        learning_rate=3e-3,
+    cfg = small_training_config(
+        data,
+        target,
+        tmp_path / "out",
         warmup_steps=1,
         max_steps=max_steps,
-        batch_size=4,
         ttt_steps=3,
         log_every=1,
         checkpoint_every=every,

@@ -296,33 +296,13 @@ def test_vllm_benchmark_client(server, monkeypatch):
     url, _ = server
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
 
+    def request(prompt: str, route: str) -> RequestFuncInput:
+        return RequestFuncInput(prompt=prompt, api_url=url + route, prompt_len=3, output_len=6, model="tiny", ignore_eos=True)
+
     async def run():
         async with aiohttp.ClientSession() as session:
-            comp = [
-                async_request_openai_completions(
-                    RequestFuncInput(
-                        prompt=f"hello {i}",
-                        api_url=url + "/v1/completions",
-                        prompt_len=3,
-                        output_len=6,
-                        model="tiny",
-                        ignore_eos=True,
-                    ),
-                    session,
-                )
-                for i in range(4)
-            ]
-            chat = async_request_openai_chat_completions(
-                RequestFuncInput(
-                    prompt="hello",
-                    api_url=url + "/v1/chat/completions",
-                    prompt_len=3,
-                    output_len=6,
-                    model="tiny",
-                    ignore_eos=True,
-                ),
-                session,
-            )
+            comp = [async_request_openai_completions(request(f"hello {i}", "/v1/completions"), session) for i in range(4)]
+            chat = async_request_openai_chat_completions(request("hello", "/v1/chat/completions"), session)
             return await asyncio.gather(*comp, chat)
 
     outs = asyncio.run(run())

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from eagleray.platform import registry
 from eagleray.platform.checkpoints.draft_factory import make_random_draft
 from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.serve.serving_config import ServingConfig
+from eagleray.tests.support.tiny import zero_tensor
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -60,24 +60,12 @@ def _restore_env(saved: dict[str, str | None]) -> None:
             os.environ[k] = v
 
 
-def _zero(model_dir: Path, key: str) -> None:
-    from safetensors.torch import load_file, save_file
-
-    for f in model_dir.glob("*.safetensors"):
-        tensors = load_file(str(f))
-        if key in tensors:
-            tensors[key] = torch.zeros_like(tensors[key])
-            save_file(tensors, str(f), metadata={"format": "pt"})
-            return
-    raise KeyError(f"{key} not in {model_dir}")
-
-
 @pytest.fixture(scope="module")
 def constant_target(tiny_target, tmp_path_factory) -> Path:
     """The tiny target with ``model.norm.weight`` = 0: every logit is 0, greedy decoding emits token 0."""
     out = tmp_path_factory.mktemp("constant") / "target"
     shutil.copytree(tiny_target, out)
-    _zero(out, "model.norm.weight")
+    zero_tensor(out, "model.norm.weight")
     return out
 
 
@@ -96,7 +84,7 @@ def reg(constant_target, tmp_path_factory):
         make_random_draft(spec, root / "d2", seed=2),
         make_random_draft(spec, root / "bad", aux_layer_ids=[1, 4, 99], seed=3),
     ]
-    _zero(drafts[0], "norm.weight")
+    zero_tensor(drafts[0], "norm.weight")
     versions = []
     for d in drafts:
         with mlflow.start_run() as run:
@@ -111,25 +99,13 @@ def reg(constant_target, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(constant_target, reg):
     """Ray with a Prometheus export port; the app serves models:/NAME@champion and polls the alias every 1 s."""
-    import ray
-
-    from eagleray.platform.host import free_port
     from eagleray.serve.local import start_local, stop_local
+    from eagleray.tests.support.cluster import init_ray_with_metrics
 
     tracking_uri, root = reg
-    assert not ray.is_initialized()
     # The replica inherits the driver's environment: downloaded drafts go under this module's tmp dir.
     os.environ["EAGLERAY_HOME"] = str(root / "home")
-    metrics_port = free_port()
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-        _metrics_export_port=metrics_port,
-        _system_config={"metrics_report_interval_ms": 1000},
-    )
+    metrics_port = init_ray_with_metrics()
     cfg = ServingConfig.model_validate(
         {
             "target": {"model": str(constant_target), "device": "cpu", "max_model_len": CTX},

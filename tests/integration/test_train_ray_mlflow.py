@@ -28,23 +28,20 @@ def test_ray_train_resumes_after_killed_worker_and_registers(tmp_path, ray_local
 
     from eagleray.platform.checkpoints.guard import check_compatibility
     from eagleray.platform.checkpoints.target import TargetSpec
-    from eagleray.platform.config.schemas import TrainingConfig
     from eagleray.platform.registry import download_draft, get_alias
     from eagleray.tests.support.tiny import make_tiny_llama
+    from eagleray.tests.support.training import small_training_config
     from eagleray.training.trainer import train
 
     target = make_tiny_llama(tmp_path / "target", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96)
     data = write_synthetic(target, tmp_path / "data", rows=16, gen_len=18)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    cfg = TrainingConfig(
-        data_dir=str(data),
-        target={"model": str(target)},
-        output_dir=str(tmp_path / "out"),
-        draft_vocab_size=128,
-        learning_rate=3e-3,
+    cfg = small_training_config(
+        data,
+        target,
+        tmp_path / "out",
         warmup_steps=1,
         max_steps=6,
-        batch_size=4,
         ttt_steps=3,
         log_every=2,
         checkpoint_every=2,

@@ -87,6 +87,19 @@ def make_tiny_llama(
     return out
 
 
+def zero_tensor(model_dir: str | Path, key: str) -> None:
+    """Zero the tensor ``key`` in place in the safetensors of ``model_dir`` (e.g. a norm weight: constant outputs)."""
+    from safetensors.torch import load_file, save_file
+
+    for f in Path(model_dir).glob("*.safetensors"):
+        tensors = load_file(str(f))
+        if key in tensors:
+            tensors[key] = torch.zeros_like(tensors[key])
+            save_file(tensors, str(f), metadata={"format": "pt"})
+            return
+    raise KeyError(f"{key} not in {model_dir}")
+
+
 def scaled_copy(src: str | Path, dst: str | Path, factor: float = 6.0) -> Path:
     """Copy of a model directory with every 2-D weight times ``factor``.
 

@@ -7,7 +7,7 @@ import torch
 
 from eagleray.kernels import decode_gemv
 from eagleray.kernels.decode_gemv import gemv, gemv_reference, qkv_rope_gemv, qkv_rope_gemv_reference
-from eagleray.kernels.decode_ops import add_rmsnorm_reference, silu_mul_reference
+from eagleray.kernels.decode_ops import KVWrite, add_rmsnorm_reference, silu_mul_reference
 from eagleray.kernels.errors import KernelInputError
 
 
@@ -44,8 +44,8 @@ def _qkv_case(seed: int = 1):
 def test_qkv_rope_gemv_matches_reference():
     h, nw, w, pos, inv, caches, slots, hq, hkv = _qkv_case()
     got_caches = [c.clone() for c in caches]
-    q_ref = qkv_rope_gemv_reference(h, nw, 1e-5, w, None, pos, inv, caches[0], caches[1], slots, hq, hkv)
-    q_got = qkv_rope_gemv(h, nw, 1e-5, w, None, pos, inv, got_caches[0], got_caches[1], slots, hq, hkv)
+    q_ref = qkv_rope_gemv_reference(h, nw, 1e-5, w, None, KVWrite(pos, inv, caches[0], caches[1], slots, hq, hkv))
+    q_got = qkv_rope_gemv(h, nw, 1e-5, w, None, KVWrite(pos, inv, got_caches[0], got_caches[1], slots, hq, hkv))
     torch.testing.assert_close(q_got, q_ref, atol=1e-4, rtol=1e-5)
     for got, ref in zip(got_caches, caches):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
@@ -61,7 +61,7 @@ def test_bad_inputs_are_refused_by_name():
         gemv(torch.randn(1, 96), torch.randn(96, 40).T)  # weight rows not contiguous
     h, nw, w, pos, inv, caches, slots, hq, hkv = _qkv_case()
     with pytest.raises(KernelInputError, match="qkv_rope_gemv: weight"):
-        qkv_rope_gemv(h, nw, 1e-5, w[:-16], None, pos, inv, caches[0], caches[1], slots, hq, hkv)  # one head short
+        qkv_rope_gemv(h, nw, 1e-5, w[:-16], None, KVWrite(pos, inv, caches[0], caches[1], slots, hq, hkv))  # one head short
 
 
 def test_without_triton_the_wrappers_name_the_reference(monkeypatch):

@@ -14,6 +14,7 @@ from eagleray.platform import capture_store
 from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.platform.config.schemas import TrainingConfig
 from eagleray.platform.errors import ConfigError
+from eagleray.tests.support.training import small_training_config
 from eagleray.training import data
 
 
@@ -39,24 +40,8 @@ def traffic(train_target, tmp_path_factory):
 
 
 def _cfg(data_dir, target, out, **kw) -> TrainingConfig:
-    base = dict(
-        data_dir=str(data_dir),
-        target={"model": str(target)},
-        output_dir=str(out),
-        draft_vocab_size=128,
-        learning_rate=3e-3,
-        warmup_steps=1,
-        max_steps=4,
-        batch_size=4,
-        log_every=2,
-        checkpoint_every=4,
-        backend="local",
-        eval_fraction=0.25,
-        eval_batches=1,
-        ttt_steps=2,
-        seed=0,
-    )
-    return TrainingConfig(**{**base, **kw})
+    steps = dict(warmup_steps=1, max_steps=4, log_every=2, checkpoint_every=4, eval_fraction=0.25, eval_batches=1, ttt_steps=2)
+    return small_training_config(data_dir, target, out, **{**steps, **kw})
 
 
 def test_replay_mixes_the_configured_share_of_rows(traffic, synthetic_data):

@@ -11,29 +11,15 @@ from eagleray.platform.checkpoints.draft import DraftCheckpoint
 from eagleray.platform.checkpoints.guard import check_compatibility
 from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.platform.config.schemas import TrainingConfig
+from eagleray.tests.support.training import small_training_config
 from eagleray.training import data
 from eagleray.training.loop import DRAFT, lr_lambda, train_worker
 from eagleray.training.session import LocalSession
 
 
 def _cfg(data_dir, target, out, **kw) -> TrainingConfig:
-    base = dict(
-        data_dir=str(data_dir),
-        target={"model": str(target)},
-        output_dir=str(out),
-        draft_vocab_size=128,
-        learning_rate=3e-3,
-        warmup_steps=2,
-        max_steps=20,
-        batch_size=4,
-        log_every=5,
-        checkpoint_every=10,
-        backend="local",
-        eval_fraction=0.2,
-        ttt_steps=3,
-        seed=0,
-    )
-    return TrainingConfig(**{**base, **kw})
+    steps = dict(warmup_steps=2, max_steps=20, log_every=5, checkpoint_every=10, eval_fraction=0.2, ttt_steps=3)
+    return small_training_config(data_dir, target, out, **{**steps, **kw})
 
 
 @pytest.fixture(scope="module")
