@@ -1,11 +1,13 @@
-// eagleray CPU linear for small M (decode, verification, drafting): y = x w^T + b in fp32, AVX-512.
+// eagleray CPU kernels for decode-sized steps (decode, verification, drafting) in fp32, AVX-512.
 //
-//   y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]);  w [N, K] row-major, x [M, K] (row stride ldx), y [M, N] (row stride ldy)
-//
-// Memory-bound at these sizes: each weight row is streamed from DRAM once and reused from L1 for
-// every x row. Each y[m, n] is accumulated in one fixed order (16-lane FMA over k in steps of 16,
-// masked tail, then one horizontal sum) whatever M, the row blocking or the thread count is, so a
-// token's logits are bitwise the same when it is decoded alone or verified beside k others.
+// linear: y = x w^T + b, y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]); x [M, K] (row stride ldx),
+// y [M, N] (row stride ldy), the weight packed once as panels of 48 output columns (p[panel][k][j] =
+// w[panel * 48 + j][k]). A register tile of 8 x rows by 48 columns (24 accumulators): per k, three
+// weight vectors and one broadcast x value per row (an outer product), so no horizontal sums. Each
+// y[m, n] is one FMA chain over k = 0..K-1 in order whatever M, the tile or the thread count is, so a
+// token's logits are bitwise the same when it is decoded alone or verified beside k others. Each
+// panel is streamed from memory once per call (the next one prefetched into L2 during this one) and
+// reused from L2 by every tile of 8 rows.
 // Built and loaded by kernels/cpu_decode.py; reference: torch.nn.functional.linear.
 #define _GNU_SOURCE
 #include <immintrin.h>
@@ -16,95 +18,11 @@
 #include <stdint.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-static inline float dot_row(const float* w, const float* x, int64_t K) {
-    __m512 acc = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), acc);
-    if (k < K) { __mmask16 m = (__mmask16)((1u << (K - k)) - 1); acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + k), _mm512_maskz_loadu_ps(m, x + k), acc); }
-    return _mm512_reduce_add_ps(acc);
-}
-#define FMA4(xv, a0, a1, a2, a3, k) \
-    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + k), xv, a0); a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + k), xv, a1); \
-    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w2 + k), xv, a2); a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w3 + k), xv, a3);
-#define FMA4M(xv, a0, a1, a2, a3, k, mk) \
-    a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, w0 + k), xv, a0); a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, w1 + k), xv, a1); \
-    a2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, w2 + k), xv, a2); a3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, w3 + k), xv, a3);
-static inline void store4(float* ym, const float* b, int64_t n0, __m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-    ym[0] = _mm512_reduce_add_ps(a0) + (b ? b[n0] : 0.f);
-    ym[1] = _mm512_reduce_add_ps(a1) + (b ? b[n0 + 1] : 0.f);
-    ym[2] = _mm512_reduce_add_ps(a2) + (b ? b[n0 + 2] : 0.f);
-    ym[3] = _mm512_reduce_add_ps(a3) + (b ? b[n0 + 3] : 0.f);
-}
-// Four weight rows against the x rows; x rows in pairs (8 accumulators), each y[m, n] summed in one fixed order.
-#define PREFETCH_NEXT(k) do { const char* nx = (const char*)(w0 + 4 * K + (k)); \
-    _mm_prefetch(nx, _MM_HINT_T0); _mm_prefetch(nx + 4 * K, _MM_HINT_T0); \
-    _mm_prefetch(nx + 8 * K, _MM_HINT_T0); _mm_prefetch(nx + 12 * K, _MM_HINT_T0); } while (0)
-// (the next block's four rows, one line each per 16 floats consumed: DRAM latency hidden behind this block's FMAs)
-static void rows4(const float* w, const float* x, float* y, const float* b, int64_t n0, int64_t M, int64_t K, int64_t ldx, int64_t ldy) {
-    const float* w0 = w + n0 * K; const float* w1 = w0 + K; const float* w2 = w1 + K; const float* w3 = w2 + K;
-    int64_t kt = K & ~(int64_t)15;
-    __mmask16 mk = (__mmask16)((1u << (K - kt)) - 1);
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) {
-        const float* xa = x + m * ldx;
-        __m512 a[4][4];
-        for (int i = 0; i < 4; i++) for (int r = 0; r < 4; r++) a[i][r] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < kt; k += 16) {
-            if (m == 0) PREFETCH_NEXT(k);
-            __m512 wv[4] = {_mm512_loadu_ps(w0 + k), _mm512_loadu_ps(w1 + k), _mm512_loadu_ps(w2 + k), _mm512_loadu_ps(w3 + k)};
-            for (int i = 0; i < 4; i++) {
-                __m512 xv = _mm512_loadu_ps(xa + i * ldx + k);
-                for (int r = 0; r < 4; r++) a[i][r] = _mm512_fmadd_ps(wv[r], xv, a[i][r]);
-            }
-        }
-        if (kt < K) {
-            __m512 wv[4] = {_mm512_maskz_loadu_ps(mk, w0 + kt), _mm512_maskz_loadu_ps(mk, w1 + kt), _mm512_maskz_loadu_ps(mk, w2 + kt), _mm512_maskz_loadu_ps(mk, w3 + kt)};
-            for (int i = 0; i < 4; i++) {
-                __m512 xv = _mm512_maskz_loadu_ps(mk, xa + i * ldx + kt);
-                for (int r = 0; r < 4; r++) a[i][r] = _mm512_fmadd_ps(wv[r], xv, a[i][r]);
-            }
-        }
-        for (int i = 0; i < 4; i++) store4(y + (m + i) * ldy + n0, b, n0, a[i][0], a[i][1], a[i][2], a[i][3]);
-    }
-    for (; m + 2 <= M; m += 2) {
-        const float* xa = x + m * ldx; const float* xb = xa + ldx;
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-        __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps(), c2 = _mm512_setzero_ps(), c3 = _mm512_setzero_ps();
-        for (int64_t k = 0; k < kt; k += 16) {
-            if (m == 0) PREFETCH_NEXT(k);
-            __m512 wa = _mm512_loadu_ps(w0 + k), wb = _mm512_loadu_ps(w1 + k), wc = _mm512_loadu_ps(w2 + k), wd = _mm512_loadu_ps(w3 + k);
-            __m512 xv = _mm512_loadu_ps(xa + k), xu = _mm512_loadu_ps(xb + k);
-            a0 = _mm512_fmadd_ps(wa, xv, a0); a1 = _mm512_fmadd_ps(wb, xv, a1); a2 = _mm512_fmadd_ps(wc, xv, a2); a3 = _mm512_fmadd_ps(wd, xv, a3);
-            c0 = _mm512_fmadd_ps(wa, xu, c0); c1 = _mm512_fmadd_ps(wb, xu, c1); c2 = _mm512_fmadd_ps(wc, xu, c2); c3 = _mm512_fmadd_ps(wd, xu, c3);
-        }
-        if (kt < K) {
-            __m512 xv = _mm512_maskz_loadu_ps(mk, xa + kt), xu = _mm512_maskz_loadu_ps(mk, xb + kt);
-            FMA4M(xv, a0, a1, a2, a3, kt, mk)
-            FMA4M(xu, c0, c1, c2, c3, kt, mk)
-        }
-        store4(y + m * ldy + n0, b, n0, a0, a1, a2, a3);
-        store4(y + (m + 1) * ldy + n0, b, n0, c0, c1, c2, c3);
-    }
-    for (; m < M; m++) {
-        const float* xa = x + m * ldx;
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-        for (int64_t k = 0; k < kt; k += 16) {
-            if (m == 0) PREFETCH_NEXT(k);
-            __m512 xv = _mm512_loadu_ps(xa + k);
-            FMA4(xv, a0, a1, a2, a3, k)
-        }
-        if (kt < K) {
-            __m512 xv = _mm512_maskz_loadu_ps(mk, xa + kt);
-            FMA4M(xv, a0, a1, a2, a3, kt, mk)
-        }
-        store4(y + m * ldy + n0, b, n0, a0, a1, a2, a3);
-    }
-}
 // ---------------------------------------------------------------------------------------------
 // Threads. Not OpenMP: an OpenMP region ends in a barrier that waits for every team thread, so one
 // thread descheduled by another process (a Serve ingress, a test runner) stalls every call for a
 // whole scheduler slice. Here the calling thread and up to MAX_HELPERS helper threads claim chunks
-// of 4-row blocks from one atomic counter; the caller returns when every chunk is done, so a helper
+// (weight panels, attention rows) from one atomic counter; the caller returns when every chunk is done, so a helper
 // that has not woken up simply gets no work. Helpers spin briefly, then sleep on a futex.
 #define MAX_HELPERS 15
 typedef void (*work_fn)(const void* ctx, int64_t chunk);
@@ -191,23 +109,82 @@ static void parallel_run(work_fn fn, const void* ctx, int64_t nchunks, int threa
 }
 
 // ---------------------------------------------------------------------------------------------
-// linear
-#define CHUNK_BLOCKS 16  // 64 weight rows per claim
-typedef struct { const float *x, *w, *b; float* y; int64_t M, N, K, ldx, ldy, nblocks; } linear_t;
-
-static void linear_chunk(const void* ctx, int64_t c) {
-    const linear_t* j = (const linear_t*)ctx;
-    int64_t b0 = c * CHUNK_BLOCKS, b1 = b0 + CHUNK_BLOCKS < j->nblocks ? b0 + CHUNK_BLOCKS : j->nblocks;
-    for (int64_t i = b0; i < b1; i++) rows4(j->w, j->x, j->y, j->b, i * 4, j->M, j->K, j->ldx, j->ldy);
+// linear (see the top of the file)
+#define PNV 3                // weight vectors a panel: 48 columns
+#define PMT 8                // x rows a tile: 8 x 3 accumulators + 3 weight vectors + 1 broadcast, of 32 registers
+#define PANEL (16 * PNV)
+// One tile: MT x rows times one panel, from k = 0 to K - 1, then bias and store (masked past N).
+// While it runs, pf_lines cache lines of the next panel are prefetched into L2, spread over the k loop.
+static inline __attribute__((always_inline)) void ptile(const int MT, const float* p, const float* x, float* y,
+                                                        const float* b, int64_t K, int64_t ldx, int64_t ldy,
+                                                        int64_t ncols, const char* pf, int64_t pf_lines) {
+    __m512 acc[PMT][PNV];
+    for (int i = 0; i < MT; i++) for (int v = 0; v < PNV; v++) acc[i][v] = _mm512_setzero_ps();
+    int64_t kq = K / 4, pf_acc = 0;
+    const char* pfl = pf;
+#define KSTEP(kk) do { \
+        __m512 wv[PNV]; \
+        for (int v = 0; v < PNV; v++) wv[v] = _mm512_loadu_ps(p + (kk) * PANEL + 16 * v); \
+        for (int i = 0; i < MT; i++) { \
+            __m512 xb = _mm512_set1_ps(x[i * ldx + (kk)]); \
+            for (int v = 0; v < PNV; v++) acc[i][v] = _mm512_fmadd_ps(wv[v], xb, acc[i][v]); \
+        } } while (0)
+    for (int64_t q = 0; q < kq; q++) {
+        for (pf_acc += pf_lines; /* Bresenham: pf_lines spread over kq steps, no division */ pf_acc >= kq && kq > 0; pf_acc -= kq) { _mm_prefetch(pfl, _MM_HINT_T1); pfl += 64; }
+        int64_t k = 4 * q;
+        KSTEP(k); KSTEP(k + 1); KSTEP(k + 2); KSTEP(k + 3);
+    }
+    for (int64_t k = 4 * kq; k < K; k++) KSTEP(k);
+#undef KSTEP
+    for (int i = 0; i < MT; i++)
+        for (int v = 0; v < PNV; v++) {
+            int64_t c = 16 * v, left = ncols - c;
+            if (left <= 0) break;
+            __mmask16 mk = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+            __m512 r = acc[i][v];
+            if (b) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(mk, b + c));
+            _mm512_mask_storeu_ps(y + i * ldy + c, mk, r);
+        }
 }
 
-void linear_f32(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t N, int64_t K,
-                int64_t ldx, int64_t ldy, int threads) {
-    int64_t nb = N / 4;
-    linear_t ctx = {x, w, b, y, M, N, K, ldx, ldy, nb};
-    parallel_run(linear_chunk, &ctx, (nb + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS, threads);
-    for (int64_t n = nb * 4; n < N; n++)
-        for (int64_t m = 0; m < M; m++) y[m * ldy + n] = dot_row(w + n * K, x + m * ldx, K) + (b ? b[n] : 0.f);
+typedef struct { const float *x, *p, *b; float* y; int64_t M, N, K, ldx, ldy, npanels, per_chunk; } plinear_t;
+
+// Panels [c * per_chunk, ...) of one claim: each is read from memory once, by its first tile, and from
+// L2 by the others; the claim's next panel is prefetched a slice per tile meanwhile (a claim holds
+// consecutive panels so that the prefetch lands in the L2 of the core that will use it).
+static void plinear_chunk(const void* vctx, int64_t c) {
+    const plinear_t* j = (const plinear_t*)vctx;
+    int64_t p0 = c * j->per_chunk, p1 = p0 + j->per_chunk < j->npanels ? p0 + j->per_chunk : j->npanels;
+    int64_t tiles = (j->M + PMT - 1) / PMT, panel_lines = j->K * PANEL * 4 / 64;
+    for (int64_t pi = p0; pi < p1; pi++) {
+        int64_t n0 = pi * PANEL, ncols = j->N - n0 < PANEL ? j->N - n0 : PANEL;
+        const float* p = j->p + pi * j->K * PANEL;
+        const float* b = j->b ? j->b + n0 : NULL;
+        int64_t lines = pi + 1 < p1 ? panel_lines : 0;
+        const char* next = (const char*)(p + j->K * PANEL);
+        for (int64_t t = 0, m = 0; m < j->M; m += PMT, t++) {
+            int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
+            const float* xm = j->x + m * j->ldx;
+            float* ym = j->y + m * j->ldy + n0;
+#define PT(MTc) ptile(MTc, p, xm, ym, b, j->K, j->ldx, j->ldy, ncols, next + 64 * l0, l1 - l0)
+            switch (j->M - m < PMT ? j->M - m : PMT) {
+            case 8: PT(8); break; case 7: PT(7); break; case 6: PT(6); break; case 5: PT(5); break;
+            case 4: PT(4); break; case 3: PT(3); break; case 2: PT(2); break; default: PT(1); break;
+            }
+#undef PT
+        }
+    }
+}
+
+int64_t linear_panel_cols(void) { return PANEL; }
+
+// y [M, N] = x [M, K] @ w^T + b with w packed (linear_panel_cols() columns a panel, see the top).
+void linear_packed_f32(const float* x, const float* p, const float* b, float* y, int64_t M, int64_t N, int64_t K,
+                       int64_t ldx, int64_t ldy, int threads) {
+    int64_t np = (N + PANEL - 1) / PANEL, per = np / (3 * (threads > 1 ? threads : 1));
+    per = per < 1 ? 1 : per > 16 ? 16 : per;
+    plinear_t ctx = {x, p, b, y, M, N, K, ldx, ldy, np, per};
+    parallel_run(plinear_chunk, &ctx, (np + per - 1) / per, threads);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -58,15 +58,17 @@ def linear_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = 
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] fp32 rows contiguous, w [N, K] fp32 contiguous, b [N] fp32 or None -> y [M, N] (native kernel)."""
+    """x [M, K] fp32 rows with unit stride, w [N, K] fp32 contiguous, b [N] fp32 or None -> y [M, N] (native kernel).
+    w is used in its packed layout (:func:`packed`), made on first use and kept on the tensor."""
     _check(x, w, b)
     lib = _load()
     m, k = x.shape
     n = w.shape[0]
+    p = packed(w)  # [N / 48, K, 48]
     y = torch.empty((m, n), dtype=torch.float32)  # [M, N]
-    lib.linear_f32(
+    lib.linear_packed_f32(
         x.data_ptr(),
-        w.data_ptr(),
+        p.data_ptr(),
         None if b is None else b.data_ptr(),
         y.data_ptr(),
         m,
@@ -77,6 +79,38 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         _threads or torch.get_num_threads(),
     )
     return y
+
+
+def pack(w: torch.Tensor, cols: int | None = None) -> torch.Tensor:
+    """w [N, K] -> [ceil(N / cols), K, cols]: panels of `cols` output columns (the kernel's, by default),
+    p[i, k, j] = w[i * cols + j, k], zeros past N."""
+    cols = cols or _load().linear_panel_cols()
+    n, k = w.shape
+    panels = -(-n // cols)
+    padded = torch.zeros(panels * cols, k, dtype=w.dtype)  # [N_pad, K]
+    padded[:n] = w
+    return padded.view(panels, cols, k).transpose(1, 2).contiguous()
+
+
+_PACKED = "_eagleray_packed"  # attribute on the weight tensor: (storage pointer, version, packed)
+
+
+def packed(w: torch.Tensor) -> torch.Tensor:
+    """The packed layout of w, made once and kept on the tensor (its memory beside w's). It is made again
+    when w changes in place (torch's version counter) or its storage moves; a change through ``w.data``,
+    which has a version counter of its own, is not seen: call :func:`forget_packed` after one."""
+    key = (w.data_ptr(), w._version)
+    held = getattr(w, _PACKED, None)
+    if held is None or held[0] != key:
+        held = (key, pack(w))
+        setattr(w, _PACKED, held)
+    return held[1]
+
+
+def forget_packed(w: torch.Tensor) -> None:
+    """Drop w's packed copy (made again on next use)."""
+    if hasattr(w, _PACKED):
+        delattr(w, _PACKED)
 
 
 @dataclass
@@ -287,8 +321,10 @@ def _load() -> ctypes.CDLL:
             raise KernelBuildError(
                 f"cannot load {path}: {err}\n    fix: delete it (it is rebuilt) or set engine.cpu_kernels to 'torch'"
             ) from err
-        lib.linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int]
-        lib.linear_f32.restype = None
+        lib.linear_packed_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int]
+        lib.linear_packed_f32.restype = None
+        lib.linear_panel_cols.argtypes = []
+        lib.linear_panel_cols.restype = ctypes.c_int64
         lib.paged_attention_f32.argtypes = (
             [ctypes.c_void_p] * 5
             + [ctypes.c_int64]

@@ -9,6 +9,7 @@ jobs/bench/spec.py). `engine` (the engine on GPU: plain, speculative and adaptiv
 and 8B shapes, jobs/bench/engine.py). `scaling` (drafts trained on different amounts of data, one plain baseline, τ against
 data size as a table, JSON, PNG and an MLflow run, jobs/bench/scaling.py). `adapt_shift` (code traffic through the
 Serve app with capture on, the adaptation loop, the hot-swap: τ before/after, capture overhead, jobs/bench/adapt_shift.py).
+`cpu-linear` (the native CPU linear vs torch's matmul on SmolLM2's weights per row count, jobs/bench/cpu_linear.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ SUITES = {
     "vllm": "eagleray.jobs.bench.vllm",
     "scaling": "eagleray.jobs.bench.scaling",
     "adapt_shift": "eagleray.jobs.bench.adapt_shift",
+    "cpu-linear": "eagleray.jobs.bench.cpu_linear",
 }
 
 

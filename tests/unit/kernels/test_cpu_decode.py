@@ -27,8 +27,8 @@ def _data(m: int, n: int, k: int, seed: int = 0):
 
 
 @native
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 40, 128])
-@pytest.mark.parametrize("n,k", [(96, 64), (101, 576), (7, 37), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 40, 64, 128])
+@pytest.mark.parametrize("n,k", [(96, 64), (101, 576), (7, 37), (960, 576), (576, 1536), (49, 3)])
 def test_matches_torch(m, n, k):
     x, w, b = _data(m, n, k)
     torch.testing.assert_close(cpu_decode.linear(x, w, b), cpu_decode.linear_reference(x, w, b), atol=1e-4, rtol=1e-5)
@@ -39,14 +39,47 @@ def test_matches_torch(m, n, k):
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_each_row_is_bitwise_the_same_whatever_else_is_in_the_batch(threads, fresh_state):
     cpu_decode.set_threads(threads)
-    x, w, b = _data(41, 203, 577)  # row and column tails (203 % 4, 577 % 16)
-    full = cpu_decode.linear(x, w, b)  # [41, 203]
-    for m in (1, 2, 5, 40):
+    x, w, b = _data(70, 203, 577)  # panel tail (203 % 48), k tail (577 % 4), tiles of 8 rows with a tail
+    full = cpu_decode.linear(x, w, b)  # [70, 203]
+    for m in (1, 2, 5, 8, 9, 16, 17, 40, 64):
         part = cpu_decode.linear(x[:m], w, b)
         assert torch.equal(part, full[:m]), f"rows differ when the batch has {m} rows"
-    assert torch.equal(cpu_decode.linear(x[7:8], w, b)[0], full[7])
+    for r in (7, 8, 15, 63, 69):  # each position of a tile, alone
+        assert torch.equal(cpu_decode.linear(x[r : r + 1], w, b)[0], full[r]), f"row {r} alone"
+    assert torch.equal(cpu_decode.linear(x[3:43], w, b), full[3:43]), "a window that starts inside a tile"
     cpu_decode.set_threads(1)
     assert torch.equal(cpu_decode.linear(x, w, b), full), "the thread count changes no value"
+
+
+@native
+def test_each_output_is_one_fma_chain_over_k_in_order():
+    """The kernel's order written out in PyTorch: y[m, n] = fma(x[m, K-1], w[n, K-1], ... fma(x[m, 0], w[n, 0], 0)),
+    one rounding per step, then + b[n]. (The float64 product is exact; float64 sum then fp32 rounding equals the
+    FMA's single rounding except at double-rounding ties, which this seeded data does not hit.)"""
+    x, w, b = _data(9, 50, 37)
+    acc = torch.zeros(9, 50, dtype=torch.float32)
+    for k in range(37):
+        acc = (acc.double() + x[:, k : k + 1].double() * w[:, k].double()).float()  # [9, 50]
+    assert torch.equal(cpu_decode.linear(x, w, b), acc + b)
+
+
+@native
+def test_packed_layout_is_made_once_and_again_after_an_in_place_change():
+    x, w, b = _data(3, 97, 64)
+    p = cpu_decode.packed(w)
+    cols = cpu_decode._load().linear_panel_cols()
+    assert p.shape == (-(-97 // cols), 64, cols)
+    assert torch.equal(p[1, :, 5], w[cols + 5]) and not p[-1, :, 97 % cols :].any(), "panels of columns, zeros past N"
+    assert cpu_decode.packed(w) is p, "kept on the tensor"
+    with torch.no_grad():
+        w.mul_(2)  # in place (a load_state_dict copy is too)
+    assert cpu_decode.packed(w) is not p
+    torch.testing.assert_close(cpu_decode.linear(x, w, b), x @ w.t() + b, atol=1e-4, rtol=1e-5)
+    w.data.add_(1)  # .data has its own version counter: not seen ...
+    stale = cpu_decode.linear(x, w, b)
+    cpu_decode.forget_packed(w)  # ... until forgotten
+    torch.testing.assert_close(cpu_decode.linear(x, w, b), x @ w.t() + b, atol=1e-4, rtol=1e-5)
+    assert not torch.allclose(stale, x @ w.t() + b)
 
 
 @native
