@@ -203,22 +203,40 @@ def _build_layout(meta: AttentionMetadata, positions: torch.Tensor, window: int 
 
 
 def row_keys(meta: AttentionMetadata) -> cpu_decode.RowKeys:
-    """The keys each query row sees, for the native CPU kernel (cached on the metadata, built once per forward)."""
+    """The keys each query row sees, for the native CPU kernel (cached on the metadata, built once per forward).
+
+    A causal row i of a sequence with c cached tokens sees keys 0..c+i, all in the cache once the new K/V
+    are written: it is described as c+i+1 cached keys and no new ones, whatever the prompt length (so
+    prefill needs no padding and no bit mask). A draft-tree row sees the cache and its ancestors: c cached
+    keys plus a bit mask over the (<= MAX_NEW) new ones. Both give the kernel the same keys in the same
+    order, so a causal row's value does not depend on which description it gets.
+    """
     rows = meta.layouts.get("rows")
     if rows is None:
-        seq, ctx, nnew, mask = [], [], [], []
-        for b, (q, c) in enumerate(zip(meta.query_lens, meta.context_lens)):
-            tree = meta.tree_masks[b] if meta.tree_masks is not None else None
-            allowed = tree.to(torch.bool).tolist() if tree is not None else None
+        ql = torch.tensor(meta.query_lens, dtype=torch.int64)  # [B]
+        seq = torch.repeat_interleave(torch.arange(len(ql)), ql)  # [T]
+        first = torch.repeat_interleave(ql.cumsum(0) - ql, ql)  # [T] first row of each row's sequence
+        ctx = torch.repeat_interleave(torch.tensor(meta.context_lens, dtype=torch.int64), ql)  # [T]
+        ctx = ctx + (torch.arange(len(seq)) - first) + 1  # causal: the cache up to and including the row
+        nnew = torch.zeros_like(ctx)
+        mask = torch.zeros_like(ctx)
+        for b, tree in enumerate(meta.tree_masks or ()):
+            if tree is None:
+                continue
+            q, c, start = meta.query_lens[b], meta.context_lens[b], int(first[seq == b][0])
+            allowed = tree.to(torch.bool).tolist()
             for i in range(q):
-                bits = sum(1 << j for j in range(q) if allowed[i][j]) if allowed is not None else (1 << (i + 1)) - 1
-                seq.append(b)
-                ctx.append(c)
-                nnew.append(q)
-                mask.append(bits - (1 << 64) if bits >= 1 << 63 else bits)
-        as_t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-        rows = meta.layouts["rows"] = cpu_decode.RowKeys(as_t(seq), as_t(ctx), as_t(nnew), as_t(mask))
+                bits = sum(1 << j for j in range(q) if allowed[i][j])
+                ctx[start + i], nnew[start + i] = c, q
+                mask[start + i] = bits - (1 << 64) if bits >= 1 << 63 else bits
+        rows = meta.layouts["rows"] = cpu_decode.RowKeys(seq, ctx, nnew, mask)
     return rows
+
+
+def _native_rows(meta: AttentionMetadata) -> bool:
+    """Whether every row fits the native kernel: causal rows always, draft-tree rows up to MAX_NEW new tokens."""
+    trees = meta.tree_masks or ()
+    return all(t is None or q <= cpu_decode.MAX_NEW for t, q in zip(trees, meta.query_lens))
 
 
 def paged_attention(
@@ -249,7 +267,7 @@ def paged_attention(
     if meta.slot_mapping is None:
         raise EaglerayError("attention: a KV cache was passed but the metadata has no block_tables")
     write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
-    if max(meta.query_lens) <= cpu_decode.MAX_NEW and cpu_decode.attention_supported(q, cache[0], sliding_window):
+    if _native_rows(meta) and cpu_decode.attention_supported(q, cache[0], sliding_window):
         return cpu_decode.paged_attention(q.contiguous(), cache[0], cache[1], meta.block_tables, row_keys(meta), scale)
     lay = batch_layout(meta, positions, sliding_window)
     bsz, hq, d = len(meta.query_lens), q.shape[1], q.shape[2]

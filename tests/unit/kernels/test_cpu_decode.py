@@ -201,6 +201,8 @@ def test_a_rows_attention_is_bitwise_the_same_alone_in_a_batch_or_verified_besid
     alone = cpu_decode.paged_attention(q[2:3].contiguous(), k, v, TABLES, _rows([(0, 7, 1, [0])]), 0.125)
     chain = cpu_decode.paged_attention(q, k, v, TABLES, _rows([(0, 5, 4, list(range(i + 1))) for i in range(4)]), 0.125)
     assert torch.equal(alone[0], chain[2])
+    causal = cpu_decode.paged_attention(q[2:3].contiguous(), k, v, TABLES, _rows([(0, 8, 0, [])]), 0.125)
+    assert torch.equal(causal[0], alone[0]), "a causal row as 8 cached keys: the same keys in the same order"
     mixed = cpu_decode.paged_attention(
         q, k, v, TABLES, _rows([(1, 9, 1, [0]), (1, 3, 1, [0]), (0, 7, 1, [0]), (1, 6, 1, [0])]), 0.125
     )
