@@ -154,11 +154,11 @@ class EngineServer:
         self._watch_adapt()
         yield {"kind": "start", "prompt_tokens": len(ids)}
         try:
-            async for out in self.loop.stream(ids, params, rid):
-                d = Delta(
-                    out.delta_text, len(out.token_ids), len(ids), out.finished, out.finish_reason, self.drafts.version, out.spec
-                )
-                self.metrics.record_tokens(len(out.delta_token_ids))
+            async for outs in self.loop.stream_batched(ids, params, rid):  # one handle item for the steps since the last
+                out = outs[-1]
+                text = out.delta_text if len(outs) == 1 else "".join(o.delta_text for o in outs)
+                d = Delta(text, len(out.token_ids), len(ids), out.finished, out.finish_reason, self.drafts.version, out.spec)
+                self.metrics.record_tokens(sum(len(o.delta_token_ids) for o in outs))
                 if out.finished:
                     if out.hidden is not None:
                         self.capture.submit(out.request_id, ids, out, self.drafts.version)  # never waits

@@ -9,7 +9,8 @@ jobs/bench/spec.py). `engine` (the engine on GPU: plain, speculative and adaptiv
 and 8B shapes, jobs/bench/engine.py). `scaling` (drafts trained on different amounts of data, one plain baseline, τ against
 data size as a table, JSON, PNG and an MLflow run, jobs/bench/scaling.py). `adapt_shift` (code traffic through the
 Serve app with capture on, the adaptation loop, the hot-swap: τ before/after, capture overhead, jobs/bench/adapt_shift.py).
-`cpu-linear` (the native CPU linear vs torch's matmul on SmolLM2's weights per row count, jobs/bench/cpu_linear.py).
+`cpu-linear` (the native CPU linear vs torch's matmul on SmolLM2's weights per row count, jobs/bench/cpu_linear.py). `serve` (the Serve app vs
+`vllm serve` under vLLM's load generator, jobs/bench/serve_load.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ SUITES = {
     "scaling": "eagleray.jobs.bench.scaling",
     "adapt_shift": "eagleray.jobs.bench.adapt_shift",
     "cpu-linear": "eagleray.jobs.bench.cpu_linear",
+    "serve": "eagleray.jobs.bench.serve_load",
 }
 
 

