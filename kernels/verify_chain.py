@@ -45,6 +45,23 @@ def _first_false(ok: torch.Tensor) -> torch.Tensor:
     return (~ok).to(torch.int64).argmax(-1)
 
 
+def verify_chain_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row greedy (T = 0): target_logits [B, K+1, V], draft_tokens [B, K] (-1 padding) -> tokens [B, K+1]
+    (padded -1), num_accepted [B]; what :func:`verify_chain_reference` returns at temperature 0, from one argmax
+    per row (no softmax, no random draws)."""
+    d = draft_tokens  # [B, K]
+    arg = target_logits.argmax(-1)  # [B, K+1]
+    k = d.shape[1]
+    acc = torch.cat([(d >= 0) & (d == arg[:, :k]), torch.zeros_like(d[:, :1], dtype=torch.bool)], 1)  # [B, K+1]
+    jstar = _first_false(acc)  # [B]
+    cols = torch.arange(k + 1, device=d.device)[None, :]
+    padded = torch.cat([d, torch.full_like(d[:, :1], -1)], 1)  # [B, K+1]
+    tokens = torch.where(cols < jstar[:, None], padded, torch.full_like(padded, -1))
+    b_idx = torch.arange(d.shape[0], device=d.device)
+    tokens[b_idx, jstar] = arg[b_idx, jstar]
+    return tokens, jstar
+
+
 def verify_chain_reference(target_logits, draft_tokens, draft_probs=None, *, temperature, seed):
     """Plain PyTorch reference (materialises softmax); draft_probs is [B, K, V] or None."""
     logits = target_logits.float()  # [B, K+1, V]

@@ -12,6 +12,7 @@ import torch
 from eagleray.kernels.verify import (
     t2d_index,
     verify_chain,
+    verify_chain_greedy,
     verify_chain_reduced,
     verify_chain_reduced_reference,
     verify_chain_reference,
@@ -49,6 +50,8 @@ class Verifier:
         if draft_probs is None or all_greedy:
             if kernel:
                 return verify_chain(target_logits, draft_tokens, None, temperature=temperature, seed=seed, all_greedy=all_greedy)
+            if all_greedy:  # no softmax over the vocabulary, no random draws: one argmax per row
+                return verify_chain_greedy(target_logits, draft_tokens)
             return verify_chain_reference(target_logits, draft_tokens, None, temperature=temperature, seed=seed)
         if kernel:
             return verify_chain_reduced(

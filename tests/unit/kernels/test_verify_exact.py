@@ -11,6 +11,7 @@ from eagleray.kernels.errors import VerifyInputError
 from eagleray.kernels.verify import (
     LaunchConfig,
     verify_chain,
+    verify_chain_greedy,
     verify_chain_reduced,
     verify_chain_reduced_reference,
     verify_chain_reference,
@@ -44,6 +45,20 @@ def test_greedy_chain_exact(config):
     tokens, nacc = verify_chain(logits, draft, temperature=temp, seed=seed, config=config)
     assert nacc.tolist() == [3, 0, 2, 1, 0]  # accept all, reject at 0, mixed, padded, no drafts
     assert tokens.tolist() == [[3, 4, 5, 6], [3, -1, -1, -1], [3, 4, 5, -1], [3, 4, -1, -1], [1, -1, -1, -1]]
+
+
+def test_greedy_pytorch_path_equals_the_hand_computed_answer_and_the_reference():
+    logits = _onehot_logits([[3, 4, 5, 6], [3, 4, 5, 6], [3, 4, 5, 6], [3, 4, 5, 6], [1, 2, 3, 4]])
+    draft = torch.tensor([[3, 4, 5], [7, 4, 5], [3, 4, 9], [3, -1, -1], [-1, -1, -1]])
+    tokens, nacc = verify_chain_greedy(logits, draft)
+    assert nacc.tolist() == [3, 0, 2, 1, 0]
+    assert tokens.tolist() == [[3, 4, 5, 6], [3, -1, -1, -1], [3, 4, 5, -1], [3, 4, -1, -1], [1, -1, -1, -1]]
+    logits, draft, *_ = _random_case()
+    draft[::2, :2] = logits[::2, :2].argmax(-1)  # accepted prefixes in every other row
+    temp, seed = _zeros(len(draft))
+    ref = verify_chain_reference(logits, draft, None, temperature=temp, seed=seed)
+    out = verify_chain_greedy(logits, draft)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
 
 
 def test_greedy_k1_and_bf16():
