@@ -188,6 +188,49 @@ void linear_packed_f32(const float* x, const float* p, const float* b, float* y,
 }
 
 // ---------------------------------------------------------------------------------------------
+// argmax over each row (greedy sampling and verification): the first index of the row's maximum,
+// a NaN's index if the row has one (first NaN), as torch.argmax. Rows in parallel.
+typedef struct { const float* x; int64_t* out; int64_t N, ld; } argmax_t;
+
+static void argmax_row(const void* vctx, int64_t r) {
+    const argmax_t* a = (const argmax_t*)vctx;
+    const float* row = a->x + r * a->ld;
+    int64_t N = a->N, k = 0;
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __m512i bidx = _mm512_setzero_si512(), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 nan = 0;
+    for (; k + 16 <= N; k += 16) {
+        __m512 v = _mm512_loadu_ps(row + k);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  // strict: a lane keeps its first maximum
+        best = _mm512_mask_mov_ps(best, gt, v);
+        bidx = _mm512_mask_mov_epi32(bidx, gt, idx);
+        idx = _mm512_add_epi32(idx, step);
+    }
+    if (k < N) {
+        __mmask16 mk = (__mmask16)((1u << (N - k)) - 1);
+        __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mk, row + k);
+        nan |= _mm512_mask_cmp_ps_mask(mk, v, v, _CMP_UNORD_Q);
+        __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+        best = _mm512_mask_mov_ps(best, gt, v);
+        bidx = _mm512_mask_mov_epi32(bidx, gt, idx);
+    }
+    if (nan) {
+        for (int64_t j = 0; j < N; j++)
+            if (row[j] != row[j]) { a->out[r] = j; return; }
+    }
+    float m = _mm512_reduce_max_ps(best);
+    __mmask16 at = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);  // lanes holding the maximum
+    a->out[r] = (int64_t)(uint32_t)_mm512_mask_reduce_min_epu32(at, bidx);   // the first of them
+}
+
+void argmax_rows_f32(const float* x, int64_t* out, int64_t M, int64_t N, int64_t ld, int threads) {
+    argmax_t a = {x, out, N, ld};
+    parallel_run(argmax_row, &a, M, threads);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Paged attention for decode/verify rows (fp32): out[t, h] = sum_j softmax_j(scale q[t,h].k_j) v_j over
 // the keys row t may see: cache positions j < ctx[t] of its sequence, and new positions
 // ctx[t] + i (i < nnew[t]) whose bit i is set in mask[t] (causal: bits 0..row; a tree: its ancestors).

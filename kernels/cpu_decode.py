@@ -113,6 +113,37 @@ def forget_packed(w: torch.Tensor) -> None:
         delattr(w, _PACKED)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [M, N] fp32 CPU, unit column stride -> [M] int64: the first index of each row's maximum (a NaN's, if
+    the row has one), as :func:`argmax_reference`; rows in parallel on the kernel threads."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] == 0:
+        raise KernelInputError(
+            "x",
+            "a 2-D fp32 CPU tensor with unit column stride and N > 0",
+            f"{tuple(x.shape)} {x.dtype} on {x.device}",
+            "use torch.argmax",
+        )
+    out = torch.empty(x.shape[0], dtype=torch.int64)  # [M]
+    _load().argmax_rows_f32(
+        x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], x.stride(0), _threads or torch.get_num_threads()
+    )
+    return out
+
+
+def argmax_reference(x: torch.Tensor) -> torch.Tensor:
+    """x [..., N] -> [...] (PyTorch)."""
+    return x.argmax(-1)
+
+
+def argmax_last(x: torch.Tensor) -> torch.Tensor:
+    """The engine's argmax over the last dim: the native kernel for fp32 CPU logits, else torch.argmax."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 1 and x.shape[-1] > 0 and x.numel() > 0 and _active():
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.stride(1) == 1:
+            return argmax(flat).view(x.shape[:-1])
+    return x.argmax(-1)
+
+
 @dataclass
 class RowKeys:
     """Which keys each query row sees: its sequence (row of the block table), the sequence's cached
@@ -323,6 +354,8 @@ def _load() -> ctypes.CDLL:
             ) from err
         lib.linear_packed_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int]
         lib.linear_packed_f32.restype = None
+        lib.argmax_rows_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        lib.argmax_rows_f32.restype = None
         lib.linear_panel_cols.argtypes = []
         lib.linear_panel_cols.restype = ctypes.c_int64
         lib.paged_attention_f32.argtypes = (

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from eagleray.kernels import cpu_decode
 from eagleray.kernels.rng import ACCEPT_IDX, rng_base, rng_bits, torch_uniform
 from eagleray.kernels.verify_common import (
     LOG2E,
@@ -50,7 +51,7 @@ def verify_chain_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor)
     (padded -1), num_accepted [B]; what :func:`verify_chain_reference` returns at temperature 0, from one argmax
     per row (no softmax, no random draws)."""
     d = draft_tokens  # [B, K]
-    arg = target_logits.argmax(-1)  # [B, K+1]
+    arg = cpu_decode.argmax_last(target_logits)  # [B, K+1] (the native kernel on CPU fp32)
     k = d.shape[1]
     acc = torch.cat([(d >= 0) & (d == arg[:, :k]), torch.zeros_like(d[:, :1], dtype=torch.bool)], 1)  # [B, K+1]
     jstar = _first_false(acc)  # [B]

@@ -253,7 +253,7 @@ class LLMEngine:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         """logits [B, V] -> one token per sequence with its own sampling parameters."""
         if all(s.params.greedy for s in seqs):
-            return logits.argmax(-1).tolist()
+            return cpu_decode.argmax_last(logits).tolist()
         dev = logits.device
         top_k = torch.tensor([s.params.top_k for s in seqs], device=dev)
         top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from eagleray.kernels import cpu_decode
 from eagleray.platform.config.load import problems_from_validation
 from eagleray.platform.errors import ConfigError
 
@@ -85,7 +86,7 @@ def scaled_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tenso
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row: argmax where T == 0, else a draw from softmax(logits / T). logits [N, V] -> [N]."""
-    out = logits.argmax(-1)  # [N]
+    out = cpu_decode.argmax_last(logits)  # [N]
     probs = scaled_probs(logits, temperature)  # [N, V]
     for i, gen in enumerate(generators):
         if float(temperature[i]) > 0:

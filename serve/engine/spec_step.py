@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eagleray.kernels import cpu_decode
 from eagleray.platform.checkpoints.guard import assert_aux_shape
 from eagleray.platform.models.row_graphs import DecodeRows
 from eagleray.serve.engine.model_runner import DraftRunner, ForwardBatch, TargetRunner, block_table_tensor
@@ -163,7 +164,7 @@ def _catch_up_rows(
 
 def sample_draft(logits: torch.Tensor, rows: RowParams, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draft ids [B] (argmax for greedy rows, a draw from q for sampled rows) and q [B, Vd] (None if all greedy)."""
-    ids = logits.argmax(-1)  # [B]
+    ids = cpu_decode.argmax_last(logits)  # [B]
     if all(s.params.temperature == 0 for s in seqs):
         return ids, None
     q = scaled_probs(logits, rows.temperature)  # [B, Vd]

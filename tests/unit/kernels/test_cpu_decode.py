@@ -228,3 +228,31 @@ def test_paged_attention_refuses_bad_rows():
         )
     with pytest.raises(KernelInputError, match="block_tables"):
         cpu_decode.paged_attention(q, k, v, TABLES.long(), _rows([(0, 1, 1, [0])] * 2), 0.1)
+
+
+@native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_argmax_equals_torch_with_ties_nans_infinities_and_tails(threads, fresh_state):
+    cpu_decode.set_threads(threads)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 1000, generator=g)  # 1000 % 16: a masked tail
+    x[1, [5, 700, 999]] = 50.0  # ties: the first index
+    x[2, 998:] = 60.0  # the maximum in the tail
+    x[3] = float("-inf")  # every value -inf: index 0
+    x[4, [3, 640]] = float("nan")  # a NaN wins, the first one
+    x[5, 17] = float("inf")
+    x[6] = 0.0
+    x[6, 300] = -0.0  # equal values: the first index
+    x[7, 999] = float("nan")  # a NaN in the tail
+    assert torch.equal(cpu_decode.argmax(x), cpu_decode.argmax_reference(x))
+    wide = torch.randn(3, 1100, generator=g)
+    assert torch.equal(cpu_decode.argmax(wide[:, 50:1050]), wide[:, 50:1050].argmax(-1)), "strided rows"
+    assert torch.equal(cpu_decode.argmax_last(x.view(3, 3, 1000)), x.view(3, 3, 1000).argmax(-1))
+    assert torch.equal(cpu_decode.argmax(torch.randn(2, 5, generator=g)[:, :1]), torch.zeros(2, dtype=torch.int64))
+
+
+def test_argmax_refuses_what_it_does_not_handle():
+    with pytest.raises(KernelInputError, match="^x: expected"):
+        cpu_decode.argmax(torch.zeros(2, 3, dtype=torch.float64))
+    with pytest.raises(KernelInputError, match="^x: expected"):
+        cpu_decode.argmax(torch.zeros(3, 2).t())
