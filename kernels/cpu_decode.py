@@ -3,25 +3,30 @@
     from eagleray.kernels import cpu_decode
     y = cpu_decode.linear(x, w, b)          # x [M, K], w [N, K], b [N] or None -> [M, N]; M small
     o = cpu_decode.paged_attention(q, k_cache, v_cache, block_tables, rows, scale)   # rows: RowKeys
+    i = cpu_decode.argmax(logits)           # [M, V] -> [M] int64, as torch.argmax
     cpu_decode.configure("auto")            # the engine's choice: "auto" | "native" | "torch"
     cpu_decode.status()                     # "native" or "torch (<why>)"
 
 MKL's GEMV reaches about 10 GB/s of weight streaming on the 2-core CI machine, a third of its memory
-bandwidth; a decode step at batch 1 is nothing but streaming the weights once, so the engine's CPU
-step was bound by that. ``cpu_decode.c`` streams each weight row once per call with every x row
-reusing it from L1 (about 2x MKL here at M = 1..16, see BENCHMARKS.md), and reduces every output in
-one fixed order, so a token's logits do not depend on how many rows share the call (batch-invariant:
-greedy speculative output stays bitwise equal to plain output).
+bandwidth, and its GEMM loses efficiency at the 5-64 rows of verification; a decode step is little but
+streaming the weights once. ``linear`` keeps each weight in a packed layout (panels of 48 output
+columns, made on first use and kept on the tensor, :func:`packed`) and computes 8 rows x 48 columns
+per register tile as outer products (one weight vector load, one broadcast per row and k): near the
+memory bound at M = 1-8 and ~85% of the FMA peak per core from M = 16 (BENCHMARKS.md). Every output is
+one FMA chain over k in order, so a token's logits do not depend on how many rows share the call
+(batch-invariant: greedy speculative output stays bitwise equal to plain output). The packed copy
+costs the weight's memory again (0.54 GB for SmolLM2 in fp32).
 
 ``paged_attention`` reads K/V in place from the paged cache through the block table (no gather, no
 padding), one query row at a time with an online softmax over tiles of 16 keys, so a row's output does
-not depend on the rest of the batch either; rows see their sequence's cached keys and the new keys
-their bit mask allows (causal or a draft tree, up to 64 new tokens per sequence).
+not depend on the rest of the batch either; a row sees its sequence's cached keys and the new keys its
+bit mask allows (a draft tree, up to 64 new tokens per sequence); a causal row is simply its cached
+keys up to itself (prefill of any length, unpadded).
 
 The C source is compiled once per machine with the system C compiler (``cc -O3 -mavx512f -pthread``)
 into ``$EAGLERAY_HOME/kernels/`` and loaded with ctypes; no build step at install time. The reference
 of the linear is :func:`torch.nn.functional.linear` (``linear_reference``), of the attention
-``paged_attention_reference``; tests compare each pair.
+``paged_attention_reference``, of the argmax ``torch.argmax`` (``argmax_reference``); tests compare each pair.
 """
 
 from __future__ import annotations

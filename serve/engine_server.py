@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import torch
 from pydantic import Field
 
 from eagleray.platform import capture_store
 from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
 from eagleray.platform.config.load import StrictModel, parse_config
 from eagleray.platform.errors import EaglerayError
+from eagleray.platform.host import pick_device
 from eagleray.platform.registry import ResolvedDraft, registry_version, resolve_draft
 from eagleray.serve.capture import CaptureClient
 from eagleray.serve.engine import AsyncEngine, LLMEngine, RequestFailed, SamplingParams, TPLaunch
@@ -47,6 +50,17 @@ def initial_draft(cfg: ServingConfig, spec: TargetSpec) -> ResolvedDraft | None:
     return resolve_draft(cfg.draft.source, spec, tracking_uri=cfg.mlflow.tracking_uri)
 
 
+def replica_cpu_threads(cfg: ServingConfig) -> int | None:
+    """Set and return the CPU engine's threads (None on GPU): ``cpu_threads``, else every core this process may
+    run on. Ray starts a replica reserving num_cpus=1 with OMP_NUM_THREADS=1, which would leave the CPU
+    engine's kernels and prefill on one core of the machine."""
+    if pick_device(cfg.target.device).type != "cpu":
+        return None
+    n = cfg.cpu_threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(n)
+    return n
+
+
 def replica_tp_launch(tensor_parallel_size: int) -> TPLaunch | None:
     """TP ranks of a replica are Ray actors in the replica's placement group (bundle r for rank r)."""
     if tensor_parallel_size == 1:
@@ -73,6 +87,7 @@ class EngineServer:
         engine_cfg = self.cfg.engine_config(
             target=self.cfg.target.model_copy(update={"model": str(self.spec.path)}), draft=draft_cfg
         )
+        self.cpu_threads = replica_cpu_threads(self.cfg)
         self.engine = LLMEngine.from_config(engine_cfg, tp_launch=replica_tp_launch(self.cfg.target.tensor_parallel_size))
         self.loop = AsyncEngine(self.engine)
         self.metrics = ServeMetrics(self.cfg.model_name)
@@ -91,7 +106,11 @@ class EngineServer:
         self._adapt_watch: asyncio.Task | None = None
         self._schedule: asyncio.Task | None = None
         logger.info(
-            "engine ready: target %s, draft %s, max_model_len %d", self.spec.path, self.drafts.version, self.engine.max_model_len
+            "engine ready: target %s, draft %s, max_model_len %d, cpu threads %s",
+            self.spec.path,
+            self.drafts.version,
+            self.engine.max_model_len,
+            self.cpu_threads,
         )
 
     # ------------------------------------------------------------------ requests

@@ -81,6 +81,12 @@ class ServingConfig(EngineConfig):
     adapt_schedule: AdaptSchedule | None = Field(
         None, description="Run the adaptation loop from the engine deployment on a schedule (needs capture); null: never."
     )
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        le=16,
+        description="Threads of a CPU engine replica (native kernels and prefill GEMMs). None: every core the replica may run on; Ray would otherwise leave it at OMP_NUM_THREADS = its num_cpus reservation (1), a single core.",
+    )
     ingress_resources: dict[str, float] = Field(
         default_factory=dict,
         description="Custom Ray resources of the HTTP ingress replica, e.g. {'node:__internal_head__': 0.01} keeps it on the head node, so that losing a worker node never drops the entry point.",

@@ -96,3 +96,21 @@ def test_capture_is_off_by_default():
     from eagleray.serve.serving_config import ServingConfig
 
     assert ServingConfig().capture is None
+
+
+def test_a_cpu_engine_replica_uses_every_core_not_rays_one_thread_reservation():
+    import os
+
+    import torch
+
+    from eagleray.serve.engine_server import replica_cpu_threads
+    from eagleray.serve.serving_config import ServingConfig
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # what Ray's OMP_NUM_THREADS=1 (num_cpus=1) leaves a replica with
+        cores = len(os.sched_getaffinity(0))
+        assert replica_cpu_threads(ServingConfig(target={"device": "cpu"})) == cores == torch.get_num_threads()
+        assert replica_cpu_threads(ServingConfig(target={"device": "cpu"}, cpu_threads=1)) == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
