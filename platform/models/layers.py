@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from eagleray.kernels import cpu_decode
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.arch import LlamaArch
 from eagleray.platform.models.attention import AttentionMetadata, paged_attention
@@ -12,6 +13,7 @@ from eagleray.platform.models.rope import RotaryEmbedding
 from eagleray.platform.models.tp import (
     ColumnParallelLinear,
     FusedLinear,
+    ParallelLMHead,
     RowParallelLinear,
     TPInfo,
     default_weight_loader,
@@ -135,6 +137,27 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:  # h [T, H] -> [T, H]
         h = h + self.self_attn(self.input_layernorm(h), positions, attn, cache)  # [T, H]
         return h + self.mlp(self.post_attention_layernorm(h))  # [T, H]
+
+
+def pack_for_cpu(model: nn.Module) -> int:
+    """Make the native CPU linear's packed layout (``cpu_decode.packed``) of every weight the fused model's
+    forward multiplies by, now rather than in the first step that uses it; returns how many. The parts of
+    a fused q/k/v or gate/up are skipped (only the fused weight is used). Call when the native kernel is on."""
+    fused_parts = set()
+    weights = []
+    for m in model.modules():
+        if isinstance(m, SelfAttention) and m.qkv is not None:
+            fused_parts |= {id(m.q_proj), id(m.k_proj), id(m.v_proj)}
+            weights.append(m.qkv.weight)
+        elif isinstance(m, MLP) and m.gate_up is not None:
+            fused_parts |= {id(m.gate_proj), id(m.up_proj)}
+            weights.append(m.gate_up.weight)
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and id(m) not in fused_parts:
+            weights.append(m.weight)
+    for w in weights:
+        cpu_decode.packed(w)
+    return len(weights)
 
 
 def fuse_for_inference(model: nn.Module) -> nn.Module:

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from eagleray.kernels import cpu_decode
 from eagleray.platform.models.attention import AttentionMetadata, KVCache
 from eagleray.platform.models.draft_graphs import DraftGraphRunner
 from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.models.graphs import DecodeGraphRunner
-from eagleray.platform.models.layers import fuse_for_inference
+from eagleray.platform.models.layers import fuse_for_inference, pack_for_cpu
 from eagleray.platform.models.llama import LlamaModel
 from eagleray.platform.models.row_graphs import DecodeRows
 
@@ -86,6 +87,8 @@ class TargetRunner:
         self.model = fuse_for_inference(model)
         self.block_size = block_size
         self.device = model.norm.weight.device
+        if self.device.type == "cpu" and cpu_decode.status() == "native":
+            pack_for_cpu(self.model)  # at load, not in the first request's steps
         self.kv: KVCache = model.make_kv_cache(num_blocks, block_size)
         self.workers = getattr(model, "tp_workers", None)  # TPWorkers on rank 0 of a tensor-parallel target
         self.runner_id = None
@@ -145,6 +148,8 @@ class DraftRunner:
         self.draft = fuse_for_inference(draft)
         self.block_size = block_size
         self.device = draft.norm.weight.device
+        if self.device.type == "cpu" and cpu_decode.status() == "native":
+            pack_for_cpu(self.draft)
         self.kv: KVCache = draft.make_kv_cache(num_blocks, block_size)
         self.max_rows = max_rows
         self.rows: DraftGraphRunner | None = None

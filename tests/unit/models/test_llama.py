@@ -191,3 +191,24 @@ def test_fused_projections_equal_the_separate_ones_and_still_load(variant, tiny_
     model.load_checkpoint(path)  # loading again lands in the fused weights
     again, _ = model.forward_full(ids)
     torch.testing.assert_close(again, ref, atol=1e-5, rtol=0)
+
+
+def test_pack_for_cpu_packs_what_the_forward_multiplies_by_at_load(tiny_dirs, monkeypatch):
+    from eagleray.kernels import cpu_decode
+    from eagleray.platform.models.layers import fuse_for_inference, pack_for_cpu
+
+    if cpu_decode.status() != "native":
+        pytest.skip(f"native CPU kernels: {cpu_decode.status()}")
+    model = fuse_for_inference(LlamaModel.from_dir(tiny_dirs["llama_untied_mha"]))
+    assert pack_for_cpu(model) == 4 * len(model.layers) + 1  # qkv, o, gate_up, down per layer + lm_head
+    attn = model.layers[0].self_attn
+    assert not hasattr(attn.q_proj.weight, cpu_decode._PACKED), "a fused part is not packed (its memory)"
+
+    def no_packing(*args, **kwargs):
+        raise AssertionError("packed in a forward")
+
+    monkeypatch.setattr(cpu_decode, "pack", no_packing)
+    ids = torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        cache = model.make_kv_cache(num_blocks=4, block_size=4)
+        _paged_forward(model, [ids], [0], [[0, 1]], 4, cache)
