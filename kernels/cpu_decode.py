@@ -103,8 +103,9 @@ _PACKED = "_eagleray_packed"  # attribute on the weight tensor: (storage pointer
 def packed(w: torch.Tensor) -> torch.Tensor:
     """The packed layout of w, made once and kept on the tensor (its memory beside w's). It is made again
     when w changes in place (torch's version counter) or its storage moves; a change through ``w.data``,
-    which has a version counter of its own, is not seen: call :func:`forget_packed` after one."""
-    key = (w.data_ptr(), w._version)
+    which has a version counter of its own, is not seen, nor one to an inference tensor (made under
+    torch.inference_mode, which has no version counter): call :func:`forget_packed` after one."""
+    key = (w.data_ptr(), None if w.is_inference() else w._version)
     held = getattr(w, _PACKED, None)
     if held is None or held[0] != key:
         held = (key, pack(w))

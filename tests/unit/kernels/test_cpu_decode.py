@@ -80,6 +80,10 @@ def test_packed_layout_is_made_once_and_again_after_an_in_place_change():
     cpu_decode.forget_packed(w)  # ... until forgotten
     torch.testing.assert_close(cpu_decode.linear(x, w, b), x @ w.t() + b, atol=1e-4, rtol=1e-5)
     assert not torch.allclose(stale, x @ w.t() + b)
+    with torch.inference_mode():
+        wi = w.clone()  # an inference tensor (a TP worker's weights): no version counter to read
+    torch.testing.assert_close(cpu_decode.linear(x, wi, b), x @ wi.t() + b, atol=1e-4, rtol=1e-5)
+    assert cpu_decode.packed(wi) is cpu_decode.packed(wi)
 
 
 @native
