@@ -246,26 +246,28 @@ def regenerate_conversations(
         desc="regenerate",
         mininterval=cfg.progress_seconds,
     )
-    with out.open("a", encoding="utf-8") as fh, errors_path(out).open("a", encoding="utf-8") as eh:
+    try:
+        with out.open("a", encoding="utf-8") as fh, errors_path(out).open("a", encoding="utf-8") as eh:
 
-        def progress(st) -> None:
-            done = st.answered + st.errors
-            if done > bar.n:
-                bar.set_postfix(tok_s=f"{st.generated_tokens / max(st.seconds, 1e-9):.0f}", refresh=False)
-                bar.update(done - bar.n)  # tqdm prints at most every progress_seconds
+            def progress(st) -> None:
+                done = st.answered + st.errors
+                if done > bar.n:
+                    bar.set_postfix(tok_s=f"{st.generated_tokens / max(st.seconds, 1e-9):.0f}", refresh=False)
+                    bar.update(done - bar.n)  # tqdm prints at most every progress_seconds
 
-        run = TurnByTurn(
-            gen.engine,
-            cfg.generation,
-            cfg.prompt_token_cap,
-            concurrency=cfg.batch_size,
-            on_done=lambda conv: fh.write(json.dumps(conv.to_row(), ensure_ascii=False) + "\n"),
-            on_error=lambda e: eh.write(json.dumps(e.__dict__, ensure_ascii=False) + "\n"),
-            progress=progress,
-        )
-        st = run.run(todo)
-    bar.close()
-    gen.close()
+            run = TurnByTurn(
+                gen.engine,
+                cfg.generation,
+                cfg.prompt_token_cap,
+                concurrency=cfg.batch_size,
+                on_done=lambda conv: _append_line(fh, conv.to_row()),  # whole lines: a killed run resumes cleanly
+                on_error=lambda e: _append_line(eh, e.__dict__),
+                progress=progress,
+            )
+            st = run.run(todo)
+    finally:
+        bar.close()
+        gen.close()
     manifest = {
         **_provenance(cfg, spec, device),
         "answer_turns": "all",
@@ -281,6 +283,11 @@ def regenerate_conversations(
         f"{manifest['answered']} answered + {manifest['errors']} errors, {manifest['lost']} lost, {manifest['duplicated']} duplicated"
     )
     return manifest
+
+
+def _append_line(fh, obj: dict) -> None:
+    fh.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    fh.flush()
 
 
 def count_output(out: Path, expected: dict[str, int]) -> dict[str, int]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -222,8 +223,8 @@ def train_one(args: argparse.Namespace) -> dict:
     metrics = train_worker(cfg, session, None)
     ckpt = session.latest_checkpoint()
     final = out / "final-draft"
-    subprocess.run(["rm", "-rf", str(final)], check=True)
-    subprocess.run(["cp", "-r", str(ckpt / "draft"), str(final)], check=True)
+    shutil.rmtree(final, ignore_errors=True)
+    shutil.copytree(ckpt / "draft", final)
     facts = make_plan(cfg).data_facts
     summary = {
         "data_fraction": args.fraction,
@@ -265,8 +266,8 @@ def _keep_latest(args: argparse.Namespace, fraction: float, code: int) -> None:
     ckpts = sorted((d / "checkpoints").glob("step-*"))
     if not ckpts:
         raise RuntimeError(f"train {fraction:g}: exit code {code} and no checkpoint; see {d / 'train.log'}")
-    subprocess.run(["rm", "-rf", str(d / "final-draft")], check=True)
-    subprocess.run(["cp", "-r", str(ckpts[-1] / "draft"), str(d / "final-draft")], check=True)
+    shutil.rmtree(d / "final-draft", ignore_errors=True)
+    shutil.copytree(ckpts[-1] / "draft", d / "final-draft")
     step = int(ckpts[-1].name.split("-")[1])
     _write(
         d / "train.json", {"data_fraction": fraction, "steps": step, "stopped": f"exit code {code} at the deadline or on failure"}
