@@ -24,10 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -172,238 +170,8 @@ def _regen_progress(parts: list[Path]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- train
-def train_config(args: argparse.Namespace, fraction: float, rows: int):
-    from eagleray.platform.config.schemas import TrainingConfig
-
-    return TrainingConfig(
-        data_dir="online",
-        online={
-            "prompts": [str(args.work / "conversations.jsonl")],
-            "limit": max(1, int(rows * fraction)),
-            "loss_turns": "all",
-            "vocab_count_rows": 4000,
-        },
-        target={"model": args.target, "dtype": args.dtype, "device": args.device},
-        output_dir=str(_draft_dir(args, fraction)),
-        draft_vocab_size=args.draft_vocab,
-        ttt_steps=args.ttt_steps,
-        learning_rate=args.lr,
-        warmup_steps=min(100, args.steps // 10),
-        min_lr_ratio=0.1,
-        max_steps=args.steps,
-        batch_size=args.train_batch,
-        max_seq_len=args.train_seq_len,
-        shuffle_buffer=256,
-        eval_fraction=0.02,
-        eval_batches=20,
-        checkpoint_every=max(args.steps // 12, 1),
-        log_every=50,
-        backend="local",
-        use_gpu=args.device == "cuda",
-        register_model=False,
-        alias=None,
-    )
-
-
 def _draft_dir(args: argparse.Namespace, fraction: float) -> Path:
     return args.work / "drafts" / f"frac-{fraction:g}"
-
-
-def train_one(args: argparse.Namespace) -> dict:
-    """One fraction, in this process (no Ray, no MLflow: neither is on the GPU image)."""
-    from eagleray.training.loop import train_worker
-    from eagleray.training.plan import make_plan
-    from eagleray.training.session import LocalSession
-
-    rows = sum(1 for _ in (args.work / "conversations.jsonl").open(encoding="utf-8"))
-    cfg = train_config(args, args.fraction, rows)
-    out = Path(cfg.output_dir)
-    session = LocalSession(out / "checkpoints")
-    t0 = time.perf_counter()
-    metrics = train_worker(cfg, session, None)
-    ckpt = session.latest_checkpoint()
-    final = out / "final-draft"
-    shutil.rmtree(final, ignore_errors=True)
-    shutil.copytree(ckpt / "draft", final)
-    facts = make_plan(cfg).data_facts
-    summary = {
-        "data_fraction": args.fraction,
-        "conversations": cfg.online.limit,
-        "steps": cfg.max_steps,
-        "train_s": round(time.perf_counter() - t0, 1),
-        "metrics": metrics,
-        **facts,
-    }
-    _write(out / "train.json", summary)
-    log(f"train {args.fraction:g}: done in {summary['train_s']} s, sim_tau {metrics.get('eval/sim_tau')}")
-    return summary
-
-
-def train_all(args: argparse.Namespace) -> list[dict]:
-    fractions = [float(f) for f in args.fractions.split(",")]
-    procs = []
-    base = [sys.executable, "-m", "eagleray.jobs.bench.draft_scaling", "train-one"]
-    opts = _shared_options(args)
-    for f in fractions:
-        d = _draft_dir(args, f)
-        d.mkdir(parents=True, exist_ok=True)
-        log_file = open(d / "train.log", "a")
-        procs.append(subprocess.Popen(base + ["--fraction", str(f)] + opts, stdout=log_file, stderr=subprocess.STDOUT))
-    counter = threading.Thread(target=_count_loss_tokens, args=(args, fractions), daemon=True)
-    counter.start()
-    deadline = time.perf_counter() + 60 * args.train_minutes if args.train_minutes else None
-    _wait(procs, lambda: _train_progress(args, fractions), "train", deadline=deadline)
-    for f, p in zip(fractions, procs):
-        if p.returncode != 0:
-            _keep_latest(args, f, p.returncode)
-    counter.join()
-    return [json.loads((_draft_dir(args, f) / "train.json").read_text()) for f in fractions]
-
-
-def _keep_latest(args: argparse.Namespace, fraction: float, code: int) -> None:
-    """A trainer stopped at the deadline (or failed): its latest checkpoint's draft becomes the final one."""
-    d = _draft_dir(args, fraction)
-    ckpts = sorted((d / "checkpoints").glob("step-*"))
-    if not ckpts:
-        raise RuntimeError(f"train {fraction:g}: exit code {code} and no checkpoint; see {d / 'train.log'}")
-    shutil.rmtree(d / "final-draft", ignore_errors=True)
-    shutil.copytree(ckpts[-1] / "draft", d / "final-draft")
-    step = int(ckpts[-1].name.split("-")[1])
-    _write(
-        d / "train.json", {"data_fraction": fraction, "steps": step, "stopped": f"exit code {code} at the deadline or on failure"}
-    )
-    log(f"train {fraction:g}: stopped (exit {code}); kept checkpoint {ckpts[-1].name}")
-
-
-def _count_loss_tokens(args: argparse.Namespace, fractions: list[float]) -> None:
-    """Loss-masked tokens of each fraction's training rows (the first ``fraction`` of the conversations, held-out
-    rows excluded, every assistant turn) -> loss_tokens.json; runs beside the trainers."""
-    from transformers import AutoTokenizer
-
-    from eagleray.platform.checkpoints.target import resolve_target
-    from eagleray.platform.prompts.sources import iter_prompts
-    from eagleray.training.data import is_eval
-    from eagleray.training.online import tokenize
-
-    rows = sum(1 for _ in (args.work / "conversations.jsonl").open(encoding="utf-8"))
-    cfg = train_config(args, 1.0, rows)
-    tok = AutoTokenizer.from_pretrained(str(resolve_target(args.target, args.dtype)))
-    limits = {f: max(1, int(rows * f)) for f in fractions}
-    sums = dict.fromkeys(fractions, 0)
-    for seen, rec in enumerate(iter_prompts(cfg.online.prompts[0]), 1):
-        if is_eval(rec.prompt_id, cfg.eval_fraction):
-            continue
-        t = tokenize(tok, [m.to_dict() for m in rec.messages], cfg.max_seq_len, "all")
-        n = sum(t[1]) if t is not None else 0
-        for f in fractions:
-            sums[f] += n if seen <= limits[f] else 0
-    _write(args.work / "loss_tokens.json", {f"{f:g}": sums[f] for f in fractions})
-
-
-def _train_progress(args, fractions) -> str:
-    parts = []
-    for f in fractions:
-        ckpts = sorted((_draft_dir(args, f) / "checkpoints").glob("step-*"))
-        parts.append(f"{f:g}: {ckpts[-1].name if ckpts else '-'}")
-    return "; ".join(parts)
-
-
-# ----------------------------------------------------------------------------------------------- eval
-def _eval_setup(args: argparse.Namespace):
-    from eagleray.platform.config.schemas import TargetConfig
-    from eagleray.platform.prompts import load_prompts
-    from eagleray.serve.engine import SamplingParams
-
-    mt_src, he_src = args.eval_prompts.split(",")
-    suites = {
-        "mtbench": [r.to_dict()["messages"] for r in load_prompts(mt_src)],
-        "humaneval": [r.to_dict()["messages"] for r in load_prompts(he_src)],
-    }
-    tcfg = TargetConfig(model=args.target, dtype=args.dtype, device=args.device, max_model_len=args.eval_max_model_len)
-    greedy = SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens)
-    sampled = SamplingParams(temperature=1.0, max_tokens=args.eval_max_tokens, seed=0)
-    return suites, tcfg, greedy, sampled
-
-
-def evaluate(args: argparse.Namespace) -> list[dict]:
-    """Plain baselines once (saved), then each draft in its own process (a CUDA failure costs that draft only:
-    it is measured again with ``engine.decode_path: varlen``, and the record says so)."""
-    import pickle
-
-    from eagleray.serve.engine import EngineConfig, close_target, load_models
-    from eagleray.serve.measure import plain_run
-
-    suites, tcfg, greedy, sampled = _eval_setup(args)
-    baselines = args.work / "plain.pkl"
-    if not baselines.is_file():
-        target, _, tok, _ = load_models(tcfg, None)
-        plain = {}  # (suite, batch, sampled) -> (token prompts, outputs, seconds)
-        for suite, b, smp in (("mtbench", 8, False), ("mtbench", 1, False), ("humaneval", 8, False), ("mtbench", 8, True)):
-            run_cfg = EngineConfig(target=tcfg, max_num_seqs=b, kv_cache_gib=8.0)
-            tp, outs, sec, _ = plain_run(target, tok, run_cfg, suites[suite], sampled if smp else greedy)
-            plain[(suite, b, smp)] = (tp, outs, sec)
-            log(f"eval plain {suite} b{b}{' T=1' if smp else ''}: {sum(len(o.token_ids) for o in outs) / sec:.0f} tok/s")
-        close_target(target)
-        baselines.write_bytes(pickle.dumps(plain))
-    records = []
-    for f in _fractions(args):
-        if not (_draft_dir(args, f) / "final-draft").is_dir():
-            continue
-        for path in ("auto", "varlen"):
-            out = args.work / f"eval-{f:g}.json"
-            cmd = [sys.executable, "-m", "eagleray.jobs.bench.draft_scaling", "eval-one", "--fraction", str(f)]
-            cmd += ["--decode-path", path] + _shared_options(args) + (["--tree"] if f == max(_fractions(args)) else [])
-            code = subprocess.run(
-                cmd, stdout=open(args.work / f"eval-{f:g}-{path}.log", "w"), stderr=subprocess.STDOUT
-            ).returncode
-            if code == 0:
-                records.append(json.loads(out.read_text()))
-                break
-            log(f"eval {f:g}: decode_path {path} failed (exit {code}; eval-{f:g}-{path}.log)")
-        _write(args.work / "scaling.json", records)
-    return records
-
-
-def evaluate_one(args: argparse.Namespace) -> dict:
-    import pickle
-
-    from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TreeConfig
-    from eagleray.serve.engine import EngineConfig, load_models
-    from eagleray.serve.measure import spec_run
-
-    suites, tcfg, greedy, sampled = _eval_setup(args)
-    plain = pickle.loads((args.work / "plain.pkl").read_bytes())
-    f, src = args.fraction, _draft_dir(args, args.fraction) / "final-draft"
-    chain = DraftConfig(source=str(src), num_speculative_tokens=args.k, policy=PolicyConfig(adaptive=False))
-    target, draft, tok, _ = load_models(tcfg, chain)
-
-    def spec(suite: str, b: int, smp: bool, dcfg=chain) -> dict:
-        tp, outs, sec = plain[(suite, b, smp)]
-        params = sampled if smp else greedy
-        cfg = EngineConfig(target=tcfg, draft=dcfg, max_num_seqs=b, kv_cache_gib=8.0, decode_path=args.decode_path)
-        return spec_run(target, draft, tok, cfg, tp, params, outs, sec)
-
-    rec = {"data_fraction": f, "decode_path": args.decode_path, **_train_facts(args, f)}
-    r = spec("mtbench", 1, False)  # first: the number the run is for
-    rec.update(speedup_h200_b1=r["speedup"], lossless_b1=r["lossless"], spec_tok_s_b1=r["spec"]["tokens_per_s"])
-    rec.update(plain_tok_s_b1=r["plain"]["tokens_per_s"], tau_mtbench_b1=r["tau"])
-    for suite in suites:
-        r = spec(suite, 8, False)
-        rec[f"tau_{suite}_chain"], rec[f"lossless_{suite}_chain"] = r["tau"], r["lossless"]
-        rec[f"acceptance_{suite}_chain"] = r["acceptance_per_pos"]
-    rec["lossless"] = bool(rec["lossless_mtbench_chain"] and rec["lossless_humaneval_chain"] and rec["lossless_b1"])
-    rec["tau_mtbench_chain_t1"] = rec["tau_mtbench_tree"] = rec["lossless_mtbench_tree"] = None
-    if args.tree:  # the largest draft only: the tree verifies on the eager path (slow)
-        rec["tau_mtbench_chain_t1"] = spec("mtbench", 8, True)["tau"]
-        tree = DraftConfig(source=str(src), tree=TreeConfig(), policy=PolicyConfig(adaptive=False))
-        r = spec("mtbench", 8, False, tree)
-        rec["tau_mtbench_tree"], rec["lossless_mtbench_tree"], rec["tree"] = r["tau"], r["lossless"], TreeConfig().model_dump()
-    _write(args.work / f"eval-{f:g}.json", rec)
-    log(
-        f"eval {f:g}: τ MT-bench {rec['tau_mtbench_chain']} (tree {rec['tau_mtbench_tree']}, T=1 {rec['tau_mtbench_chain_t1']}), "
-        f"HumanEval {rec['tau_humaneval_chain']}, b1 speedup {rec['speedup_h200_b1']}x, lossless {rec['lossless']}"
-    )
-    return rec
 
 
 def _fractions(args: argparse.Namespace) -> list[float]:
@@ -420,28 +188,6 @@ def _shared_options(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _loss_tokens(args) -> dict:
-    path = args.work / "loss_tokens.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _train_facts(args, f: float) -> dict:
-    path = _draft_dir(args, f) / "train.json"
-    if not path.is_file():
-        return {}
-    t = json.loads(path.read_text())
-    m = t.get("metrics", {})
-    return {
-        "conversations": t.get("conversations"),
-        "steps": t.get("steps"),
-        "train_s": t.get("train_s"),
-        "sim_tau_heldout": m.get("eval/sim_tau"),
-        "loss_tokens": _loss_tokens(args).get(f"{f:g}"),
-        "train_tokens_per_s": m.get("tokens_per_s"),
-    }
-
-
-# ----------------------------------------------------------------------------------------------- shared
 def _wait(procs: list[subprocess.Popen], progress, name: str, every: float = 30.0, deadline: float | None = None) -> None:
     """Wait for every process (a progress line every ``every`` s); past ``deadline`` (perf_counter) they are
     terminated and the caller handles their exit codes; without one a failure raises."""
@@ -524,14 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     if args.stage == "regen" or (args.stage == "all" and not (args.work / "regen.json").is_file()):
         regen(args)  # `all` reuses answers already in --work (regen.json + conversations.jsonl, e.g. carried in)
-    if args.stage in ("all", "train"):
-        train_all(args)
-    if args.stage == "train-one":
-        train_one(args)
-    if args.stage in ("all", "eval"):
-        evaluate(args)
-    if args.stage == "eval-one":
-        evaluate_one(args)
+    if args.stage in ("all", "train", "train-one"):
+        from eagleray.jobs.bench.draft_scaling_train import train_all, train_one
+
+        train_one(args) if args.stage == "train-one" else train_all(args)
+    if args.stage in ("all", "eval", "eval-one"):
+        from eagleray.jobs.bench.draft_scaling_eval import evaluate, evaluate_one
+
+        evaluate_one(args) if args.stage == "eval-one" else evaluate(args)
     if args.stage == "pack":
         pack(args)
     return 0

@@ -4,6 +4,7 @@ import argparse
 import json
 
 from eagleray.jobs.bench import draft_scaling as ds
+from eagleray.jobs.bench import draft_scaling_train as dst
 
 
 def _args(tmp_path, **over) -> argparse.Namespace:
@@ -17,7 +18,7 @@ def _args(tmp_path, **over) -> argparse.Namespace:
 
 def test_each_fraction_trains_on_the_first_share_of_the_conversations_with_every_turn_learned(tmp_path):
     args = _args(tmp_path, steps=1200)
-    cfg = ds.train_config(args, 0.25, 1000)
+    cfg = dst.train_config(args, 0.25, 1000)
     assert cfg.online.limit == 250 and cfg.online.loss_turns == "all" and cfg.max_steps == 1200
     assert cfg.backend == "local" and not cfg.register_model and cfg.checkpoint_every == 100
     assert cfg.output_dir.endswith("frac-0.25")
@@ -29,7 +30,7 @@ def test_a_stopped_trainer_keeps_its_newest_checkpoint(tmp_path):
     for step in (100, 200):
         (d / "checkpoints" / f"step-{step:07d}" / "draft").mkdir(parents=True)
         (d / "checkpoints" / f"step-{step:07d}" / "draft" / "config.json").write_text(json.dumps({"step": step}))
-    ds._keep_latest(args, 0.5, -15)
+    dst._keep_latest(args, 0.5, -15)
     assert json.loads((d / "final-draft" / "config.json").read_text()) == {"step": 200}
     assert json.loads((d / "train.json").read_text())["steps"] == 200
 
