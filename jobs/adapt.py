@@ -32,7 +32,8 @@ from typing import Any, Callable
 from eagleray.jobs.entry import run_job
 from eagleray.platform import capture_store, registry
 from eagleray.platform.config.load import load_yaml_config, parse_config
-from eagleray.platform.config.schemas import AdaptConfig, PromotionConfig, TrainingConfig
+from eagleray.platform.config.promotion import AdaptConfig, PromotionConfig
+from eagleray.platform.config.schemas import TrainingConfig
 from eagleray.platform.errors import EaglerayError
 
 logger = logging.getLogger(__name__)

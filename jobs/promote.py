@@ -16,7 +16,7 @@ import sys
 from eagleray.jobs.entry import run_job
 from eagleray.platform import registry
 from eagleray.platform.config.load import load_yaml_config
-from eagleray.platform.config.schemas import PromotionConfig
+from eagleray.platform.config.promotion import PromotionConfig
 from eagleray.platform.errors import EaglerayError
 
 logger = logging.getLogger(__name__)

@@ -32,22 +32,15 @@ of the linear is :func:`torch.nn.functional.linear` (``linear_reference``), of t
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform as std_platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from eagleray.kernels.cpu_decode_build import library_path, open_library
 from eagleray.kernels.errors import KernelBuildError, KernelInputError
 
 logger = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("cpu_decode.c")
 MODES = ("auto", "native", "torch")
 MAX_ROWS = 128  # larger M (prefill chunks) goes to MKL's blocked GEMM, which wins there
 
@@ -335,7 +328,7 @@ def _active() -> bool:
         return True
     try:
         _load()
-        logger.info("CPU linear: native AVX-512 kernel (%s)", _lib_path())
+        logger.info("CPU linear: native AVX-512 kernel (%s)", library_path())
         return True
     except KernelBuildError as err:
         _why_not = str(err).splitlines()[0]
@@ -346,79 +339,5 @@ def _active() -> bool:
 def _load() -> ctypes.CDLL:
     global _lib
     if _lib is None:
-        reason = _unsupported()
-        if reason:
-            raise KernelBuildError(f"{reason}\n    fix: set engine.cpu_kernels to 'torch' (or 'auto')")
-        path = _lib_path()
-        if not path.exists():
-            _build(path)
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as err:
-            raise KernelBuildError(
-                f"cannot load {path}: {err}\n    fix: delete it (it is rebuilt) or set engine.cpu_kernels to 'torch'"
-            ) from err
-        lib.linear_packed_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int]
-        lib.linear_packed_f32.restype = None
-        lib.argmax_rows_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        lib.argmax_rows_f32.restype = None
-        lib.linear_panel_cols.argtypes = []
-        lib.linear_panel_cols.restype = ctypes.c_int64
-        lib.paged_attention_f32.argtypes = (
-            [ctypes.c_void_p] * 5
-            + [ctypes.c_int64]
-            + [ctypes.c_void_p] * 4
-            + [ctypes.c_int64] * 5
-            + [ctypes.c_float, ctypes.c_int]
-        )
-        lib.paged_attention_f32.restype = ctypes.c_int
-        _lib = lib
+        _lib = open_library()
     return _lib
-
-
-def _unsupported() -> str | None:
-    if std_platform.machine() not in ("x86_64", "AMD64"):
-        return f"the native CPU linear needs x86-64 with AVX-512; this machine is {std_platform.machine()}"
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError as err:
-        return f"cannot read /proc/cpuinfo to check for AVX-512 ({err})"
-    if " avx512f" not in flags:
-        return "this CPU has no AVX-512F"
-    if _compiler() is None:
-        return "no C compiler (cc or gcc) on PATH to build kernels/cpu_decode.c"
-    return None
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def _lib_path() -> Path:
-    home = Path(os.environ.get("EAGLERAY_HOME") or Path.home() / ".cache" / "eagleray")
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    return home / "kernels" / f"cpu_decode-{digest}.so"
-
-
-def _build(path: Path) -> None:
-    """Compile into a temporary file, then rename (concurrent builders never see a partial library)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    cmd = [_compiler(), "-O3", "-mavx512f", "-mfma", "-pthread", "-shared", "-fPIC", str(SOURCE), "-o", tmp, "-lm"]
-    try:
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.SubprocessError) as err:
-            raise KernelBuildError(
-                f"cannot run the C compiler ({' '.join(cmd)}): {err}\n    fix: install gcc, or set engine.cpu_kernels to 'torch'"
-            ) from err
-        if done.returncode != 0:
-            raise KernelBuildError(
-                f"building {SOURCE.name} failed: {' '.join(cmd)}\n{done.stderr.strip()[-2000:]}\n"
-                "    fix: install gcc, or set engine.cpu_kernels to 'torch'"
-            )
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

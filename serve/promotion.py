@@ -18,7 +18,8 @@ from typing import Any
 
 from eagleray.platform.checkpoints.guard import check_compatibility
 from eagleray.platform.checkpoints.target import TargetSpec
-from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, PromotionConfig
+from eagleray.platform.config.promotion import PromotionConfig
+from eagleray.platform.config.schemas import DraftConfig, PolicyConfig
 from eagleray.platform.errors import CompatibilityError, EaglerayError
 from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.prompts import load_prompts

@@ -53,7 +53,7 @@ def messages(source: str, start: int, stop: int | None) -> list[list[dict]]:
 
 def measure(args, draft_dir: Path, sets: dict[str, list]) -> dict[str, float]:
     """τ of ``draft_dir`` on each prompt set (greedy, one loaded target, the engine)."""
-    from eagleray.platform.config.schemas import PromotionConfig
+    from eagleray.platform.config.promotion import PromotionConfig
     from eagleray.serve.promotion import DraftTrial
 
     pcfg = PromotionConfig(
@@ -165,7 +165,7 @@ def run(argv: list[str]) -> dict[str, Any]:
     from eagleray.jobs.adapt import adapt_once
     from eagleray.platform import capture_store, registry
     from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
-    from eagleray.platform.config.schemas import AdaptConfig
+    from eagleray.platform.config.promotion import AdaptConfig
     from eagleray.serve.app import build
     from eagleray.serve.local import APP_NAME, start_local, stop_local, wait_ready
 

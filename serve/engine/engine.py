@@ -17,20 +17,20 @@ from eagleray.kernels import cpu_decode
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.models.llama import LlamaModel
-from eagleray.platform.models.row_graphs import DecodeRows
 from eagleray.serve.engine.block_manager import BlockManager
 from eagleray.serve.engine.config import EngineConfig
 from eagleray.serve.engine.draft_slot import DraftSlot
 from eagleray.serve.engine.metrics import EngineMetrics
-from eagleray.serve.engine.model_runner import ForwardBatch, TargetRunner, block_table_tensor
+from eagleray.serve.engine.model_runner import TargetRunner
 from eagleray.serve.engine.outputs import CapturedHidden, Detokenizer, RequestOutput, make_output
 from eagleray.serve.engine.policy import AcceptanceWatchdog, AdaptivePolicy
 from eagleray.serve.engine.profile import StepProfiler
-from eagleray.serve.engine.sampling import SamplingParams, filter_logits, sample_rows
+from eagleray.serve.engine.sampling import SamplingParams
 from eagleray.serve.engine.scheduler import Scheduler
 from eagleray.serve.engine.sequence import Sequence
 from eagleray.serve.engine.spec_step import SeqResult, chain_step, tree_step
 from eagleray.serve.engine.startup import CpuThreads, default_num_blocks, use_rows
+from eagleray.serve.engine.target_steps import TargetSteps
 
 logger = logging.getLogger(__name__)
 Prompt = str | list[int] | list[dict]  # text, token ids, or OpenAI chat messages
@@ -61,6 +61,7 @@ class LLMEngine:
             self.target.rows.capture()  # CUDA: every bucket's graph now (a no-op on CPU)
         self.metrics = EngineMetrics()
         self.prof = StepProfiler(self.device, config.profile_steps)
+        self.steps = TargetSteps(self.target, self.blocks.block_size, self.device, self.prof, self.threads, self.use_rows)
         self.detok = Detokenizer(tokenizer)
         self.eos_id = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self._rng = random.Random(config.seed)
@@ -220,9 +221,9 @@ class LLMEngine:
         """Prefill, plain decode or a speculative step -> one result per sequence, and the seconds it took."""
         t0 = time.perf_counter()
         if batch.is_prefill:
-            results = self._prefill(batch.seqs)
+            results = self.steps.prefill(batch.seqs)
         else:
-            results = self._plain(batch.seqs) if k == 0 else self._speculate(batch.seqs, k)
+            results = self.steps.decode(batch.seqs) if k == 0 else self._speculate(batch.seqs, k)
         return results, time.perf_counter() - t0
 
     def _postprocess(self, batch, k: int, results: list[SeqResult], seconds: float) -> list[RequestOutput]:
@@ -249,68 +250,6 @@ class LLMEngine:
         self.metrics.current_k = self.policy.k if self.policy.speculating else 0
         self.metrics.speculation_enabled = self.drafts.spec is not None and self.policy.speculating
         self.metrics.num_preemptions = self.scheduler.num_preemptions
-
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """logits [B, V] -> one token per sequence with its own sampling parameters."""
-        if all(s.params.greedy for s in seqs):
-            return cpu_decode.argmax_last(logits).tolist()
-        dev = logits.device
-        top_k = torch.tensor([s.params.top_k for s in seqs], device=dev)
-        top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)
-        temp = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32, device=dev)
-        return sample_rows(filter_logits(logits, top_k, top_p), temp, [s.generator for s in seqs]).tolist()
-
-    def _prefill(self, seqs: list[Sequence]) -> list[SeqResult]:
-        with self.prof.phase("prepare"), self.threads.for_gemm():
-            tokens = [s.tokens[s.num_cached :] for s in seqs]
-            positions = [list(range(s.num_cached, s.num_tokens)) for s in seqs]
-            batch = ForwardBatch.build(
-                tokens,
-                positions,
-                [s.num_cached for s in seqs],
-                [s.block_table for s in seqs],
-                self.blocks.block_size,
-                self.device,
-            )
-        with self.prof.phase("target"), self.threads.for_gemm():
-            logits, aux = self.target.forward(batch, batch.last_index)  # [B, V], [T, A]
-        with self.prof.phase("sample"):
-            aux_parts = aux.split([len(t) for t in tokens]) if aux is not None else [None] * len(seqs)
-            return [SeqResult([t], a, 0, 0) for t, a in zip(self._sample(seqs, logits), aux_parts)]
-
-    def _plain(self, seqs: list[Sequence]) -> list[SeqResult]:
-        if self.use_rows:
-            return self._plain_rows(seqs)
-        with self.prof.phase("prepare"):
-            starts = [s.num_tokens - 1 for s in seqs]
-            ids = torch.tensor([s.last_token for s in seqs], dtype=torch.int64, device=self.device)  # [B]
-            batch = ForwardBatch.of(
-                ids,
-                torch.tensor(starts, dtype=torch.int64, device=self.device),
-                [1] * len(seqs),
-                starts,
-                [s.block_table for s in seqs],
-                self.blocks.block_size,
-            )
-        with self.prof.phase("target"):
-            logits, aux = self.target.forward(batch)  # [B, V], [B, A]
-        with self.prof.phase("sample"):
-            aux_rows = aux.split(1) if aux is not None else [None] * len(seqs)
-            return [SeqResult([t], a, 0, 0) for t, a in zip(self._sample(seqs, logits), aux_rows)]
-
-    def _plain_rows(self, seqs: list[Sequence]) -> list[SeqResult]:
-        """Plain decode on CUDA: one row per sequence through the target's graphs."""
-        with self.prof.phase("prepare"):
-            ids_pos = torch.tensor([[s.last_token for s in seqs], [s.num_tokens - 1 for s in seqs]], dtype=torch.int64).to(
-                self.device
-            )  # [2, B]: one host -> device copy
-            tables = block_table_tensor([s.block_table for s in seqs], self.device)  # [B, MB]
-            rows = DecodeRows.of(ids_pos[0], ids_pos[1], tables, self.blocks.block_size)
-        with self.prof.phase("target"):
-            logits, aux = self.target.decode(rows)  # [B, V], [B, A]
-        with self.prof.phase("sample"):
-            aux_rows = aux.split(1) if aux is not None else [None] * len(seqs)
-            return [SeqResult([t], a, 0, 0) for t, a in zip(self._sample(seqs, logits), aux_rows)]
 
     def _speculate(self, seqs: list[Sequence], k: int) -> list[SeqResult]:
         if self.tree is not None:

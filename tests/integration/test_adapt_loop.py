@@ -22,7 +22,7 @@ import pytest
 from eagleray.platform import capture_store, registry
 from eagleray.platform.checkpoints.draft_factory import make_random_draft
 from eagleray.platform.checkpoints.target import TargetSpec
-from eagleray.platform.config.schemas import AdaptConfig
+from eagleray.platform.config.promotion import AdaptConfig
 from eagleray.serve.serving_config import ServingConfig
 from eagleray.tests.support.tiny import zero_tensor
 

@@ -9,7 +9,7 @@ import pytest
 from eagleray.platform import registry
 from eagleray.platform.checkpoints.draft_factory import make_random_draft
 from eagleray.platform.checkpoints.target import TargetSpec
-from eagleray.platform.config.schemas import PromotionConfig
+from eagleray.platform.config.promotion import PromotionConfig
 
 
 @pytest.fixture()

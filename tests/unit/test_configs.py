@@ -2,7 +2,7 @@
 
 import pytest
 
-from eagleray.platform.config import schemas
+from eagleray.platform.config import promotion, schemas
 from eagleray.platform.config.load import StrictModel, load_yaml_config, parse_config
 from eagleray.platform.errors import ConfigError
 from eagleray.serve import serving_config
@@ -12,7 +12,7 @@ from eagleray.serve.serving_config import ServingConfig
 MODELS = sorted(
     {
         c
-        for m in (schemas, engine_config, serving_config)
+        for m in (schemas, promotion, engine_config, serving_config)
         for c in vars(m).values()
         if isinstance(c, type) and issubclass(c, StrictModel) and c is not StrictModel
     },
@@ -89,8 +89,8 @@ def test_example_configs_validate(path):
         "datagen": schemas.DatagenConfig,
         "train": schemas.TrainingConfig,
         "serve": ServingConfig,
-        "promote": schemas.PromotionConfig,
-        "adapt": schemas.AdaptConfig,
+        "promote": promotion.PromotionConfig,
+        "adapt": promotion.AdaptConfig,
     }.get(kind)
     data = yaml.safe_load(path.read_text())
     if kind == "serve" and "applications" in data:  # a Ray Serve config with eagleray's ServingConfig inside
@@ -116,4 +116,4 @@ def test_example_configs_validate(path):
 )
 def test_adapt_train_fields_are_checked_when_the_config_loads(train, says):
     with pytest.raises(ConfigError, match=says.replace(".", r"\.")):
-        parse_config(schemas.AdaptConfig, {"capture_path": "c", "work_dir": "w", "train": train}, prefix="adapt")
+        parse_config(promotion.AdaptConfig, {"capture_path": "c", "work_dir": "w", "train": train}, prefix="adapt")

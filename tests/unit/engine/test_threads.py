@@ -6,12 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagleray.kernels import cpu_decode
+from eagleray.kernels import cpu_decode, cpu_decode_build
 from eagleray.serve.engine import SamplingParams
 
 from .conftest import make_engine
 
-native = pytest.mark.skipif(cpu_decode._unsupported() is not None, reason=f"native CPU kernels: {cpu_decode._unsupported()}")
+native = pytest.mark.skipif(
+    cpu_decode_build.unsupported() is not None, reason=f"native CPU kernels: {cpu_decode_build.unsupported()}"
+)
 
 
 @native

@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagleray.kernels import cpu_decode
+from eagleray.kernels import cpu_decode, cpu_decode_build
 from eagleray.kernels.errors import KernelBuildError, KernelInputError
 
-native = pytest.mark.skipif(cpu_decode._unsupported() is not None, reason=f"native CPU linear: {cpu_decode._unsupported()}")
+native = pytest.mark.skipif(
+    cpu_decode_build.unsupported() is not None, reason=f"native CPU linear: {cpu_decode_build.unsupported()}"
+)
 
 
 @pytest.fixture
@@ -157,7 +159,7 @@ def test_builds_once_into_eagleray_home(fresh_state, monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_decode, "_lib", None)
     assert cpu_decode.configure("native") == "native"
     built = list((tmp_path / "kernels").glob("cpu_decode-*.so"))
-    assert len(built) == 1 and built[0] == cpu_decode._lib_path()
+    assert len(built) == 1 and built[0] == cpu_decode_build.library_path()
 
 
 def _cache(num_blocks=12, bs=4, hkv=3, d=64, seed=1):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from eagleray.platform.config.schemas import PromotionConfig
+from eagleray.platform.config.promotion import PromotionConfig
 from eagleray.serve.promotion import Measurement, decide
 
 CFG = PromotionConfig(candidate="models:/d/2", min_tau_gain=0.05, min_speedup=1.0)
