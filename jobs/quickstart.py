@@ -26,12 +26,12 @@ from eagleray.jobs.entry import run_job
 from eagleray.platform.checkpoints.guard import check_compatibility
 from eagleray.platform.checkpoints.smollm2 import smollm2_dir
 from eagleray.platform.checkpoints.target import TargetSpec
+from eagleray.platform.config.promotion import PromotionConfig
 from eagleray.platform.config.schemas import (
     DatagenConfig,
     DraftConfig,
     GenerationConfig,
     MlflowConfig,
-    PromotionConfig,
     TargetConfig,
     TrainingConfig,
 )
