@@ -17,7 +17,9 @@ e reshuffles with seed+e), so DDP ranks never run out at different steps. Batche
 from __future__ import annotations
 
 import hashlib
+import queue
 import random
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -84,6 +86,43 @@ def group(rows: Iterator[Row], batch_size: int, buffer: int, rng: random.Random 
             pending = []
     if pending:
         yield from _flush(pending, batch_size, rng)
+
+
+def prefetch(items: Iterator[Any], depth: int) -> Iterator[Any]:
+    """``items`` produced by a background thread up to ``depth`` ahead, so CPU work (tokenizing, grouping) overlaps
+    the device's. An exception in the producer is raised here, where its item would have come; closing this
+    generator stops the producer."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        q.put(("item", item), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put(("end", done))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+            q.put(("error", e))
+
+    thread = threading.Thread(target=produce, name="eagleray-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            kind, value = q.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        stop.set()
 
 
 def _flush(rows: list[Row], batch_size: int, rng: random.Random | None) -> Iterator[list[Row]]:

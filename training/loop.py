@@ -14,7 +14,7 @@ import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -28,28 +28,58 @@ from eagleray.training.ttt import TTTBatch, TTTModel, TTTOutput, summarize
 STATE, DRAFT = "state.pt", "draft"
 
 
-def lr_lambda(cfg: TrainingConfig):
-    """Multiplier of the peak lr at optimizer step s (0-based): linear warmup, then cosine."""
+def lr_lambda(cfg: TrainingConfig, horizon: Callable[[], int] | None = None):
+    """Multiplier of the peak lr at optimizer step s (0-based): linear warmup, then cosine to the horizon
+    (``max_steps``, or the :class:`Horizon`'s current estimate)."""
+    total = horizon or (lambda: cfg.max_steps)
 
     def f(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
-        span = max(1, cfg.max_steps - cfg.warmup_steps)
+        span = max(1, total() - cfg.warmup_steps)
         progress = min(1.0, (step - cfg.warmup_steps) / span)
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return f
 
 
+class Horizon:
+    """The step at which the schedule ends and training stops: ``max_steps``; with ``max_minutes``, re-fitted at
+    every log point from the last interval's seconds per step, so the cosine ends when the wall-clock budget does
+    (rank 0's estimate, shared by all ranks: every rank stops at the same step). Never below the current step,
+    never above ``max_steps``."""
+
+    def __init__(self, cfg: TrainingConfig):
+        self.steps, self.cap = cfg.max_steps, cfg.max_steps
+        self.deadline = None if cfg.max_minutes is None else time.perf_counter() + 60.0 * cfg.max_minutes
+        self.mark: tuple[int, float] | None = None  # (step, time) of the last refit
+
+    def __call__(self) -> int:
+        return self.steps
+
+    def refit(self, step: int, session: Session) -> None:
+        """At a log point (collective: every rank calls it)."""
+        if self.deadline is None:
+            return
+        now = time.perf_counter()
+        estimate = self.cap
+        if self.mark is not None and step > self.mark[0]:
+            per_step = (now - self.mark[1]) / (step - self.mark[0])
+            estimate = step + int(max(0.0, self.deadline - now) / per_step)
+        self.mark = (step, now)
+        shared = torch.tensor([float(estimate if session.rank == 0 else 0)], device=session.device)
+        self.steps = max(step, min(self.cap, int(session.all_reduce_sum(shared).item())))
+
+
 def use_bf16(cfg: TrainingConfig, device: torch.device) -> bool:
     return cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
 
 
-def make_optimizer(model: TTTModel, cfg: TrainingConfig):
+def make_optimizer(model: TTTModel, cfg: TrainingConfig, horizon: Callable[[], int] | None = None):
     """AdamW(betas 0.9, 0.95) over the trainable parameters and the warmup+cosine LambdaLR schedule."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, horizon))
 
 
 def train_step(net, batch: TTTBatch, opt, sched, amp: bool, grad_clip: float) -> tuple[TTTOutput, float, float]:
@@ -139,46 +169,52 @@ class Meter:
 
 
 def train_worker(cfg: TrainingConfig, session: Session, run_id: str | None = None) -> dict[str, float]:
-    """Train until ``max_steps``; returns the last reported metrics (rank 0 has the eval ones)."""
+    """Train until the :class:`Horizon` (``max_steps``, or the ``max_minutes`` budget); returns the last reported
+    metrics (rank 0 has the eval ones)."""
     torch.manual_seed(cfg.seed)
     plan = make_plan(cfg)
     dev = session.device
     model = TTTModel(draft_module(plan.init), plan.embed, plan.head, plan.init.t2d, cfg.ttt_steps, cfg.loss_decay).to(dev)
-    opt, sched = make_optimizer(model, cfg)
+    horizon = Horizon(cfg)
+    opt, sched = make_optimizer(model, cfg, horizon)
     step = restore(session.latest_checkpoint(), model, opt, sched)
     resumed_from = step
     net = model
     if session.world > 1:
         net = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None, broadcast_buffers=False)
     train, eval_factory = batch_streams(plan, session.rank, session.world, dev, skip=step)
-    logger = _step_logger(cfg, run_id) if session.rank == 0 else None
+    logger = _step_logger(cfg, run_id, horizon) if session.rank == 0 else None
     if logger is not None and resumed_from > 0:
         logger.restarted(resumed_from)
     meter, amp, metrics = Meter(cfg.ttt_steps, dev), use_bf16(cfg, dev), {}
-    while step < cfg.max_steps:
+    while step < horizon.steps:
         batch = next(train).to(dev)
         out, grad_norm, lr = train_step(net, batch, opt, sched, amp, cfg.grad_clip)
         step += 1
         meter.add(out, int(batch.loss_mask.sum()))
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
-            metrics = {**meter.reduce(session, cfg.loss_decay), "lr": lr, "grad_norm": grad_norm}
+        if step % cfg.log_every == 0 or step >= horizon.steps:
+            horizon.refit(step, session)
+            metrics = {**meter.reduce(session, cfg.loss_decay), "lr": lr, "grad_norm": grad_norm, "horizon": horizon.steps}
             if logger is not None:
                 logger(metrics, step)
-        if step % cfg.checkpoint_every == 0 or step == cfg.max_steps:
-            metrics = _checkpoint(cfg, session, plan, model, opt, sched, step, metrics, eval_factory, amp, logger, resumed_from)
+        final = step >= horizon.steps
+        if step % cfg.checkpoint_every == 0 or final:
+            metrics = _checkpoint(
+                cfg, session, plan, model, opt, sched, step, final, metrics, eval_factory, amp, logger, resumed_from
+            )
         _maybe_die(cfg, session, step)
         if cfg.testing.step_delay_s:
             time.sleep(cfg.testing.step_delay_s)
     return metrics
 
 
-def _checkpoint(cfg, session, plan, model, opt, sched, step, metrics, eval_factory, amp, logger, resumed_from):
+def _checkpoint(cfg, session, plan, model, opt, sched, step, final, metrics, eval_factory, amp, logger, resumed_from):
     """Rank 0 saves (and at the end evaluates); every rank reports (Ray's report is collective)."""
     metrics = {**metrics, "step": step, "resumed_from_step": resumed_from}
     with tempfile.TemporaryDirectory(prefix="eagleray-ckpt-") as tmp:
         ckpt = None
         if session.rank == 0:
-            if step == cfg.max_steps:
+            if final:
                 metrics.update(evaluate(model, eval_factory(), session.device, amp))
                 if logger is not None:
                     logger({k: v for k, v in metrics.items() if k.startswith("eval/")}, step)
@@ -188,9 +224,9 @@ def _checkpoint(cfg, session, plan, model, opt, sched, step, metrics, eval_facto
     return metrics
 
 
-def _step_logger(cfg: TrainingConfig, run_id: str | None):
+def _step_logger(cfg: TrainingConfig, run_id: str | None, horizon: Callable[[], int]):
     if run_id is None:
-        return ConsoleProgress(cfg.max_steps)
+        return ConsoleProgress(horizon)
     from eagleray.training.tracking import StepLogger
 
     return StepLogger(cfg.mlflow.tracking_uri, run_id)
@@ -200,17 +236,18 @@ class ConsoleProgress:
     """Rank 0's progress line when no MLflow run tracks the training (a local run, a lent GPU machine):
     step, loss, first-step accuracy, simulated τ, tokens/s and the ETA."""
 
-    def __init__(self, max_steps: int):
-        self.max_steps, self.started = max_steps, time.perf_counter()
+    def __init__(self, horizon: Callable[[], int]):
+        self.horizon, self.started = horizon, time.perf_counter()
 
     def __call__(self, metrics: dict[str, float], step: int) -> None:
         if "loss" not in metrics:  # the final eval/* metrics
             print(f"train: eval at step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()), flush=True)
             return
         elapsed = time.perf_counter() - self.started
-        eta = elapsed / max(step, 1) * (self.max_steps - step)
+        total = self.horizon()
+        eta = elapsed / max(step, 1) * (total - step)
         print(
-            f"train: step {step}/{self.max_steps} loss {metrics['loss']:.3f} acc_0 {metrics.get('acc_0', 0.0):.3f} "
+            f"train: step {step}/{total} loss {metrics['loss']:.3f} acc_0 {metrics.get('acc_0', 0.0):.3f} "
             f"sim_tau {metrics.get('sim_tau', 0.0):.3f} {metrics.get('tokens_per_s', 0.0):.0f} tok/s, ETA {eta / 60:.1f} min",
             flush=True,
         )

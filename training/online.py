@@ -21,7 +21,7 @@ from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.llama import LlamaModel
 from eagleray.platform.prompts.sources import iter_prompts
 from eagleray.platform.prompts.template import RowError, tokenize_conversation_with_mask, tokenize_with_mask
-from eagleray.training.data import Row, group, is_eval, pad_hidden, pad_tokens
+from eagleray.training.data import Row, group, is_eval, pad_hidden, pad_tokens, prefetch
 from eagleray.training.ttt import TTTBatch
 
 
@@ -72,6 +72,9 @@ def online_vocab_counts(cfg: TrainingConfig, tok, vocab_size: int) -> torch.Tens
     return counts
 
 
+PREFETCH_BATCHES = 8  # tokenized batches the first epoch's background thread may run ahead
+
+
 class OnlineTarget:
     """The target on the training device, filling a batch's aux/final hidden states."""
 
@@ -96,7 +99,8 @@ class OnlineTarget:
 
 def online_batches(cfg: TrainingConfig, tok, target: OnlineTarget, *, rank: int, world: int, skip: int = 0) -> Iterator[TTTBatch]:
     """Endless stream of this rank's online batches (epoch e reshuffles with seed+e). The first epoch tokenizes
-    (chat template + mask); later epochs reuse those rows (compact arrays), so only the first pays for it."""
+    (chat template + mask) on a background thread, ahead of the target and the draft on the device; later
+    epochs reuse those rows (compact arrays), so only the first pays for it."""
     epoch, produced = 0, 0
     cache: list[Row] = []
     while True:
@@ -105,7 +109,8 @@ def online_batches(cfg: TrainingConfig, tok, target: OnlineTarget, *, rank: int,
         else:
             rows = iter(cache)
         n_epoch = 0
-        for rows_b in group(rows, cfg.batch_size, cfg.shuffle_buffer, random.Random(cfg.seed * 7919 + epoch * 31 + rank)):
+        groups = group(rows, cfg.batch_size, cfg.shuffle_buffer, random.Random(cfg.seed * 7919 + epoch * 31 + rank))
+        for rows_b in prefetch(groups, PREFETCH_BATCHES) if epoch == 0 else groups:
             n_epoch += 1
             produced += 1
             if produced > skip:

@@ -57,8 +57,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--train-minutes",
         type=float,
         default=None,
-        help="train: stop every trainer this long after training starts and keep its latest checkpoint (a safety net for a lease)",
+        help="train: each trainer's wall-clock budget (TrainingConfig.max_minutes: the cosine schedule is fitted to it and "
+        "the trainer stops with its final checkpoint and eval); a trainer still running 3 minutes past it is stopped and "
+        "its latest checkpoint kept (a safety net for a lease)",
     )
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="train: the cosine's floor, a share of --lr")
     p.add_argument("--train-batch", type=int, default=8, help="train: conversations per step")
     p.add_argument("--train-seq-len", type=int, default=2048, help="train: tokens per conversation")
     p.add_argument("--ttt-steps", type=int, default=5, help="train: unrolled TTT steps")
@@ -183,6 +186,9 @@ def _shared_options(args: argparse.Namespace) -> list[str]:
     out = ["--work", str(args.work), "--target", args.target, "--dtype", args.dtype, "--device", args.device]
     out += ["--steps", str(args.steps), "--train-batch", str(args.train_batch), "--train-seq-len", str(args.train_seq_len)]
     out += ["--ttt-steps", str(args.ttt_steps), "--lr", str(args.lr), "--draft-vocab", str(args.draft_vocab)]
+    out += ["--min-lr-ratio", str(args.min_lr_ratio)] + (
+        ["--train-minutes", str(args.train_minutes)] if args.train_minutes else []
+    )
     out += ["--eval-prompts", args.eval_prompts, "--eval-max-tokens", str(args.eval_max_tokens), "--k", str(args.k)]
     out += ["--eval-max-model-len", str(args.eval_max_model_len), "--fractions", args.fractions]
     return out
@@ -210,14 +216,21 @@ def _wait(procs: list[subprocess.Popen], progress, name: str, every: float = 30.
 
 def pack(args: argparse.Namespace) -> None:
     """The best draft by MT-bench τ, cast to bf16 (vLLM format), and the regenerated answers, as <= 15 MB pieces."""
+    records = json.loads((args.work / "scaling.json").read_text())
+    best = max(records, key=lambda r: r["tau_mtbench_chain"])
+    _pack_draft(args, best["data_fraction"], args.out)
+    _pack_answers(args, args.out)
+    log(f"pack: best draft {best['data_fraction']:g} (τ {best['tau_mtbench_chain']}) and the answers in {args.out}")
+
+
+def _pack_draft(args: argparse.Namespace, fraction: float, out: Path) -> None:
+    """One fraction's final draft cast to bf16 (vLLM format) as ``best-draft.tar.part*`` pieces under ``out``."""
     import tarfile
 
     import torch
     from safetensors.torch import load_file, save_file
 
-    records = json.loads((args.work / "scaling.json").read_text())
-    best = max(records, key=lambda r: r["tau_mtbench_chain"])
-    src = _draft_dir(args, best["data_fraction"]) / "final-draft"
+    src = _draft_dir(args, fraction) / "final-draft"
     dst = args.work / "best-draft-bf16"
     dst.mkdir(parents=True, exist_ok=True)
     tensors = load_file(str(src / "model.safetensors"))
@@ -229,10 +242,7 @@ def pack(args: argparse.Namespace) -> None:
     (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     with tarfile.open(args.work / "best-draft.tar", "w") as tar:
         tar.add(dst, arcname="best-draft-bf16")
-    args.out.mkdir(parents=True, exist_ok=True)
-    _split(args.work / "best-draft.tar", args.out, "best-draft.tar.part")
-    _pack_answers(args, args.out)
-    log(f"pack: best draft {best['data_fraction']:g} (τ {best['tau_mtbench_chain']}) and the answers in {args.out}")
+    _split(args.work / "best-draft.tar", out, "best-draft.tar.part")
 
 
 def _pack_answers(args: argparse.Namespace, out: Path) -> None:
@@ -273,7 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage in ("all", "train", "train-one"):
         from eagleray.jobs.bench.draft_scaling_train import train_all, train_one
 
-        train_one(args) if args.stage == "train-one" else train_all(args)
+        if args.stage == "train-one":
+            train_one(args)
+        else:
+            train_all(args)
+            _pack_draft(args, max(_fractions(args)), args.work / "early")  # at once, before the evaluation
     if args.stage in ("all", "eval", "eval-one"):
         from eagleray.jobs.bench.draft_scaling_eval import evaluate, evaluate_one
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from eagleray.jobs.bench.draft_scaling import _draft_dir, _shared_options, _wait, _write, log
 
+BACKSTOP_S = 180.0  # a trainer still running this long past its --train-minutes budget is stopped
+
 
 def train_config(args: argparse.Namespace, fraction: float, rows: int):
     from eagleray.platform.config.schemas import TrainingConfig
@@ -33,14 +35,15 @@ def train_config(args: argparse.Namespace, fraction: float, rows: int):
         ttt_steps=args.ttt_steps,
         learning_rate=args.lr,
         warmup_steps=min(100, args.steps // 10),
-        min_lr_ratio=0.1,
+        min_lr_ratio=args.min_lr_ratio,
         max_steps=args.steps,
+        max_minutes=args.train_minutes,
         batch_size=args.train_batch,
         max_seq_len=args.train_seq_len,
         shuffle_buffer=256,
         eval_fraction=0.02,
         eval_batches=20,
-        checkpoint_every=max(args.steps // 12, 1),
+        checkpoint_every=max(args.steps // 12, 1) if args.train_minutes is None else 500,
         log_every=50,
         backend="local",
         use_gpu=args.device == "cuda",
@@ -69,7 +72,7 @@ def train_one(args: argparse.Namespace) -> dict:
     summary = {
         "data_fraction": args.fraction,
         "conversations": cfg.online.limit,
-        "steps": cfg.max_steps,
+        "steps": int(metrics.get("step", cfg.max_steps)),
         "train_s": round(time.perf_counter() - t0, 1),
         "metrics": metrics,
         **facts,
@@ -91,7 +94,7 @@ def train_all(args: argparse.Namespace) -> list[dict]:
         procs.append(subprocess.Popen(base + ["--fraction", str(f)] + opts, stdout=log_file, stderr=subprocess.STDOUT))
     counter = threading.Thread(target=_count_loss_tokens, args=(args, fractions), daemon=True)
     counter.start()
-    deadline = time.perf_counter() + 60 * args.train_minutes if args.train_minutes else None
+    deadline = time.perf_counter() + 60 * args.train_minutes + BACKSTOP_S if args.train_minutes else None
     _wait(procs, lambda: _train_progress(args, fractions), "train", deadline=deadline)
     for f, p in zip(fractions, procs):
         if p.returncode != 0:

@@ -274,7 +274,12 @@ class TrainingConfig(StrictModel):
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     warmup_steps: int = Field(50, ge=0, description="Linear warmup steps before cosine decay.")
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Cosine decays to learning_rate x this at max_steps.")
-    max_steps: int = Field(1000, ge=1, description="Optimizer steps.")
+    max_steps: int = Field(1000, ge=1, description="Optimizer steps (with max_minutes: the most it may take).")
+    max_minutes: float | None = Field(
+        None,
+        gt=0.0,
+        description="Wall-clock budget of the training loop (minutes, from its first step): the schedule's length is re-fitted at every log point from the measured step time so the cosine ends when the budget does; training stops there (final checkpoint and eval as at max_steps). None: max_steps alone decides.",
+    )
     batch_size: int = Field(8, ge=1, description="Sequences per step per worker.")
     max_seq_len: int = Field(2048, ge=16, description="Sequences are truncated to this many tokens.")
     shuffle_buffer: int = Field(256, ge=1, description="Rows shuffled (and grouped by length) together.")

@@ -12,7 +12,7 @@ from eagleray.platform.checkpoints.guard import check_compatibility
 from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.platform.config.schemas import TrainingConfig
 from eagleray.tests.support.training import small_training_config
-from eagleray.training import data
+from eagleray.training import data, loop
 from eagleray.training.loop import DRAFT, lr_lambda, train_worker
 from eagleray.training.session import LocalSession
 
@@ -199,3 +199,58 @@ def test_online_all_turns_learns_every_assistant_message_and_shows_progress(trai
     cfg = _cfg("online", train_target, tmp_path, online={"prompts": [str(src)], "loss_turns": "all"}, max_steps=2, log_every=1)
     train_worker(cfg, LocalSession(tmp_path / "ckpt-all"))
     assert "train: step 2/2 loss" in capsys.readouterr().out
+
+
+def test_a_time_budget_stops_training_with_the_schedule_ended(synthetic_data, train_target, tmp_path):
+    """max_minutes: the horizon is fitted to the budget (here ~1.5 s of 0.1 s steps), training stops there with its
+    final checkpoint and eval, and the lr has decayed to the floor at that step."""
+    torch.set_num_threads(1)
+    session = LocalSession(tmp_path / "ckpt")
+    cfg = _cfg(
+        synthetic_data,
+        train_target,
+        tmp_path,
+        max_steps=300,
+        max_minutes=0.025,
+        log_every=2,
+        checkpoint_every=1000,
+        eval_batches=1,
+        warmup_steps=1,
+        min_lr_ratio=0.1,
+        testing={"step_delay_s": 0.1},
+    )
+    metrics = train_worker(cfg, session)
+    assert metrics["step"] < 300 and metrics["horizon"] == metrics["step"]
+    assert "eval/sim_tau" in metrics and session.latest_checkpoint() is not None
+    assert lr_lambda(cfg, lambda: metrics["step"])(metrics["step"]) == pytest.approx(0.1)
+
+
+def test_the_horizon_follows_the_measured_step_time(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: clock[0])
+    cfg = _cfg("d", "t", "o", max_steps=10_000, max_minutes=1.0)
+    h = loop.Horizon(cfg)
+    session = LocalSession(Path("unused"))
+    clock[0] = 5.0
+    h.refit(10, session)  # no interval measured yet: the cap
+    assert h.steps == 10_000
+    clock[0] = 10.0
+    h.refit(20, session)  # 0.5 s a step, 50 s left
+    assert h.steps == 120
+    clock[0] = 70.0
+    h.refit(30, session)  # past the budget: stop now
+    assert h.steps == 30
+    assert loop.Horizon(_cfg("d", "t", "o", max_steps=7)).steps == 7  # no budget: max_steps
+
+
+def test_prefetch_keeps_order_and_raises_the_producers_error_in_place():
+    assert list(data.prefetch(iter(range(50)), 3)) == list(range(50))
+
+    def broken():
+        yield 1
+        raise ValueError("row 2 is bad")
+
+    got = data.prefetch(broken(), 2)
+    assert next(got) == 1
+    with pytest.raises(ValueError, match="row 2 is bad"):
+        next(got)
