@@ -1,13 +1,17 @@
 """``eagleray quickstart`` / ``make quickstart``: the whole loop on this machine with defaults.
 
-    SmolLM2 target -> guard demo -> datagen (Ray Data, a ShareGPT slice) -> train (Ray Train,
-    MLflow) -> register -> promote (engine, held-out MT-bench) -> serve (Ray Serve, 127.0.0.1)
-    -> chat with the official openai client -> tau, speedup and where to look.
+    SmolLM2 target -> guard demo -> the shipped champion registered as @champion -> datagen (Ray Data,
+    a ShareGPT slice) -> train a candidate (Ray Train, MLflow) -> register -> promote (the gate: candidate
+    vs champion vs plain, engine, held-out MT-bench) -> serve @champion (Ray Serve, 127.0.0.1) -> chat
+    with the official openai client -> tau, speedup and where to look.
 
 Everything runs locally: a local Ray instance, MLflow on sqlite under the work directory, the
 packaged SmolLM2-135M-Instruct. Bigger runs go through the jobs' YAML configs.
 
-The terminal shows the six steps, their progress, timings and results; everything else the run
+The champion is the EAGLE-3 draft shipped in the repository (``platform/checkpoints/shipped``, trained on
+all of ShareGPT on an H200); the quick candidate trained here on a few dozen rows must beat it to be promoted.
+
+The terminal shows the seven steps, their progress, timings and results; everything else the run
 prints (Ray, Ray Serve, MLflow, transformers, warnings, worker output) goes to
 ``<workdir>/quickstart.log``, whose path is printed first and last.
 """
@@ -24,6 +28,7 @@ from typing import TextIO
 
 from eagleray.jobs.entry import run_job
 from eagleray.platform.checkpoints.guard import check_compatibility
+from eagleray.platform.checkpoints.shipped import SMOLLM2_CHAMPION, shipped_draft
 from eagleray.platform.checkpoints.smollm2 import smollm2_dir
 from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.platform.config.promotion import PromotionConfig
@@ -39,7 +44,7 @@ from eagleray.platform.paths import eagleray_home
 from eagleray.serve.serving_config import ServingConfig
 
 MODEL_NAME = "quickstart-smollm2-eagle3"
-STEPS = 6
+STEPS = 7
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -123,6 +128,18 @@ def _guard_demo(target: TargetSpec, work: Path) -> None:
     assert check_compatibility(target, draft).ok
 
 
+def _register_champion(mlflow: MlflowConfig) -> str:
+    """The shipped draft as version 1 of the quickstart's registered model, alias @champion."""
+    from eagleray.platform import registry
+
+    registry.configure(mlflow.tracking_uri, mlflow.experiment)
+    src = f"shipped:{SMOLLM2_CHAMPION}"
+    v = registry.register_directory(MODEL_NAME, shipped_draft(SMOLLM2_CHAMPION), "shipped-champion", tags={"source": src})
+    registry.set_alias(MODEL_NAME, "champion", v.version)
+    say(f"  {src} -> {v.uri} @champion")
+    return f"models:/{MODEL_NAME}@champion"
+
+
 def _datagen(work: Path, args: argparse.Namespace) -> Path:
     from eagleray.datagen.pipeline import run_datagen
 
@@ -187,23 +204,25 @@ def _promote(candidate: str, args: argparse.Namespace, mlflow: MlflowConfig) -> 
         mlflow=mlflow,
     )
     result = promote(cfg)
-    d, c, p = result["decision"], result["candidate"], result["plain"]
-    say(
-        f"  plain {p['tokens_per_s']:.1f} tok/s; candidate {c['tokens_per_s']:.1f} tok/s, tau {c['tau']:.2f}, "
-        f"speedup {d['speedup']:.2f}x"
-    )
+    d, c, p, ch = result["decision"], result["candidate"], result["plain"], result["champion"]
+    say(f"  plain {p['tokens_per_s']:.1f} tok/s")
+    if ch is not None:
+        say(
+            f"  champion {ch['tokens_per_s']:.1f} tok/s, tau {ch['tau']:.2f}, speedup {ch['tokens_per_s'] / p['tokens_per_s']:.2f}x"
+        )
+    say(f"  candidate {c['tokens_per_s']:.1f} tok/s, tau {c['tau']:.2f}, speedup {d['speedup']:.2f}x")
     say(f"  {'PROMOTED to @champion' if result['alias_set'] else 'not promoted'}: {d['reason']}")
     return result
 
 
-def _serve_and_chat(candidate: str, prompt: str, mlflow: MlflowConfig) -> dict:
+def _serve_and_chat(source: str, prompt: str, mlflow: MlflowConfig) -> dict:
     from eagleray.serve.local import chat, start_local, stop_local, tau_of
 
     cfg = ServingConfig(
         model_name="smollm2",
         target=TargetConfig(model="smollm2"),
         mlflow=mlflow,
-        draft=DraftConfig(source=candidate, num_speculative_tokens=4),
+        draft=DraftConfig(source=source, num_speculative_tokens=4),
         max_num_seqs=4,
     )
     url = start_local(cfg)
@@ -245,19 +264,24 @@ def _run(args: argparse.Namespace, work: Path) -> int:
     say(f"  {target.path} ({target.num_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size})")
     step("the guard: an EAGLE-3 draft served as 'eagle' is refused (it would silently give acceptance 1.0)")
     _guard_demo(target, work)
+    step("the champion: the EAGLE-3 draft shipped in the repository (all of ShareGPT, trained on an H200), registered")
+    champion = _register_champion(mlflow)
     step(f"datagen: the target regenerates {args.prompts} ShareGPT answers; aux hidden states -> Parquet (Ray Data)")
     data = _datagen(work, args)
     step(f"train: EAGLE-3 draft, {args.train_steps} steps (Ray Train), tracked and registered in MLflow")
     trained = _train(work, data, args, mlflow)
     candidate = trained.version.uri if trained.version else str(trained.draft_dir)
-    step("promote: candidate vs plain decoding on held-out MT-bench prompts (the engine)")
+    step("promote: the gate, candidate vs champion vs plain decoding on held-out MT-bench prompts (the engine)")
     promoted = _promote(candidate, args, mlflow)
-    step("serve: Ray Serve on 127.0.0.1, OpenAI API, the official openai client")
-    served = _serve_and_chat(candidate, args.chat, mlflow)
+    step(f"serve {champion}: Ray Serve on 127.0.0.1, OpenAI API, the official openai client")
+    served = _serve_and_chat(champion, args.chat, mlflow)
     step.done()
+    serving = promoted["candidate"] if promoted["alias_set"] else promoted["champion"]
     summary = {
-        "tau": promoted["candidate"]["tau"],
-        "speedup": promoted["decision"]["speedup"],
+        "tau": serving["tau"],
+        "speedup": serving["tokens_per_s"] / promoted["plain"]["tokens_per_s"],
+        "champion": "candidate" if promoted["alias_set"] else f"shipped:{SMOLLM2_CHAMPION}",
+        "candidate": {"tau": promoted["candidate"]["tau"], "speedup": promoted["decision"]["speedup"]},
         "promoted": promoted["alias_set"],
         "served": served["eagleray"],
         "workdir": str(work),
@@ -265,8 +289,9 @@ def _run(args: argparse.Namespace, work: Path) -> int:
     }
     (work / "quickstart.json").write_text(json.dumps(summary, indent=2))
     say(
-        f"\nquickstart finished in {summary['seconds']:.0f}s: tau {summary['tau']:.2f}, speedup {summary['speedup']:.2f}x "
-        f"against plain decoding ({'promoted' if summary['promoted'] else 'not promoted: the gate keeps plain/champion'})"
+        f"\nquickstart finished in {summary['seconds']:.0f}s: serving @champion ({summary['champion']}): tau "
+        f"{summary['tau']:.2f}, speedup {summary['speedup']:.2f}x against plain decoding; the candidate "
+        f"{'was promoted' if summary['promoted'] else 'was not promoted (the gate kept the champion)'}"
     )
     say(f"  MLflow UI:   mlflow ui --backend-store-uri {mlflow.tracking_uri}")
     say(

@@ -69,15 +69,11 @@ def measure(args, draft_dir: Path, sets: dict[str, list]) -> dict[str, float]:
 
 
 def register_champion(args, work: Path, spec) -> tuple[str, Path]:
-    import mlflow
-
     from eagleray.platform import registry
 
     uri = registry.configure(f"sqlite:///{work / 'mlflow.db'}", experiment="adapt-shift")
     src = registry.resolve_draft(args.champion, spec).path
-    with mlflow.start_run(run_name="champion") as run:
-        mlflow.log_artifacts(str(src), "draft")
-    v = registry.register_draft("shift-draft", run.info.run_id, "draft").version
+    v = registry.register_directory("shift-draft", src, "champion", tags={"source": args.champion}).version
     registry.set_alias("shift-draft", "champion", v)
     return uri, src
 

@@ -10,6 +10,7 @@ from eagleray.platform.registry.client import (
     get_version,
     is_registry_uri,
     lookup,
+    register_directory,
     register_draft,
     set_alias,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "get_version",
     "is_registry_uri",
     "lookup",
+    "register_directory",
     "register_draft",
     "registry_version",
     "resolve_draft",

@@ -5,6 +5,7 @@ The client API (a draft *source* of any kind becomes a directory through
 
     uri = configure(tracking_uri=None, experiment="eagleray")      # sqlite + local artifacts by default
     v = register_draft("eagleray-draft", run_id, "draft", tags={...})  # run artifact dir -> model version
+    v = register_directory("eagleray-draft", "/a/draft/dir", "imported")   # any draft directory -> model version
     set_alias("eagleray-draft", "champion", v.version)
     get_alias("eagleray-draft", "champion")                           # -> DraftVersion
     path = download_draft("models:/eagleray-draft@champion", dst)     # -> local directory (under dst)
@@ -125,6 +126,20 @@ def register_draft(
     str_tags = {k: _tag(v) for k, v in (tags or {}).items()}
     mv = client.create_model_version(name, source=source, run_id=run_id, tags=str_tags, description=description)
     return _version(client.get_model_version(name, mv.version))
+
+
+def register_directory(
+    name: str, draft_dir: str | Path, run_name: str, tags: dict[str, Any] | None = None, description: str | None = None
+) -> DraftVersion:
+    """A draft directory made from outside a training run (a shipped draft, one brought from another machine) as a
+    new version of ``name``: logged as the artifacts of a run ``run_name`` of the active experiment, then registered."""
+    import mlflow
+
+    with mlflow.start_run(run_name=run_name) as run:
+        mlflow.log_artifacts(str(draft_dir), "draft")
+        if tags:
+            mlflow.set_tags({k: _tag(v) for k, v in tags.items()})
+    return register_draft(name, run.info.run_id, "draft", tags=tags, description=description)
 
 
 def _tag(value: Any) -> str:

@@ -3,6 +3,7 @@
     resolve_draft("random", target)                 -> an untrained draft for ``target`` (written under ``workdir``)
     resolve_draft("models:/name@alias")             -> that version, downloaded once into
     resolve_draft("models:/name/3")                    $EAGLERAY_HOME/drafts/<name>/<version>-<hash of the artifact source>
+    resolve_draft("shipped:<name>")                 -> a draft shipped in the repository (platform/checkpoints/shipped)
     resolve_draft("/some/draft/dir")                -> the same directory
 
 The result carries the version label ("name/3", "random", the directory name) that responses,
@@ -19,6 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagleray.platform.checkpoints import shipped
 from eagleray.platform.checkpoints.draft_factory import make_random_draft
 from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.platform.errors import EaglerayError
@@ -33,14 +35,14 @@ class ResolvedDraft:
     """A draft directory and the version label reported in responses and metrics."""
 
     path: Path
-    version: str  # "name/3" for registry versions, "random", the directory name otherwise
+    version: str  # "name/3" for registry versions, "random", "shipped:<name>", the directory name otherwise
     source: str  # what was asked for
 
 
 def resolve_draft(
     source: str | Path, target: TargetSpec | None = None, *, tracking_uri: str | None = None, workdir: str | Path | None = None
 ) -> ResolvedDraft:
-    """``source`` ('random', ``models:/...`` or a directory) -> :class:`ResolvedDraft`.
+    """``source`` ('random', ``models:/...``, ``shipped:<name>`` or a directory) -> :class:`ResolvedDraft`.
 
     ``target`` is needed for 'random' only; ``tracking_uri`` picks the registry (default:
     MLFLOW_TRACKING_URI, else the sqlite store under $EAGLERAY_HOME); ``workdir`` is where a random
@@ -58,11 +60,13 @@ def resolve_draft(
     if client.is_registry_uri(source):
         client.configure(tracking_uri)
         return _cached_download(source)
+    if source.startswith(shipped.PREFIX):
+        return ResolvedDraft(shipped.shipped_draft(source[len(shipped.PREFIX) :]), source, source)
     path = Path(source)
     if not path.is_dir():
         raise EaglerayError(
             f"draft: {path} is not a directory\n"
-            f"    fix: pass a draft directory, models:/<name>@<alias>, models:/<name>/<version> or 'random'"
+            f"    fix: pass a draft directory, models:/<name>@<alias>, models:/<name>/<version>, shipped:<name> or 'random'"
         )
     return ResolvedDraft(path, path.name, source)
 

@@ -29,7 +29,8 @@ def test_quickstart_whole_loop(tmp_path, smollm2_fp32):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-6000:]
-    for step in ("[1/6]", "[3/6] datagen", "[4/6] train", "[5/6] promote", "[6/6] serve", "quickstart finished"):
+    steps = ("[1/7]", "[3/7] the champion", "[4/7] datagen", "[5/7] train", "[6/7] promote", "[7/7] serve", "quickstart finished")
+    for step in steps:
         assert step in out.stdout, out.stdout[-4000:]
     assert "refused: algorithm" in out.stdout
     # the console: the steps and results only (issue 17: hundreds of Ray/Serve INFO lines, ANSI codes, a
@@ -41,6 +42,8 @@ def test_quickstart_whole_loop(tmp_path, smollm2_fp32):
     log = tmp_path / "quickstart.log"
     assert str(log) in out.stdout and log.stat().st_size > 0
     summary = json.loads((tmp_path / "quickstart.json").read_text())
-    assert summary["tau"] >= 1.0 and summary["speedup"] > 0
-    assert summary["served"]["draft_version"].startswith("quickstart-smollm2-eagle3/")
+    # the shipped champion serves (the 4-step candidate cannot beat it) and it is a trained draft: τ above 1
+    assert summary["champion"] == "shipped:smollm2-135m-instruct-eagle3-sharegpt" and not summary["promoted"]
+    assert summary["tau"] > 1.0 and summary["speedup"] > 0 and summary["candidate"]["tau"] >= 1.0
+    assert summary["served"]["draft_version"] == "quickstart-smollm2-eagle3/1"
     assert (tmp_path / "mlflow.db").is_file() and list((tmp_path / "datagen" / "shards").glob("*.parquet"))

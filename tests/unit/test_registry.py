@@ -73,3 +73,16 @@ def test_resolve_draft_random_directory_and_errors(tiny_target, tmp_path):
         registry.resolve_draft("random")
     with pytest.raises(EaglerayError, match="is not a directory.*\n    fix: pass a draft directory, models:/"):
         registry.resolve_draft(tmp_path / "missing")
+
+
+def test_shipped_drafts_resolve_by_name_and_an_unknown_name_lists_them():
+    from eagleray.platform.checkpoints.draft import DraftCheckpoint
+    from eagleray.platform.checkpoints.shipped import SMOLLM2_CHAMPION
+
+    got = registry.resolve_draft(f"shipped:{SMOLLM2_CHAMPION}")
+    assert got.version == f"shipped:{SMOLLM2_CHAMPION}" and got.path.name == SMOLLM2_CHAMPION
+    ckpt = DraftCheckpoint.open(got.path)
+    assert ckpt.config["architectures"] == ["LlamaForCausalLMEagle3"] and ckpt.config["torch_dtype"] == "bfloat16"
+    assert (got.path / "MODEL_CARD.md").is_file()
+    with pytest.raises(EaglerayError, match=f"no shipped draft 'nope' \\(shipped: .*{SMOLLM2_CHAMPION}"):
+        registry.resolve_draft("shipped:nope")
