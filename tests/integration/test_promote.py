@@ -57,6 +57,9 @@ def test_promote_then_refuse(tiny_target, versions):
     first = promote(_cfg(tiny_target, uri, f"models:/tiny-draft/{v1}", prompts, min_speedup=0.01))
     assert first["decision"]["promote"] and first["alias_set"] and first["champion"] is None
     assert first["candidate"]["tau"] >= 1.0 and len(first["candidate"]["accept_rate_per_pos"]) == 2
+    # plain is measured before and after the drafts; the gate compares against the faster run
+    runs = first["plain_runs_tokens_per_s"]
+    assert len(runs) == 2 and first["plain"]["tokens_per_s"] == max(runs)
     assert registry.get_alias("tiny-draft", "champion").version == v1
     second = promote(_cfg(tiny_target, uri, f"models:/tiny-draft/{v2}", prompts, min_speedup=0.01, min_tau_gain=0.5))
     assert not second["decision"]["promote"] and "champion" in second["decision"]["reason"]
