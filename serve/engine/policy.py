@@ -19,6 +19,12 @@
   ``max_probe_interval``. Once the measured acceptance bounds every speedup below 1 + ``margin``, a
   batch size not seen yet starts plain instead of being measured with speculative steps, and probes
   come only every ``max_probe_interval`` steps. A tree drafts a fixed topology: k is 0 or the tree.
+
+  Acceptance a_i starts from an optimistic prior (every draft accepted, worth ``PRIOR`` verified sequences)
+  averaged with the counts of the first ``EVIDENCE`` verified sequences, then follows the measured rate as a
+  moving average; it is judged hopeless only after ``EVIDENCE`` sequences. (At batch 1 a verification is one
+  Bernoulli draw: a draft accepting 41% at the first position rejects the first two drafts 35% of the time,
+  which used to turn speculation off for a thousand steps.)
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from typing import Callable
 from eagleray.platform.config.schemas import PolicyConfig
 
 logger = logging.getLogger(__name__)
+
+PRIOR = 2.0  # the optimistic prior (every draft accepted) counts as this many verified sequences
+EVIDENCE = 16  # verified sequences before acceptance follows the measured rate and may be judged hopeless
 
 
 class AcceptanceWatchdog:
@@ -107,7 +116,8 @@ class AdaptivePolicy:
         self.max_probe_interval = max(max_probe_interval, probe_interval)
         self.disabled = False  # forced off (watchdog action): no probes
         self.accept = [1.0] * k_max  # a_i, optimistic until measured
-        self._measured = [False] * k_max
+        self._seen = [0] * k_max  # sequences verified at position i while counting (up to EVIDENCE)
+        self._hits = [0.0] * k_max  # of those, the ones whose first i+1 drafts were accepted
         self.costs: dict[int, _Costs] = {}
         self.k = k_max  # the choice for the last bucket decided
         self.speculating = True
@@ -138,7 +148,7 @@ class AdaptivePolicy:
     def _hopeless(self) -> bool:
         """Measured acceptance so low that no batch size can gain: verifying costs at least a plain step,
         so E(k_max) bounds the speedup. A new bucket then starts plain (and probes) instead of measuring."""
-        return any(self._measured) and self.expected_tokens(self.k_max) < 1 + self.margin
+        return self._seen[0] >= EVIDENCE and self.expected_tokens(self.k_max) < 1 + self.margin
 
     def _plain_or_probe(self, c: _Costs) -> int:
         """A plain step, or a probe of k_max once the (cost-scaled, doubling) probe interval has passed."""
@@ -198,13 +208,24 @@ class AdaptivePolicy:
         c.spec_steps += 1
         rates = [sum(n > i for n in accepted) / len(accepted) for i in range(min(k, self.k_max))] if accepted else []
         for i, rate in enumerate(rates):
-            self.accept[i] = self._ema(self.accept[i] if self._measured[i] else None, rate)
-            self._measured[i] = True
+            self._observe_accept(i, rate, len(accepted))
         step_pays = c.plain is not None and (1 + sum(rates)) * c.plain / (verify_seconds + draft_seconds) > 1 + self.margin
         if step_pays or self.best(batch)[0] > 0:
             self._probe_interval = self.min_probe_interval  # it pays (again): keep measuring it
             if step_pays:
                 self._since_probe = self.max_probe_interval * 1000  # probe again at the next plain choice
+
+    def _observe_accept(self, i: int, rate: float, sequences: int) -> None:
+        """a_i: prior + counts until EVIDENCE sequences (then the plain measured mean), a moving average after."""
+        if self._seen[i] >= EVIDENCE:
+            self.accept[i] = self._ema(self.accept[i], rate)
+            return
+        self._hits[i] += rate * sequences
+        self._seen[i] += sequences
+        if self._seen[i] >= EVIDENCE:
+            self.accept[i] = self._hits[i] / self._seen[i]
+        else:
+            self.accept[i] = (self._hits[i] + PRIOR) / (self._seen[i] + PRIOR)
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
@@ -221,7 +242,8 @@ class AdaptivePolicy:
         self.speculating = True
         self.k = self.k_max
         self.accept = [1.0] * self.k_max
-        self._measured = [False] * self.k_max
+        self._seen = [0] * self.k_max
+        self._hits = [0.0] * self.k_max
         self.costs.clear()
         self._probe_interval = self.min_probe_interval
         self._since_probe = 0

@@ -128,7 +128,8 @@ def test_engine_with_an_untrained_draft_decodes_plain_and_stays_lossless(target,
 
 def test_a_hopeless_draft_does_not_measure_new_batch_sizes_with_speculative_steps():
     policy = AdaptivePolicy(k_max=4, probe_interval=8, max_probe_interval=1024)
-    _drive(policy, 50, batch=1)  # learns: nothing is ever accepted
+    _drive(policy, 200, batch=4, accepted=lambda k: [0] * 4)  # learns from >= EVIDENCE sequences: nothing is accepted
+    assert policy._hopeless()
     chosen = _drive(policy, 40, batch=8, verify=0.06, plain=0.012)  # a new bucket, compute-bound verification
     assert sum(k > 0 for k in chosen) <= 1, f"{chosen}"
 
@@ -143,7 +144,31 @@ def test_probes_are_rarer_where_speculating_costs_more():
 
 def test_a_hopeless_draft_is_probed_only_at_the_longest_interval():
     policy = AdaptivePolicy(k_max=4, probe_interval=8, max_probe_interval=512)
-    _drive(policy, 20, batch=1)  # measured: nothing accepted
+    _drive(policy, 60, batch=4, accepted=lambda k: [0] * 4)  # measured over >= EVIDENCE sequences: nothing accepted
+    assert policy._hopeless()
     chosen = _drive(policy, 1000, batch=16, plain=0.08, verify=0.3, draft=0.1)
     assert 1 <= sum(k > 0 for k in chosen) <= 2, "one probe per 512 steps (first one after 512)"
     assert chosen[:450] == [0] * 450
+
+
+def test_one_unlucky_start_at_batch_1_does_not_turn_a_useful_draft_off():
+    """At batch 1 a verification is one draw: the champion accepts ~41% at the first position, so its first two
+    drafts are all rejected about a third of the time. That must not read as 'hopeless' (it used to: speculation
+    stayed off for 1,024 steps on the CPU quickstart)."""
+    pattern = [0, 0, 1, 0, 2, 0, 1, 0, 0, 3, 1, 0, 0, 1, 0, 2, 0, 0, 1, 0]  # accepted drafts per step, ~41% at position 0
+    it = iter(pattern * 100)
+    policy = AdaptivePolicy(k_max=4)
+    chosen = _drive(policy, 600, plain=0.030, verify=0.031, draft=0.0025, accepted=lambda k: [next(it)])
+    assert chosen[:2] == [4, 4] and not policy._hopeless()
+    assert sum(k > 0 for k in chosen) > 500, "speculation pays here (E(2)=1.6 at 36 ms vs a 30 ms plain step)"
+    assert policy.best(1)[0] in (1, 2, 3)
+
+
+def test_acceptance_follows_the_counts_then_the_measured_rate():
+    from eagleray.serve.engine.policy import EVIDENCE, PRIOR
+
+    policy = AdaptivePolicy(k_max=2)
+    policy.observe_spec(1, 2, 0.01, 0.002, [0])
+    assert policy.accept == [pytest.approx(PRIOR / (1 + PRIOR))] * 2  # one rejection moves the prior, does not replace it
+    policy.observe_spec(4, 2, 0.01, 0.002, [1] * EVIDENCE)
+    assert policy.accept[0] == pytest.approx(EVIDENCE / (EVIDENCE + 1)) and policy.accept[1] == pytest.approx(0.0)
