@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from eagleray.platform.config.schemas import PolicyConfig
@@ -88,7 +88,8 @@ class _Costs:
     """Moving averages (seconds per step) of one batch-size bucket."""
 
     plain: float | None = None
-    verify: float | None = None  # target forward + verification of the drafts
+    verify: float | None = None  # target forward + verification of the drafts (the last k measured)
+    verify_by_k: dict[int, float] = field(default_factory=dict)  # the same, per draft length k
     draft: float | None = None  # one draft forward (chain) or the whole tree draft
     plain_steps: int = 0
     spec_steps: int = 0
@@ -180,7 +181,15 @@ class AdaptivePolicy:
     def predicted_speedup(self, batch: int, k: int) -> float:
         c = self.costs[bucket(batch)]
         draft = c.draft * (k if self.can_lower_k else 1)
-        return self.expected_tokens(k) * c.plain / (c.verify + draft)
+        return self.expected_tokens(k) * c.plain / (self._verify_cost(c, k) + draft)
+
+    @staticmethod
+    def _verify_cost(c: _Costs, k: int) -> float:
+        """t_verify at k: measured, else the nearest measured k's (the larger on a tie)."""
+        if k in c.verify_by_k:
+            return c.verify_by_k[k]
+        nearest = min(c.verify_by_k, key=lambda j: (abs(j - k), -j))
+        return c.verify_by_k[nearest]
 
     def expected_tokens(self, k: int) -> float:
         """E(k) = 1 + sum of a_i over the first k positions (tokens per verification step)."""
@@ -204,6 +213,7 @@ class AdaptivePolicy:
         """A speculative step: its verify and draft time, and each sequence's accepted count (of k drafts)."""
         c = self.costs.setdefault(bucket(batch), _Costs())
         c.verify = self._ema(c.verify, verify_seconds)
+        c.verify_by_k[k] = self._ema(c.verify_by_k.get(k), verify_seconds)
         c.draft = self._ema(c.draft, draft_seconds / (k if self.can_lower_k else 1))
         c.spec_steps += 1
         rates = [sum(n > i for n in accepted) / len(accepted) for i in range(min(k, self.k_max))] if accepted else []

@@ -172,3 +172,21 @@ def test_acceptance_follows_the_counts_then_the_measured_rate():
     assert policy.accept == [pytest.approx(PRIOR / (1 + PRIOR))] * 2  # one rejection moves the prior, does not replace it
     policy.observe_spec(4, 2, 0.01, 0.002, [1] * EVIDENCE)
     assert policy.accept[0] == pytest.approx(EVIDENCE / (EVIDENCE + 1)) and policy.accept[1] == pytest.approx(0.0)
+
+
+def test_verify_costs_are_measured_per_k():
+    """On a CPU verifying 2 tokens can cost more than 3 (another kernel path): a cost model that takes one verify time
+    for every k keeps choosing k=1 whenever a k=4 probe makes verification look cheap. Per-k costs settle on k=2."""
+    verify = {1: 0.050, 2: 0.036, 3: 0.036, 4: 0.036}
+    accepted = [0] * 40 + [1] * 50 + [2] * 8 + [3, 4]  # a = 0.60, 0.10, 0.02, 0.01 over 100 sequences
+    policy = AdaptivePolicy(k_max=4, probe_interval=8)
+    chosen = []
+    for _ in range(300):
+        k = policy.choose(100)
+        chosen.append(k)
+        if k == 0:
+            policy.observe_plain(100, 0.030)
+        else:
+            policy.observe_spec(100, k, verify[k], 0.0025 * k, [min(n, k) for n in accepted])
+    assert chosen[-50:] == [2] * 50, chosen[-60:]
+    assert policy.costs[128].verify_by_k[1] == pytest.approx(0.050)
