@@ -24,7 +24,7 @@ from eagleray.platform.host import pick_device
 from eagleray.platform.registry import ResolvedDraft, registry_version, resolve_draft
 from eagleray.serve.capture import CaptureClient
 from eagleray.serve.engine import AsyncEngine, LLMEngine, RequestFailed, SamplingParams, TPLaunch
-from eagleray.serve.hotswap import DraftManager
+from eagleray.serve.hotswap import AliasFollower, DraftManager
 from eagleray.serve.prometheus import ServeMetrics
 from eagleray.serve.protocol import APIError
 from eagleray.serve.responses import Delta
@@ -287,8 +287,9 @@ class EngineServer:
             self._poller = asyncio.get_running_loop().create_task(self._poll(ucfg.draft, ucfg.alias_poll_seconds))
 
     async def _poll(self, uri: str, every: float) -> None:
-        """Hot-swap when the alias moves; a refused version is not retried until the alias moves again."""
-        name, tried = uri.split(":/", 1)[1].split("@", 1)[0], self.drafts.version
+        """Hot-swap when the alias moves; a refused version is not retried until the alias moves again
+        (:class:`AliasFollower` is the rule)."""
+        name, follow = uri.split(":/", 1)[1].split("@", 1)[0], AliasFollower(self.drafts.version)
         while True:
             await asyncio.sleep(every)
             try:
@@ -297,11 +298,13 @@ class EngineServer:
                 logger.warning("alias poll of %s failed: %s", uri, err)
                 self.metrics.record_swap("poll_error")
                 continue
-            if version not in (self.drafts.version, tried):
-                logger.info("alias %s moved to %s; hot-swapping", uri, version)
-                tried = version
-                try:
-                    await self.drafts.swap(uri)  # refusals are recorded by swap; anything else must not end the poller
-                except Exception:  # noqa: BLE001 - logged with traceback and counted, poll again
-                    logger.exception("alias poll of %s: swap to %s failed", uri, version)
-                    self.metrics.record_swap("failed_load")
+            if not follow.wants(version, self.drafts.version):
+                continue
+            logger.info("alias %s moved to %s; hot-swapping", uri, version)
+            found = None
+            try:
+                found = (await self.drafts.swap(uri)).version  # refusals are recorded by swap
+            except Exception:  # noqa: BLE001 - anything else must not end the poller: logged with traceback, counted
+                logger.exception("alias poll of %s: swap to %s failed", uri, version)
+                self.metrics.record_swap("failed_load")
+            follow.tried(version, found)
