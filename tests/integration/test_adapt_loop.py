@@ -27,6 +27,8 @@ from eagleray.serve.serving_config import ServingConfig
 from eagleray.tests.support.tiny import zero_tensor
 
 NAME, K, CTX = "adapt-draft", 3, 128
+KEY = "adapt-key"  # the admin route (the swap history of a failure message) needs a key
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +63,7 @@ def world(tiny_target, tmp_path_factory):
             "alias_poll_seconds": 1,
             "mlflow": {"tracking_uri": uri},
             "model_name": "tiny",
+            "api_key": KEY,
             "max_num_seqs": 8,
             "capture": {"path": str(root / "traffic"), "flush_seconds": 1},
         }
@@ -97,11 +100,17 @@ def chat(url: str, i: int) -> httpx.Response:
         "max_tokens": 10,
         "temperature": 0,
     }
-    return httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    return httpx.post(url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120)
 
 
 def serving_version(url: str) -> str:
-    return httpx.get(url + "/health", timeout=30).json()["draft_version"]
+    return httpx.get(url + "/health", headers=AUTH, timeout=30).json()["draft_version"]
+
+
+def swap_history(url: str) -> list[tuple]:
+    """The replica's last swaps (outcome, version, message), for failure messages."""
+    history = httpx.get(url + "/admin/draft", headers=AUTH, timeout=30).json()["history"]
+    return [(h["outcome"], h["version"], h["message"][:80]) for h in history]
 
 
 def traffic_prompts(spec: TargetSpec) -> list[list[int]]:
@@ -155,7 +164,7 @@ def test_alias_moves_on_a_pass_and_serving_hot_swaps_without_failures(world):
         if serving_version(url) == f"{NAME}/2":
             break
         time.sleep(1)
-    assert serving_version(url) == f"{NAME}/2"
+    assert serving_version(url) == f"{NAME}/2", swap_history(url)
     d = gate_and_record(world, f"models:/{NAME}/2", f"models:/{NAME}/1", world["bad"], world["good"])
     assert d.action == "promote", d.reason
     assert registry.get_alias(NAME, "champion").version == "1"
@@ -163,7 +172,7 @@ def test_alias_moves_on_a_pass_and_serving_hot_swaps_without_failures(world):
     deadline = time.monotonic() + 60
     while serving_version(url) != f"{NAME}/1" and time.monotonic() < deadline:
         statuses.append(chat(url, len(statuses)).status_code)
-    assert serving_version(url) == f"{NAME}/1" and set(statuses) <= {200}
+    assert serving_version(url) == f"{NAME}/1" and set(statuses) <= {200}, (statuses, swap_history(url))
     body = chat(url, 999).json()
     assert body["usage"]["completion_tokens"] == 10
 
