@@ -103,6 +103,7 @@ class EngineServer:
             }
             self.capture = CaptureClient(self.cfg.capture, meta, self.metrics)
         self._poller: asyncio.Task | None = None
+        self.alias_follower: AliasFollower | None = None  # the poller's state (/health: alias)
         self._adapt_watch: asyncio.Task | None = None
         self._schedule: asyncio.Task | None = None
         logger.info(
@@ -247,6 +248,7 @@ class EngineServer:
             "requests_failed": self.loop.requests_failed,
             "last_error": self.loop.last_error,
             **self.drafts.status(),
+            "alias": self.alias_follower.status() if self.alias_follower is not None else None,
             "metrics": self.metrics.to_dict(),
             "engine": self.engine.metrics.snapshot(),
         }
@@ -282,14 +284,15 @@ class EngineServer:
             await self.drafts.swap(ucfg.draft)
         if self._poller is not None:
             self._poller.cancel()
-            self._poller = None
+            self._poller = self.alias_follower = None
         if ucfg.alias_poll_seconds is not None and ucfg.draft and "@" in ucfg.draft:
             self._poller = asyncio.get_running_loop().create_task(self._poll(ucfg.draft, ucfg.alias_poll_seconds))
 
     async def _poll(self, uri: str, every: float) -> None:
         """Hot-swap when the alias moves; a refused version is not retried until the alias moves again
         (:class:`AliasFollower` is the rule)."""
-        name, follow = uri.split(":/", 1)[1].split("@", 1)[0], AliasFollower(self.drafts.version)
+        name = uri.split(":/", 1)[1].split("@", 1)[0]
+        follow = self.alias_follower = AliasFollower(uri, self.drafts.version)
         while True:
             await asyncio.sleep(every)
             try:

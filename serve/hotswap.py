@@ -87,11 +87,15 @@ class AliasFollower:
     handled would leave the poller deaf to it for good once the alias came back to it (a promotion never served).
     """
 
-    def __init__(self, serving: str | None) -> None:
+    def __init__(self, uri: str, serving: str | None) -> None:
+        self.uri = uri
         self.handled = serving  # the alias version the poller is done with, while the alias stays on it
+        self.seen: str | None = None  # the version the last poll found the alias on
+        self.seen_at: float | None = None
 
     def wants(self, alias_version: str, serving: str | None) -> bool:
         """Whether to swap now that the alias points at ``alias_version`` and ``serving`` is served."""
+        self.seen, self.seen_at = alias_version, time.time()
         if alias_version == serving:
             self.handled = alias_version
             return False
@@ -101,6 +105,11 @@ class AliasFollower:
         """The swap started for ``alias_version`` ended; ``found``: the version it resolved (its record's; None
         when unknown: refused before loading, or the swap raised)."""
         self.handled = found or alias_version
+
+    def status(self) -> dict:
+        """For /health: ``version`` is where the last poll found the alias. The poller swaps before it polls
+        again, so ``version`` equal to the serving draft means the replica has caught up with the alias."""
+        return {"uri": self.uri, "version": self.seen, "polled_at": self.seen_at}
 
 
 class DraftManager:

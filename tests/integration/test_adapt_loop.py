@@ -107,6 +107,13 @@ def serving_version(url: str) -> str:
     return httpx.get(url + "/health", headers=AUTH, timeout=30).json()["draft_version"]
 
 
+def caught_up(url: str) -> str | None:
+    """The serving draft version once the replica has caught up with the alias, else None: its poller's last poll
+    found the alias on the serving draft (the poller finishes a swap before it polls again, so none is under way)."""
+    h = httpx.get(url + "/health", headers=AUTH, timeout=30).json()
+    return h["draft_version"] if h["alias"]["version"] == h["draft_version"] else None
+
+
 def swap_history(url: str) -> list[tuple]:
     """The replica's last swaps (outcome, version, message), for failure messages."""
     history = httpx.get(url + "/admin/draft", headers=AUTH, timeout=30).json()["history"]
@@ -160,11 +167,11 @@ def test_gate_refuses_a_worse_draft_and_the_alias_stays(world):
 
 def test_alias_moves_on_a_pass_and_serving_hot_swaps_without_failures(world):
     url = world["url"]
-    for _ in range(60):
-        if serving_version(url) == f"{NAME}/2":
-            break
-        time.sleep(1)
-    assert serving_version(url) == f"{NAME}/2", swap_history(url)
+    # The gate test moved the alias to 1 and back to 2: the poller may have seen 1 and be swapping to it now.
+    deadline = time.monotonic() + 60
+    while caught_up(url) != f"{NAME}/2" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert caught_up(url) == f"{NAME}/2", swap_history(url)
     d = gate_and_record(world, f"models:/{NAME}/2", f"models:/{NAME}/1", world["bad"], world["good"])
     assert d.action == "promote", d.reason
     assert registry.get_alias(NAME, "champion").version == "1"

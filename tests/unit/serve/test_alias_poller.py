@@ -9,6 +9,7 @@ exception (the lookup fails), or a callable run before the next lookup (somethin
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -51,7 +52,9 @@ class FakeDrafts:
         return SwapRecord(source, outcome, version, "", 0.0)
 
 
-def run_poller(monkeypatch, script: list, serving: str = "2") -> tuple[FakeDrafts, Counter]:
+def run_poller(
+    monkeypatch, script: list, serving: str = "2", server: SimpleNamespace | None = None
+) -> tuple[FakeDrafts, Counter]:
     drafts, counted = FakeDrafts(serving), Counter()
     steps = list(script)
 
@@ -68,11 +71,10 @@ def run_poller(monkeypatch, script: list, serving: str = "2") -> tuple[FakeDraft
         return at_poll
 
     monkeypatch.setattr(engine_server, "registry_version", registry_version)
-    server = SimpleNamespace(
-        cfg=SimpleNamespace(mlflow=SimpleNamespace(tracking_uri=None)),
-        drafts=drafts,
-        metrics=SimpleNamespace(record_swap=lambda outcome: counted.update([outcome])),
-    )
+    server = server or SimpleNamespace()
+    server.cfg = SimpleNamespace(mlflow=SimpleNamespace(tracking_uri=None))
+    server.drafts = drafts
+    server.metrics = SimpleNamespace(record_swap=lambda outcome: counted.update([outcome]))
     with pytest.raises(ScriptEnd):
         asyncio.run(EngineServer._poll(server, URI, 0))
     return drafts, counted
@@ -81,6 +83,16 @@ def run_poller(monkeypatch, script: list, serving: str = "2") -> tuple[FakeDraft
 def test_the_poller_swaps_when_the_alias_moves_and_not_while_it_points_at_the_served_version(monkeypatch):
     drafts, _ = run_poller(monkeypatch, ["2", "2", "1", "1", "1"])
     assert drafts.attempts == [("d/1", "swapped")] and drafts.version == "d/1"
+
+
+def test_the_poller_state_says_where_the_alias_was_last_seen(monkeypatch):
+    """/health's ``alias``: the replica has caught up with the alias when its version is the serving draft's."""
+    server = SimpleNamespace()
+    t0 = time.time()
+    drafts, _ = run_poller(monkeypatch, ["2", ("1", "2"), OSError("registry down")], server=server)
+    status = server.alias_follower.status()
+    assert status["uri"] == URI and status["version"] == "d/1" != drafts.version  # the swap found 2: not caught up
+    assert t0 <= status["polled_at"] <= time.time()
 
 
 def test_the_alias_moving_back_between_poll_and_swap_leaves_the_next_move_followed(monkeypatch):
