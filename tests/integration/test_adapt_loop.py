@@ -37,7 +37,8 @@ def world(tiny_target, tmp_path_factory):
     import mlflow
     import ray
 
-    from eagleray.serve.local import start_local, stop_local
+    from eagleray.serve.local import start_local
+    from eagleray.tests.support.cluster import stop_local_ray
 
     root = tmp_path_factory.mktemp("adapt")
     saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "EAGLERAY_HOME")}
@@ -88,7 +89,7 @@ def world(tiny_target, tmp_path_factory):
         url = start_local(serving, num_cpus=2, timeout_s=180)
         yield {"url": url, "adapt": adapt, "spec": spec, "uri": uri, "good": good, "bad": bad}
     finally:
-        stop_local()
+        stop_local_ray()
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 

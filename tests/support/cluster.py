@@ -109,3 +109,14 @@ def init_ray_with_metrics() -> int:
     )
     return metrics_port
 
+
+def stop_local_ray() -> None:
+    """End the in-process local Ray of a Serve test module (what ``serve.local.start_local`` started), Serve with it.
+
+    ``ray.shutdown()`` of the driver that started a local Ray ends that whole instance: the Serve controller, the
+    proxy and every replica go with it. ``serve.local.stop_local`` calls ``serve.shutdown()`` first, which stops the
+    replicas one deployment after the other, each after Ray Serve's graceful wait loop (2 s): ~5 s a module, for
+    requests no test has in flight. Not for a Ray this process only connected to (there the apps would outlive it)."""
+    import ray
+
+    ray.shutdown()
