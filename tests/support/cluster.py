@@ -16,11 +16,16 @@ WORKER_RESOURCE = "node_loss_worker"  # the custom resource of the two-node clus
 
 def ray_env() -> dict[str, str]:
     """The environment of every Ray process: this one's (PYTHONPATH included, so a worktree's code is
-    what the cluster imports), with the venv's bin first on PATH."""
+    what the cluster imports), with the venv's bin first on PATH.
+
+    No drain on SIGTERM: `ray start --block` otherwise asks the GCS to drain its node and waits up to 30 s
+    for it to go idle (a Kubernetes pod's grace, for Serve's proxies); a test cluster that ran jobs took
+    the whole 30 s to stop."""
     return {
         **os.environ,
         "RAY_AUTH_MODE": "disabled",
         "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
         "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
         "TOKENIZERS_PARALLELISM": "false",
     }
