@@ -24,7 +24,7 @@ from eagleray.platform.host import pick_device
 from eagleray.platform.registry import ResolvedDraft, registry_version, resolve_draft
 from eagleray.serve.capture import CaptureClient
 from eagleray.serve.engine import AsyncEngine, LLMEngine, RequestFailed, SamplingParams, TPLaunch
-from eagleray.serve.hotswap import DraftManager
+from eagleray.serve.hotswap import AliasFollower, DraftManager
 from eagleray.serve.prometheus import ServeMetrics
 from eagleray.serve.protocol import APIError
 from eagleray.serve.responses import Delta
@@ -103,6 +103,7 @@ class EngineServer:
             }
             self.capture = CaptureClient(self.cfg.capture, meta, self.metrics)
         self._poller: asyncio.Task | None = None
+        self.alias_follower: AliasFollower | None = None  # the poller's state (/health: alias)
         self._adapt_watch: asyncio.Task | None = None
         self._schedule: asyncio.Task | None = None
         logger.info(
@@ -247,6 +248,7 @@ class EngineServer:
             "requests_failed": self.loop.requests_failed,
             "last_error": self.loop.last_error,
             **self.drafts.status(),
+            "alias": self.alias_follower.status() if self.alias_follower is not None else None,
             "metrics": self.metrics.to_dict(),
             "engine": self.engine.metrics.snapshot(),
         }
@@ -282,13 +284,15 @@ class EngineServer:
             await self.drafts.swap(ucfg.draft)
         if self._poller is not None:
             self._poller.cancel()
-            self._poller = None
+            self._poller = self.alias_follower = None
         if ucfg.alias_poll_seconds is not None and ucfg.draft and "@" in ucfg.draft:
             self._poller = asyncio.get_running_loop().create_task(self._poll(ucfg.draft, ucfg.alias_poll_seconds))
 
     async def _poll(self, uri: str, every: float) -> None:
-        """Hot-swap when the alias moves; a refused version is not retried until the alias moves again."""
-        name, tried = uri.split(":/", 1)[1].split("@", 1)[0], self.drafts.version
+        """Hot-swap when the alias moves; a refused version is not retried until the alias moves again
+        (:class:`AliasFollower` is the rule)."""
+        name = uri.split(":/", 1)[1].split("@", 1)[0]
+        follow = self.alias_follower = AliasFollower(uri, self.drafts.version)
         while True:
             await asyncio.sleep(every)
             try:
@@ -297,11 +301,13 @@ class EngineServer:
                 logger.warning("alias poll of %s failed: %s", uri, err)
                 self.metrics.record_swap("poll_error")
                 continue
-            if version not in (self.drafts.version, tried):
-                logger.info("alias %s moved to %s; hot-swapping", uri, version)
-                tried = version
-                try:
-                    await self.drafts.swap(uri)  # refusals are recorded by swap; anything else must not end the poller
-                except Exception:  # noqa: BLE001 - logged with traceback and counted, poll again
-                    logger.exception("alias poll of %s: swap to %s failed", uri, version)
-                    self.metrics.record_swap("failed_load")
+            if not follow.wants(version, self.drafts.version):
+                continue
+            logger.info("alias %s moved to %s; hot-swapping", uri, version)
+            found = None
+            try:
+                found = (await self.drafts.swap(uri)).version  # refusals are recorded by swap
+            except Exception:  # noqa: BLE001 - anything else must not end the poller: logged with traceback, counted
+                logger.exception("alias poll of %s: swap to %s failed", uri, version)
+                self.metrics.record_swap("failed_load")
+            follow.tried(version, found)

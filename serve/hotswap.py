@@ -73,6 +73,45 @@ class SwapRecord:
         }
 
 
+class AliasFollower:
+    """The alias poller's rule, apart from the polling: swap when the alias points at a version other than the
+    serving one, once per position of the alias.
+
+    A version the poller has handled (served, swapped to, refused, failed) is not tried again while the alias
+    stays on it: a refusal is not retried every poll, and a rollback (the watchdog's or the admin route's) or an
+    admin swap is not undone by the poller. Once the alias is seen on another version, that one is handled next.
+
+    ``DraftManager.swap`` resolves the alias again, so the alias can move between the poll and the swap: what
+    counts as handled is the version the swap found (its record's ``version``), not the one the poll saw. A swap
+    that found the serving version (``unchanged``) did nothing for the version the poll saw; taking that one as
+    handled would leave the poller deaf to it for good once the alias came back to it (a promotion never served).
+    """
+
+    def __init__(self, uri: str, serving: str | None) -> None:
+        self.uri = uri
+        self.handled = serving  # the alias version the poller is done with, while the alias stays on it
+        self.seen: str | None = None  # the version the last poll found the alias on
+        self.seen_at: float | None = None
+
+    def wants(self, alias_version: str, serving: str | None) -> bool:
+        """Whether to swap now that the alias points at ``alias_version`` and ``serving`` is served."""
+        self.seen, self.seen_at = alias_version, time.time()
+        if alias_version == serving:
+            self.handled = alias_version
+            return False
+        return alias_version != self.handled
+
+    def tried(self, alias_version: str, found: str | None) -> None:
+        """The swap started for ``alias_version`` ended; ``found``: the version it resolved (its record's; None
+        when unknown: refused before loading, or the swap raised)."""
+        self.handled = found or alias_version
+
+    def status(self) -> dict:
+        """For /health: ``version`` is where the last poll found the alias. The poller swaps before it polls
+        again, so ``version`` equal to the serving draft means the replica has caught up with the alias."""
+        return {"uri": self.uri, "version": self.seen, "polled_at": self.seen_at}
+
+
 class DraftManager:
     """Owns the mapping draft -> version and performs swaps and rollbacks on a running engine."""
 

@@ -27,6 +27,8 @@ from eagleray.serve.serving_config import ServingConfig
 from eagleray.tests.support.tiny import zero_tensor
 
 NAME, K, CTX = "adapt-draft", 3, 128
+KEY = "adapt-key"  # the admin route (the swap history of a failure message) needs a key
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,8 @@ def world(tiny_target, tmp_path_factory):
     import mlflow
     import ray
 
-    from eagleray.serve.local import start_local, stop_local
+    from eagleray.serve.local import start_local
+    from eagleray.tests.support.cluster import stop_local_ray
 
     root = tmp_path_factory.mktemp("adapt")
     saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "EAGLERAY_HOME")}
@@ -61,6 +64,7 @@ def world(tiny_target, tmp_path_factory):
             "alias_poll_seconds": 1,
             "mlflow": {"tracking_uri": uri},
             "model_name": "tiny",
+            "api_key": KEY,
             "max_num_seqs": 8,
             "capture": {"path": str(root / "traffic"), "flush_seconds": 1},
         }
@@ -85,7 +89,7 @@ def world(tiny_target, tmp_path_factory):
         url = start_local(serving, num_cpus=2, timeout_s=180)
         yield {"url": url, "adapt": adapt, "spec": spec, "uri": uri, "good": good, "bad": bad}
     finally:
-        stop_local()
+        stop_local_ray()
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
@@ -97,11 +101,24 @@ def chat(url: str, i: int) -> httpx.Response:
         "max_tokens": 10,
         "temperature": 0,
     }
-    return httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    return httpx.post(url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120)
 
 
 def serving_version(url: str) -> str:
-    return httpx.get(url + "/health", timeout=30).json()["draft_version"]
+    return httpx.get(url + "/health", headers=AUTH, timeout=30).json()["draft_version"]
+
+
+def caught_up(url: str) -> str | None:
+    """The serving draft version once the replica has caught up with the alias, else None: its poller's last poll
+    found the alias on the serving draft (the poller finishes a swap before it polls again, so none is under way)."""
+    h = httpx.get(url + "/health", headers=AUTH, timeout=30).json()
+    return h["draft_version"] if h["alias"]["version"] == h["draft_version"] else None
+
+
+def swap_history(url: str) -> list[tuple]:
+    """The replica's last swaps (outcome, version, message), for failure messages."""
+    history = httpx.get(url + "/admin/draft", headers=AUTH, timeout=30).json()["history"]
+    return [(h["outcome"], h["version"], h["message"][:80]) for h in history]
 
 
 def traffic_prompts(spec: TargetSpec) -> list[list[int]]:
@@ -151,11 +168,11 @@ def test_gate_refuses_a_worse_draft_and_the_alias_stays(world):
 
 def test_alias_moves_on_a_pass_and_serving_hot_swaps_without_failures(world):
     url = world["url"]
-    for _ in range(60):
-        if serving_version(url) == f"{NAME}/2":
-            break
-        time.sleep(1)
-    assert serving_version(url) == f"{NAME}/2"
+    # The gate test moved the alias to 1 and back to 2: the poller may have seen 1 and be swapping to it now.
+    deadline = time.monotonic() + 60
+    while caught_up(url) != f"{NAME}/2" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert caught_up(url) == f"{NAME}/2", swap_history(url)
     d = gate_and_record(world, f"models:/{NAME}/2", f"models:/{NAME}/1", world["bad"], world["good"])
     assert d.action == "promote", d.reason
     assert registry.get_alias(NAME, "champion").version == "1"
@@ -163,7 +180,7 @@ def test_alias_moves_on_a_pass_and_serving_hot_swaps_without_failures(world):
     deadline = time.monotonic() + 60
     while serving_version(url) != f"{NAME}/1" and time.monotonic() < deadline:
         statuses.append(chat(url, len(statuses)).status_code)
-    assert serving_version(url) == f"{NAME}/1" and set(statuses) <= {200}
+    assert serving_version(url) == f"{NAME}/1" and set(statuses) <= {200}, (statuses, swap_history(url))
     body = chat(url, 999).json()
     assert body["usage"]["completion_tokens"] == 10
 

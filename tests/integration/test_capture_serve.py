@@ -28,8 +28,8 @@ TICK = "import pathlib, sys; p = pathlib.Path(sys.argv[1]); p.write_text((p.read
 
 @pytest.fixture(scope="module")
 def capture_server(tiny_target, tmp_path_factory):
-    from eagleray.serve.local import start_local, stop_local
-    from eagleray.tests.support.cluster import init_ray_with_metrics
+    from eagleray.serve.local import start_local
+    from eagleray.tests.support.cluster import init_ray_with_metrics, stop_local_ray
 
     root = tmp_path_factory.mktemp("capture")
     draft = make_random_draft(TargetSpec.from_dir(tiny_target), root / "draft", seed=1)
@@ -54,7 +54,7 @@ def capture_server(tiny_target, tmp_path_factory):
         url = start_local(cfg, num_cpus=2, timeout_s=180)
         yield url, cfg, f"http://127.0.0.1:{metrics_port}/metrics"
     finally:
-        stop_local()
+        stop_local_ray()
 
 
 def chat(url: str, content: str, **extra) -> httpx.Response:

@@ -42,7 +42,8 @@ def drafts(tiny_target, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_target, drafts):
-    from eagleray.serve.local import start_local, stop_local
+    from eagleray.serve.local import start_local
+    from eagleray.tests.support.cluster import stop_local_ray
 
     cfg = ServingConfig.model_validate(
         {
@@ -59,7 +60,7 @@ def server(tiny_target, drafts):
     )
     url = start_local(cfg, num_cpus=2)
     yield url, cfg
-    stop_local()
+    stop_local_ray()
 
 
 INTERNALS = re.compile(
@@ -438,8 +439,7 @@ def open_url(server):
         blocking=False,
     )
     wait_ready(url + "/open", None, 120)
-    yield url + "/open"
-    serve.delete("eagleray-open")
+    return url + "/open"  # no serve.delete (a 2 s graceful stop): it ends with the module's Ray (server)
 
 
 @pytest.mark.parametrize("method, path", _admin_routes())

@@ -99,8 +99,8 @@ def reg(constant_target, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(constant_target, reg):
     """Ray with a Prometheus export port; the app serves models:/NAME@champion and polls the alias every 1 s."""
-    from eagleray.serve.local import start_local, stop_local
-    from eagleray.tests.support.cluster import init_ray_with_metrics
+    from eagleray.serve.local import start_local
+    from eagleray.tests.support.cluster import init_ray_with_metrics, stop_local_ray
 
     tracking_uri, root = reg
     # The replica inherits the driver's environment: downloaded drafts go under this module's tmp dir.
@@ -121,7 +121,7 @@ def server(constant_target, reg):
         url = start_local(cfg, num_cpus=2, timeout_s=180)
         yield url, cfg, f"http://127.0.0.1:{metrics_port}/metrics"
     finally:
-        stop_local()
+        stop_local_ray()
 
 
 def chat(url: str, content: str, max_tokens: int = 16) -> httpx.Response:

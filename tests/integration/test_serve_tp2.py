@@ -42,7 +42,8 @@ def tp1_answer(peaked_target) -> str:
 
 @pytest.fixture(scope="module")
 def server(peaked_target):
-    from eagleray.serve.local import start_local, stop_local
+    from eagleray.serve.local import start_local
+    from eagleray.tests.support.cluster import stop_local_ray
 
     cfg = ServingConfig.model_validate(
         {
@@ -57,7 +58,7 @@ def server(peaked_target):
         url = start_local(cfg, num_cpus=2, timeout_s=120)
         yield url, cfg
     finally:
-        stop_local()
+        stop_local_ray()
 
 
 def test_tp2_serve_matches_tp1_and_workers_are_placed_actors(server, tp1_answer):

@@ -86,7 +86,9 @@ def _random_case(bsz=40, k=4, vocab=V, seed=0):
 @pytest.mark.parametrize("config", [None, SMALL_TILES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chain_matches_reference(use_q, config, dtype):
-    logits, draft, q, temp, seeds = _random_case()
+    # The interpreter runs one program per row with SMALL_TILES (~0.1 s a row): 12 rows keep every kind of row
+    # (greedy, sampled and accepted, padded, no drafts); the default launch takes 40.
+    logits, draft, q, temp, seeds = _random_case(bsz=40 if config is None else 12)
     logits = logits.to(dtype)
     qq = q if use_q else None
     got = verify_chain(logits, draft, qq, temperature=temp, seed=seeds, config=config)
@@ -107,7 +109,7 @@ def test_chain_seeded_determinism():
 
 @pytest.mark.parametrize("config", [None, SMALL_TILES])
 def test_reduced_matches_reference(config):
-    logits, draft, _, temp, seeds = _random_case()
+    logits, draft, _, temp, seeds = _random_case(bsz=40 if config is None else 12)  # 12 rows: as above
     d2t = torch.tensor([0, 0, 1, 1, 2, 4, 4, 5, 7, 9, 10, 12])  # draft id i -> target i + d2t[i]
     g = torch.Generator().manual_seed(5)
     q = torch.softmax(torch.randn(*draft.shape, len(d2t), generator=g), -1)
