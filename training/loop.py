@@ -59,8 +59,8 @@ class Horizon:
 
     def refit(self, step: int, session: Session) -> None:
         """At a log point (collective: every rank calls it)."""
-        if self.deadline is None:
-            return
+        if self.deadline is None or step >= self.steps:
+            return  # no budget, or the horizon is reached: stop there (re-fitting would lift the decayed lr again)
         now = time.perf_counter()
         estimate = self.cap
         if self.mark is not None and step > self.mark[0]:

@@ -254,3 +254,17 @@ def test_prefetch_keeps_order_and_raises_the_producers_error_in_place():
     assert next(got) == 1
     with pytest.raises(ValueError, match="row 2 is bad"):
         next(got)
+
+
+def test_a_reached_horizon_is_not_moved_again(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: clock[0])
+    h = loop.Horizon(_cfg("d", "t", "o", max_steps=10_000, max_minutes=1.0))
+    session = LocalSession(Path("unused"))
+    for step, t in ((10, 5.0), (20, 10.0)):
+        clock[0] = t
+        h.refit(step, session)
+    assert h.steps == 120
+    clock[0] = 12.0  # steps got faster: a re-fit now would push the end out, but 120 is reached
+    h.refit(120, session)
+    assert h.steps == 120
