@@ -16,7 +16,9 @@
   and probes k_max now and then (the interval doubles after every probe that does not pay, up to
   ``max_probe_interval``, and stretches by the bucket's cost ratio of a speculative to a plain step),
   so a draft that starts to pay is noticed and one that does not costs about one step in
-  ``max_probe_interval``. Once the measured acceptance bounds every speedup below 1 + ``margin``, a
+  ``max_probe_interval``. While it speculates with k < k_max, every ``probe_interval``-th speculative step
+  drafts k_max (a tail probe): positions past k are measured only by steps that draft them, so an early
+  underestimate of the tail would otherwise hold k low for good. Once the measured acceptance bounds every speedup below 1 + ``margin``, a
   batch size not seen yet starts plain instead of being measured with speculative steps, and probes
   come only every ``max_probe_interval`` steps. A tree drafts a fixed topology: k is 0 or the tree.
 
@@ -124,6 +126,7 @@ class AdaptivePolicy:
         self.speculating = True
         self._probe_interval = probe_interval
         self._since_probe = 0
+        self._since_tail = 0  # speculative steps at k < k_max since the last one at k_max
         self.last_prediction: dict = {}
 
     # ------------------------------------------------------------------ decide
@@ -142,6 +145,10 @@ class AdaptivePolicy:
         self.last_prediction = {"batch": batch, "k": k, "predicted_speedup": round(speedup, 4)}
         if k > 0:
             self._since_probe = 0
+            self._since_tail += 1
+            if k < self.k_max and self.can_lower_k and self._since_tail >= self.min_probe_interval:
+                self._since_tail = 0  # a tail probe: positions k.. are measured only by steps that draft them
+                return self.k_max
             self._set(k)
             return k
         return self._plain_or_probe(c)

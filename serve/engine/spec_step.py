@@ -113,11 +113,14 @@ def _draft_batch(
 
 
 def draft_catch_up(
-    ctx: SpecContext, seqs: list[Sequence], tables: torch.Tensor | None = None
+    ctx: SpecContext, seqs: list[Sequence], tables: torch.Tensor | None = None, steady: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Feed the draft every committed position it has not seen -> draft logits [B, Vd], hidden [B, H] at N-2.
 
-    ``tables`` [B, MB]: the block tables on the draft's device, for the row step (short catch-ups)."""
+    ``tables`` [B, MB]: the block tables on the draft's device, for the row step (short catch-ups). ``steady``:
+    the most positions a catch-up holds between speculative steps (the previous step's drafts + 1); a longer one
+    follows plain steps, and its time is kept out of the drafting cost the adaptive policy measures (it is the
+    price of having switched, not of the next speculative step)."""
     with ctx.prof.phase("prepare"):
         tokens = [s.tokens[s.draft_cached + 1 : s.num_tokens] for s in seqs]
         aux = torch.cat([s.take_aux() for s in seqs], dim=0)  # [T, n_aux*H_t]
@@ -126,7 +129,10 @@ def draft_catch_up(
             ctx.aux_checked = True
         lens = [len(t) for t in tokens]
         use_rows = tables is not None and sum(lens) <= ctx.draft.max_rows
-        lagging = max(lens) > ctx.draft.max_rows // max(len(seqs), 1) if tables is not None else max(lens) > 64
+        if steady is not None:
+            lagging = max(lens) > steady
+        else:
+            lagging = max(lens) > ctx.draft.max_rows // max(len(seqs), 1) if tables is not None else max(lens) > 64
         start = ctx.clock.mark() if lagging else None
         if use_rows:
             rows, last = _catch_up_rows(seqs, tokens, lens, tables, ctx.draft)
@@ -181,7 +187,8 @@ def draft_chain(
     ``tables``: the block tables [B, MB] on the device, if the caller made them already."""
     if tables is None:
         tables = block_table_tensor([s.block_table for s in seqs], ctx.draft.device)  # [B, max_blocks], once a step
-    logits, hidden = draft_catch_up(ctx, seqs, tables if ctx.draft.rows is not None else None)  # [B, Vd], [B, H]
+    tables_or_none = tables if ctx.draft.rows is not None else None
+    logits, hidden = draft_catch_up(ctx, seqs, tables_or_none, steady=k + 1)  # [B, Vd], [B, H]
     with ctx.prof.phase("draft_sample"):
         ids, q = sample_draft(logits, rows, seqs)
     all_ids, all_q = [ids], [q]
@@ -294,7 +301,7 @@ def tree_step(ctx: SpecContext, seqs: list[Sequence], depth: int, topk: int, num
     m0 = ctx.clock.mark()
     with ctx.prof.phase("prepare"):
         rows = RowParams.of(seqs, ctx.target.device)
-    logits0, hidden0 = draft_catch_up(ctx, seqs)  # [B, Vd], [B, H]
+    logits0, hidden0 = draft_catch_up(ctx, seqs, steady=depth + 1)  # [B, Vd], [B, H]
     with ctx.prof.phase("draft"):
         trees = draft_tree(ctx.draft, seqs, logits0, hidden0, depth, topk, num_nodes)
         drafts = [t.tokens.tolist() for t in trees]
