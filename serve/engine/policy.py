@@ -10,17 +10,19 @@
       speedup(B, k) = E(k) * t_plain(B) / (t_verify(B) + k * t_draft(B))
       E(k) = 1 + sum_{i<k} a_i          a_i = P(the first i+1 drafts are accepted), measured per position
 
-  with t_plain, t_verify (target forward + verification of k+1 tokens, about flat in k while the
-  step is memory-bound) and t_draft (one draft forward) measured per batch-size bucket as moving
-  averages. It speculates with the best k when that beats plain by ``margin``, else decodes plain
+  with t_plain, t_verify(B, k) (target forward + verification of k+1 tokens: about flat in k while the
+  step is memory-bound on a GPU, less so on a CPU; measured per k, a k not measured yet takes the nearest
+  measured k's) and t_draft (one draft forward; a catch-up over plain steps' tokens is not counted)
+  measured per batch-size bucket as moving averages. It speculates with the best k when that beats plain by ``margin``, else decodes plain
   and probes k_max now and then (the interval doubles after every probe that does not pay, up to
   ``max_probe_interval``, and stretches by the bucket's cost ratio of a speculative to a plain step),
   so a draft that starts to pay is noticed and one that does not costs about one step in
-  ``max_probe_interval``. While it speculates with k < k_max, every ``probe_interval``-th speculative step
-  drafts k_max (a tail probe): positions past k are measured only by steps that draft them, so an early
-  underestimate of the tail would otherwise hold k low for good. Once the measured acceptance bounds every speedup below 1 + ``margin``, a
-  batch size not seen yet starts plain instead of being measured with speculative steps, and probes
-  come only every ``max_probe_interval`` steps. A tree drafts a fixed topology: k is 0 or the tree.
+  ``max_probe_interval``. While it speculates with k < k_max, every ``probe_interval``-th speculative
+  step drafts k_max (a tail probe): positions past k are measured only by steps that draft them, so an
+  early underestimate of the tail would otherwise hold k low for good. Once the measured acceptance
+  bounds every speedup below 1 + ``margin``, a batch size not seen yet starts plain instead of being
+  measured with speculative steps, and probes come only every ``max_probe_interval`` steps. A tree
+  drafts a fixed topology: k is 0 or the tree.
 
   Acceptance a_i starts from an optimistic prior (every draft accepted, worth ``PRIOR`` verified sequences)
   averaged with the counts of the first ``EVIDENCE`` verified sequences, then follows the measured rate as a
@@ -264,6 +266,7 @@ class AdaptivePolicy:
         self.costs.clear()
         self._probe_interval = self.min_probe_interval
         self._since_probe = 0
+        self._since_tail = 0
 
     def snapshot(self) -> dict:
         """Per bucket: measured costs (ms), the chosen k and its predicted speedup."""
