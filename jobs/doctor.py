@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from eagleray.platform import registry
+from eagleray.platform.checkpoints import shipped
 from eagleray.platform.checkpoints.guard import GuardReport, check_compatibility
 from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
 
@@ -15,8 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft",
         required=True,
-        help="draft checkpoint directory, or models:/<name>@<alias> | models:/<name>/<version> "
-        "(MLflow registry at MLFLOW_TRACKING_URI, default the sqlite store under $EAGLERAY_HOME)",
+        help="draft checkpoint directory, models:/<name>@<alias> | models:/<name>/<version> "
+        "(MLflow registry at MLFLOW_TRACKING_URI, default the sqlite store under $EAGLERAY_HOME), or shipped:<name>",
     )
     p.add_argument(
         "--algorithm",
@@ -30,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     target = TargetSpec.from_dir(resolve_target(args.target))
     draft = args.draft  # a registry URI: MLFLOW_TRACKING_URI, else the sqlite store under $EAGLERAY_HOME
-    if registry.is_registry_uri(draft):
+    if registry.is_registry_uri(draft) or draft.startswith(shipped.PREFIX):
         draft = registry.resolve_draft(draft).path
     report = check_compatibility(target, draft, algorithm=args.algorithm, max_model_len=args.max_model_len)
     if report.ok:

@@ -34,3 +34,13 @@ def test_the_shipped_champion_is_lossless_and_accepts_drafts(smollm2_fp32):
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     # an untrained draft stays at 1.0; this one measured 1.6-1.9 on MT-bench (BENCHMARKS.md)
     assert engine.metrics.snapshot()["spec_decode_mean_acceptance_length"] > 1.25
+
+
+def test_doctor_takes_a_shipped_source(smollm2_fp32, capsys):
+    import argparse
+
+    from eagleray.jobs import doctor
+
+    args = argparse.Namespace(target="smollm2", draft=SOURCE, algorithm=None, max_model_len=None)
+    assert doctor.run(args) == 0
+    assert f"compatible: {SOURCE} can serve" in capsys.readouterr().out
