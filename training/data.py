@@ -91,7 +91,8 @@ def group(rows: Iterator[Row], batch_size: int, buffer: int, rng: random.Random 
 def prefetch(items: Iterator[Any], depth: int) -> Iterator[Any]:
     """``items`` produced by a background thread up to ``depth`` ahead, so CPU work (tokenizing, grouping) overlaps
     the device's. An exception in the producer is raised here, where its item would have come; closing this
-    generator stops the producer."""
+    generator stops the producer and waits for it (at most the item it is making), so nothing else shares the
+    producer's tools (a tokenizer) after the close."""
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
     done = object()
@@ -123,6 +124,7 @@ def prefetch(items: Iterator[Any], depth: int) -> Iterator[Any]:
             yield value
     finally:
         stop.set()
+        thread.join()
 
 
 def _flush(rows: list[Row], batch_size: int, rng: random.Random | None) -> Iterator[list[Row]]:

@@ -198,6 +198,8 @@ def train_worker(cfg: TrainingConfig, session: Session, run_id: str | None = Non
             if logger is not None:
                 logger(metrics, step)
         final = step >= horizon.steps
+        if final:
+            train.close()  # stops the stream's background tokenizing before the final eval tokenizes
         if step % cfg.checkpoint_every == 0 or final:
             metrics = _checkpoint(
                 cfg, session, plan, model, opt, sched, step, final, metrics, eval_factory, amp, logger, resumed_from

@@ -256,6 +256,15 @@ def test_prefetch_keeps_order_and_raises_the_producers_error_in_place():
         next(got)
 
 
+def test_closing_prefetch_stops_its_producer():
+    import threading
+
+    stream = data.prefetch(iter(range(10_000)), 2)
+    assert next(stream) == 0
+    stream.close()  # the final eval tokenizes next: the producer must be gone, not still running ahead
+    assert not [t for t in threading.enumerate() if t.name == "eagleray-prefetch"]
+
+
 def test_a_reached_horizon_is_not_moved_again(monkeypatch):
     clock = [0.0]
     monkeypatch.setattr(loop.time, "perf_counter", lambda: clock[0])
@@ -268,3 +277,37 @@ def test_a_reached_horizon_is_not_moved_again(monkeypatch):
     clock[0] = 12.0  # steps got faster: a re-fit now would push the end out, but 120 is reached
     h.refit(120, session)
     assert h.steps == 120
+
+
+def test_the_final_eval_runs_after_the_background_tokenizer_stopped(train_target, tmp_path, monkeypatch):
+    """The first epoch tokenizes on a background thread; the final eval tokenizes too, with the same tokenizer, so the
+    training stream is closed (its thread joined) before it."""
+    import json
+    import threading
+
+    torch.set_num_threads(1)
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "def f():\n    return 1\n"}]
+    src = tmp_path / "convs.jsonl"
+    src.write_text("".join(json.dumps({"messages": turns, "id": f"c{i}"}) + "\n" for i in range(400)))
+    alive = []
+    evaluate = loop.evaluate
+
+    def spy(*a, **kw):
+        alive.append([t.name for t in threading.enumerate() if t.name == "eagleray-prefetch"])
+        return evaluate(*a, **kw)
+
+    monkeypatch.setattr(loop, "evaluate", spy)
+    cfg = _cfg(
+        "online",
+        train_target,
+        tmp_path,
+        online={"prompts": [str(src)]},
+        max_steps=2,
+        checkpoint_every=2,
+        eval_fraction=0.25,
+        eval_batches=1,
+        draft_vocab_size=64,
+        shuffle_buffer=4,
+    )
+    train_worker(cfg, LocalSession(tmp_path / "ckpt"))
+    assert alive == [[]]
