@@ -6,7 +6,6 @@ import argparse
 import sys
 
 from eagleray.platform import registry
-from eagleray.platform.checkpoints import shipped
 from eagleray.platform.checkpoints.guard import GuardReport, check_compatibility
 from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
 
@@ -30,9 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     target = TargetSpec.from_dir(resolve_target(args.target))
-    draft = args.draft  # a registry URI: MLFLOW_TRACKING_URI, else the sqlite store under $EAGLERAY_HOME
-    if registry.is_registry_uri(draft) or draft.startswith(shipped.PREFIX):
-        draft = registry.resolve_draft(draft).path
+    # every kind of source through the one resolver (a registry URI: MLFLOW_TRACKING_URI, else the sqlite store
+    # under $EAGLERAY_HOME); a directory is itself, so the guard reports what is wrong inside it
+    draft = registry.resolve_draft(args.draft, target).path
     report = check_compatibility(target, draft, algorithm=args.algorithm, max_model_len=args.max_model_len)
     if report.ok:
         print(summary(report, target, args.draft))

@@ -22,6 +22,17 @@ def _cfg(data_dir, target, out, **kw) -> TrainingConfig:
     return small_training_config(data_dir, target, out, **{**steps, **kw})
 
 
+def _online_cfg(target, out, convs: list[dict], **kw) -> TrainingConfig:
+    """An online run over ``convs`` (written to out/convs.jsonl): checkpoint and eval (one batch) at the last step."""
+    import json
+
+    src = out / "convs.jsonl"
+    src.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    steps = kw.pop("max_steps")
+    base = dict(max_steps=steps, checkpoint_every=steps, eval_fraction=0.25, eval_batches=1, draft_vocab_size=64)
+    return _cfg("online", target, out, online={"prompts": [str(src)]}, **{**base, **kw})
+
+
 @pytest.fixture(scope="module")
 def trained(synthetic_data, train_target, tmp_path_factory):
     torch.set_num_threads(1)
@@ -93,8 +104,6 @@ def test_data_dir_of_another_target_is_refused(synthetic_data, tmp_path):
 
 
 def test_online_mode_runs_the_target_in_the_loop(train_target, tmp_path):
-    import json
-
     torch.set_num_threads(1)
     convs = [
         {
@@ -105,19 +114,7 @@ def test_online_mode_runs_the_target_in_the_loop(train_target, tmp_path):
         }
         for i in range(12)
     ]
-    src = tmp_path / "convs.jsonl"
-    src.write_text("".join(json.dumps(c) + "\n" for c in convs))
-    cfg = _cfg(
-        "online",
-        train_target,
-        tmp_path,
-        online={"prompts": [str(src)]},
-        max_steps=3,
-        checkpoint_every=3,
-        eval_fraction=0.25,
-        eval_batches=1,
-        draft_vocab_size=64,
-    )
+    cfg = _online_cfg(train_target, tmp_path, convs, max_steps=3)
     session = LocalSession(tmp_path / "ckpt")
     metrics = train_worker(cfg, session)
     assert metrics["step"] == 3 and 0.0 <= metrics["acc_0"] <= 1.0
@@ -282,13 +279,11 @@ def test_a_reached_horizon_is_not_moved_again(monkeypatch):
 def test_the_final_eval_runs_after_the_background_tokenizer_stopped(train_target, tmp_path, monkeypatch):
     """The first epoch tokenizes on a background thread; the final eval tokenizes too, with the same tokenizer, so the
     training stream is closed (its thread joined) before it."""
-    import json
     import threading
 
     torch.set_num_threads(1)
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "def f():\n    return 1\n"}]
-    src = tmp_path / "convs.jsonl"
-    src.write_text("".join(json.dumps({"messages": turns, "id": f"c{i}"}) + "\n" for i in range(400)))
+    convs = [{"messages": turns, "id": f"c{i}"} for i in range(400)]
     alive = []
     evaluate = loop.evaluate
 
@@ -297,17 +292,6 @@ def test_the_final_eval_runs_after_the_background_tokenizer_stopped(train_target
         return evaluate(*a, **kw)
 
     monkeypatch.setattr(loop, "evaluate", spy)
-    cfg = _cfg(
-        "online",
-        train_target,
-        tmp_path,
-        online={"prompts": [str(src)]},
-        max_steps=2,
-        checkpoint_every=2,
-        eval_fraction=0.25,
-        eval_batches=1,
-        draft_vocab_size=64,
-        shuffle_buffer=4,
-    )
+    cfg = _online_cfg(train_target, tmp_path, convs, max_steps=2, shuffle_buffer=4)
     train_worker(cfg, LocalSession(tmp_path / "ckpt"))
     assert alive == [[]]
