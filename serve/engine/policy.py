@@ -92,8 +92,7 @@ class _Costs:
     """Moving averages (seconds per step) of one batch-size bucket."""
 
     plain: float | None = None
-    verify: float | None = None  # target forward + verification of the drafts (the last k measured)
-    verify_by_k: dict[int, float] = field(default_factory=dict)  # the same, per draft length k
+    verify_by_k: dict[int, float] = field(default_factory=dict)  # target forward + verification, per draft length k
     draft: float | None = None  # one draft forward (chain) or the whole tree draft
     plain_steps: int = 0
     spec_steps: int = 0
@@ -167,8 +166,8 @@ class AdaptivePolicy:
         # a probe where speculating costs r plain steps loses about r - 1 of them: probe r times less often
         ratio = (
             1.0
-            if c.plain is None or c.verify is None or c.draft is None
-            else max(1.0, (c.verify + c.draft * self.k_max) / c.plain)
+            if c.plain is None or not c.verify_by_k or c.draft is None
+            else max(1.0, (self._verify_cost(c, self.k_max) + c.draft * self.k_max) / c.plain)
         )
         interval = self.max_probe_interval if self._hopeless() else self._probe_interval  # a draft never accepted: rarely
         if self._since_probe >= interval * ratio:
@@ -180,7 +179,7 @@ class AdaptivePolicy:
     def best(self, batch: int) -> tuple[int, float]:
         """(k, predicted speedup) with the largest predicted speedup; (0, 1.0) unless one beats 1 + margin."""
         c = self.costs.get(bucket(batch))
-        if c is None or c.plain is None or c.verify is None or c.draft is None:
+        if c is None or c.plain is None or not c.verify_by_k or c.draft is None:
             return 0, 1.0
         ks = range(1, self.k_max + 1) if self.can_lower_k else [self.k_max]
         scored = [(self.predicted_speedup(batch, k), k) for k in ks]
@@ -221,7 +220,6 @@ class AdaptivePolicy:
     def observe_spec(self, batch: int, k: int, verify_seconds: float, draft_seconds: float, accepted: list[int]) -> None:
         """A speculative step: its verify and draft time, and each sequence's accepted count (of k drafts)."""
         c = self.costs.setdefault(bucket(batch), _Costs())
-        c.verify = self._ema(c.verify, verify_seconds)
         c.verify_by_k[k] = self._ema(c.verify_by_k.get(k), verify_seconds)
         c.draft = self._ema(c.draft, draft_seconds / (k if self.can_lower_k else 1))
         c.spec_steps += 1
@@ -275,7 +273,8 @@ class AdaptivePolicy:
             k, speedup = self.best(b)
             out[b] = {
                 "plain_ms": None if c.plain is None else round(c.plain * 1e3, 3),
-                "verify_ms": None if c.verify is None else round(c.verify * 1e3, 3),
+                "verify_ms": None if not c.verify_by_k else round(self._verify_cost(c, k or self.k_max) * 1e3, 3),
+                "verify_ms_by_k": {j: round(v * 1e3, 3) for j, v in sorted(c.verify_by_k.items())},
                 "draft_ms": None if c.draft is None else round(c.draft * 1e3, 3),
                 "k": k,
                 "predicted_speedup": round(speedup, 4),
