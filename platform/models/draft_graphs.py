@@ -7,7 +7,7 @@ import torch
 
 from eagleray.platform.models.attention import KVCache
 from eagleray.platform.models.decode_metadata import DecodeMetadata
-from eagleray.platform.models.row_graphs import DecodeRows, RowGraphs, fill_rows
+from eagleray.platform.models.row_graphs import DecodeRows, RowGraphs, fill_rows, row_slots
 
 
 class DraftGraphRunner:
@@ -72,8 +72,7 @@ class DraftGraphRunner:
             tables = self.chain_tables[:b]
             for j in range(steps):
                 pos = self.chain_first[:b] + j  # [b]
-                block = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1).to(torch.int64)  # [b]
-                meta = DecodeMetadata(tables, (pos + 1).to(torch.int32), block * bs + pos % bs, bs, self.use_triton)
+                meta = DecodeMetadata(tables, (pos + 1).to(torch.int32), row_slots(tables, pos, bs), bs, self.use_triton)
                 normed, hidden = self.draft(ids, pos, hidden, meta, self.kv)  # [b, H]
                 ids = self.draft.to_target_ids(self.draft.compute_logits(normed).argmax(-1))  # [b] target ids
                 out.append(ids)

@@ -33,9 +33,7 @@ class DecodeRows:
     ) -> "DecodeRows":
         """tables [B, MB]; ``row_seq`` [R] the sequence of each row (default: row r is sequence r)."""
         rows = tables if row_seq is None else tables.index_select(0, row_seq)  # [R, MB]
-        block = rows.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1).to(torch.int64)  # [R]
-        slots = block * block_size + positions % block_size  # [R]
-        return cls(input_ids, positions, rows, (positions + 1).to(torch.int32), slots)
+        return cls(input_ids, positions, rows, (positions + 1).to(torch.int32), row_slots(rows, positions, block_size))
 
     @property
     def num_rows(self) -> int:
@@ -47,6 +45,37 @@ class DecodeRows:
         return DecodeRows(input_ids, self.positions[pick], self.block_tables[pick], self.seq_lens[pick], self.slots[pick])
 
 
+def pick_bucket(buckets: tuple[int, ...], n: int, what: str, fix: str) -> int:
+    """The smallest of the sorted ``buckets`` that holds ``n`` ``what``; an error naming ``fix`` past the largest."""
+    for size in buckets:
+        if size >= n:
+            return size
+    raise EaglerayError(f"a batch of {n} {what} exceeds the largest bucket {buckets[-1]}\n    fix: {fix}")
+
+
+def row_slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The cache slot of each row's token: tables [R, MB] int32 (row r's sequence), positions [R] int64 -> [R] int64."""
+    block = tables.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1).to(torch.int64)  # [R]
+    return block * block_size + positions % block_size
+
+
+class StepStage:
+    """A step's per-sequence integers staged in one host -> device copy: pinned host rows [N, W] int64 (numpy
+    view ``host``) and their device copy. The caller writes rows of ``host``, then :meth:`upload` queues one
+    non-blocking copy, so staging never waits for the device. The host rows are written again only after the
+    step's results were read back (that synchronisation orders the next write after this copy)."""
+
+    def __init__(self, rows: int, width: int, device: torch.device):
+        self._host = torch.zeros(rows, width, dtype=torch.int64, pin_memory=device.type == "cuda")  # [N, W]
+        self.host = self._host.numpy()
+        self.dev = torch.zeros(rows, width, dtype=torch.int64, device=device)  # [N, W]
+
+    def upload(self, n: int) -> torch.Tensor:
+        """Queue the copy of the first ``n`` host rows -> their device view [n, W]."""
+        self.dev[:n].copy_(self._host[:n], non_blocking=True)
+        return self.dev[:n]
+
+
 def fill_rows(b: int, bucket: int, fills) -> None:
     """Stage a batch of ``b`` rows in static buffers padded to ``bucket`` rows: each (buffer, source, pad) gets
     ``source`` in its first rows (a 2-D source in its leading columns) and ``pad`` in rows b..bucket-1."""
@@ -56,67 +85,23 @@ def fill_rows(b: int, bucket: int, fills) -> None:
             buf[b:bucket] = pad
 
 
-class RowGraphs:
-    """Fixed-shape row buffers for batches up to ``max(buckets)`` rows, and one CUDA graph per bucket.
+class GraphSet:
+    """CUDA graphs keyed by (key, bucket), captured once and replayed; run eagerly where graphs are off (CPU).
 
-    A *row* is one query token attending to its sequence's cache up to and including itself. ``load``
-    copies a batch into the buffers and pads it to its bucket (padding rows write their K/V to
-    ``pad_slot``); ``replay`` runs ``forward(bucket)`` - captured once per (key, bucket) on CUDA,
-    lazily or by :meth:`capture` - and returns its static outputs.
+    ``replay(key, bucket, forward)`` returns ``forward(bucket)``'s outputs: from the (key, bucket) graph on CUDA -
+    captured the first time it is needed when ``lazy``, or ahead by :meth:`capture` - else by running ``forward``.
+    Graphs of one set share a memory pool (they replay one after another on one stream). ``captures`` counts the
+    graphs captured so far (a step that captured one is not a measurement of the step's cost).
     """
 
-    def __init__(
-        self, device: torch.device, buckets, max_blocks: int, block_size: int, pad_slot: int, use_graphs: bool, lazy: bool
-    ):
+    def __init__(self, device: torch.device, use_graphs: bool, lazy: bool):
         if use_graphs and device.type != "cuda":
             raise EaglerayError("CUDA graphs need the KV cache on a CUDA device\n    fix: use_graphs=False on CPU")
-        self.buckets, self.max_blocks, self.block_size = tuple(sorted(buckets)), int(max_blocks), block_size
-        self.pad_slot, self.use_graphs, self.lazy = int(pad_slot), use_graphs, lazy
-        bmax = self.buckets[-1]
-        self.input_ids = torch.zeros(bmax, dtype=torch.int64, device=device)  # [Bmax]
-        self.positions = torch.zeros(bmax, dtype=torch.int64, device=device)  # [Bmax]
-        self.block_tables = torch.full((bmax, self.max_blocks), -1, dtype=torch.int32, device=device)  # [Bmax, MB]
-        self.seq_lens = torch.ones(bmax, dtype=torch.int32, device=device)  # [Bmax]
-        self.slot_mapping = torch.full((bmax,), self.pad_slot, dtype=torch.int64, device=device)  # [Bmax]
-        self.pad_block = self.pad_slot // block_size  # the block padding rows read and write (never handed out)
-        self.block_tables[:, 0] = self.pad_block
+        self.use_graphs, self.lazy = use_graphs, lazy
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple, object] = {}
+        self.captures = 0
         self._pool = None
-
-    def bucket_for(self, b: int) -> int:
-        for size in self.buckets:
-            if size >= b:
-                return size
-        raise EaglerayError(
-            f"decode batch of {b} rows exceeds the largest bucket {self.buckets[-1]}\n"
-            f"    fix: split the batch, or build the runner with larger buckets"
-        )
-
-    def meta(self, b: int, use_triton: bool, split_tokens: int | None) -> DecodeMetadata:
-        return DecodeMetadata(
-            self.block_tables[:b], self.seq_lens[:b], self.slot_mapping[:b], self.block_size, use_triton, split_tokens
-        )
-
-    def load(self, rows: DecodeRows) -> int:
-        """Copy ``rows`` (block tables of at most ``max_blocks`` blocks) into the buffers, padded with rows of one
-        token at the pad slot -> the bucket the batch runs in."""
-        b, nb = rows.num_rows, rows.block_tables.shape[1]
-        if nb > self.max_blocks:
-            raise EaglerayError(
-                f"block table of {nb} blocks exceeds max_blocks_per_seq={self.max_blocks}\n"
-                f"    fix: build the runner with a larger max_blocks_per_seq"
-            )
-        bucket = self.bucket_for(b)
-        fills = [
-            (self.input_ids, rows.input_ids, 0),
-            (self.positions, rows.positions, 0),
-            (self.block_tables, rows.block_tables, self.pad_block),
-            (self.seq_lens, rows.seq_lens, 1),
-            (self.slot_mapping, rows.slots, self.pad_slot),
-        ]
-        fill_rows(b, bucket, fills)
-        return bucket
 
     def replay(self, key, bucket: int, forward):
         """``forward(bucket)``'s outputs: from the (key, bucket) graph on CUDA, else run eagerly."""
@@ -146,8 +131,62 @@ class RowGraphs:
             with torch.cuda.graph(graph, pool=self._pool):
                 self.outputs[(key, b)] = forward(b)
             self.graphs[(key, b)] = graph
+            self.captures += 1
 
     def reset(self) -> None:
         """Drop every captured graph (the next replay captures again)."""
         self.graphs.clear()
         self.outputs.clear()
+
+
+class RowGraphs(GraphSet):
+    """Fixed-shape row buffers for batches up to ``max(buckets)`` rows, and one CUDA graph per bucket.
+
+    A *row* is one query token attending to its sequence's cache up to and including itself. ``load``
+    copies a batch into the buffers and pads it to its bucket (padding rows write their K/V to
+    ``pad_slot``); ``replay`` (:class:`GraphSet`) runs ``forward(bucket)`` - captured once per (key, bucket) on
+    CUDA, lazily or by :meth:`capture` - and returns its static outputs.
+    """
+
+    def __init__(
+        self, device: torch.device, buckets, max_blocks: int, block_size: int, pad_slot: int, use_graphs: bool, lazy: bool
+    ):
+        super().__init__(device, use_graphs, lazy)
+        self.buckets, self.max_blocks, self.block_size = tuple(sorted(buckets)), int(max_blocks), block_size
+        self.pad_slot = int(pad_slot)
+        bmax = self.buckets[-1]
+        self.input_ids = torch.zeros(bmax, dtype=torch.int64, device=device)  # [Bmax]
+        self.positions = torch.zeros(bmax, dtype=torch.int64, device=device)  # [Bmax]
+        self.block_tables = torch.full((bmax, self.max_blocks), -1, dtype=torch.int32, device=device)  # [Bmax, MB]
+        self.seq_lens = torch.ones(bmax, dtype=torch.int32, device=device)  # [Bmax]
+        self.slot_mapping = torch.full((bmax,), self.pad_slot, dtype=torch.int64, device=device)  # [Bmax]
+        self.pad_block = self.pad_slot // block_size  # the block padding rows read and write (never handed out)
+        self.block_tables[:, 0] = self.pad_block
+
+    def bucket_for(self, b: int) -> int:
+        return pick_bucket(self.buckets, b, "rows", "split the batch, or build the runner with larger buckets")
+
+    def meta(self, b: int, use_triton: bool, split_tokens: int | None) -> DecodeMetadata:
+        return DecodeMetadata(
+            self.block_tables[:b], self.seq_lens[:b], self.slot_mapping[:b], self.block_size, use_triton, split_tokens
+        )
+
+    def load(self, rows: DecodeRows) -> int:
+        """Copy ``rows`` (block tables of at most ``max_blocks`` blocks) into the buffers, padded with rows of one
+        token at the pad slot -> the bucket the batch runs in."""
+        b, nb = rows.num_rows, rows.block_tables.shape[1]
+        if nb > self.max_blocks:
+            raise EaglerayError(
+                f"block table of {nb} blocks exceeds max_blocks_per_seq={self.max_blocks}\n"
+                f"    fix: build the runner with a larger max_blocks_per_seq"
+            )
+        bucket = self.bucket_for(b)
+        fills = [
+            (self.input_ids, rows.input_ids, 0),
+            (self.positions, rows.positions, 0),
+            (self.block_tables, rows.block_tables, self.pad_block),
+            (self.seq_lens, rows.seq_lens, 1),
+            (self.slot_mapping, rows.slots, self.pad_slot),
+        ]
+        fill_rows(b, bucket, fills)
+        return bucket

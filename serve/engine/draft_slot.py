@@ -12,7 +12,8 @@ sequence state, only which draft runs and what it reads.
 from __future__ import annotations
 
 from eagleray.platform.models.eagle3 import Eagle3Draft
-from eagleray.serve.engine.model_runner import DraftRunner, TargetRunner
+from eagleray.platform.models.spec_graphs import ChainStepGraphs
+from eagleray.serve.engine.model_runner import DraftRunner, TargetRunner, row_buckets
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.spec_step import SpecContext
 from eagleray.serve.engine.verify import Verifier
@@ -20,10 +21,14 @@ from eagleray.serve.engine.verify import Verifier
 
 class DraftSlot:
     """``chain_steps``: the greedy chain steps a draft's CUDA graphs are captured for (k-1; 0 for a tree);
-    ``chain_rows``: run the draft on row graphs (CUDA, chain) sized like the target's."""
+    ``chain_rows``: run the draft on row graphs (CUDA, chain) sized like the target's, and greedy chain steps of up to
+    ``max_seqs`` sequences on :class:`ChainStepGraphs`."""
 
-    def __init__(self, target: TargetRunner, verify_backend: str, prof: StepProfiler, chain_rows: bool, chain_steps: int):
+    def __init__(
+        self, target: TargetRunner, verify_backend: str, prof: StepProfiler, chain_rows: bool, chain_steps: int, max_seqs: int = 0
+    ):
         self.target = target
+        self.max_seqs = max_seqs
         self.verify_backend = verify_backend
         self.prof = prof
         self.chain_steps = chain_steps
@@ -49,7 +54,12 @@ class DraftSlot:
             runner.rows.capture(self.chain_steps)
         self.aux_layer_ids = list(self.target.model.aux_layer_ids)
         verifier = Verifier(self.verify_backend, draft.d2t, self.target.vocab_size)
-        self.spec = SpecContext(self.target, runner, verifier, self.prof)
+        graphs = None
+        if runner.rows is not None and self.max_seqs > 0:
+            graphs = ChainStepGraphs(
+                self.target.rows, runner.rows, verifier.chain_greedy, row_buckets(self.max_seqs), self.chain_steps + 1
+            )
+        self.spec = SpecContext(self.target, runner, verifier, self.prof, graphs=graphs)
 
     def request_rollback(self) -> bool:
         """Switch back to the previous draft before the next step; False when there is none."""

@@ -68,7 +68,9 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
         chain = self.tree is None
-        self.drafts = DraftSlot(self.target, config.verify_backend, self.prof, self.use_rows and chain, k_max - 1 if chain else 0)
+        self.drafts = DraftSlot(
+            self.target, config.verify_backend, self.prof, self.use_rows and chain, k_max - 1 if chain else 0, config.max_num_seqs
+        )
         self._last_accepted: list[int] = []  # accepted drafts per sequence of the last speculative step
         self.capture_width = 0  # > 0 after enable_capture: the target's aux rows end with its final hidden [H]
         self.policy = AdaptivePolicy(
@@ -243,7 +245,7 @@ class LLMEngine:
         times.add(emitted, seconds)
         if kind == "plain" and self.drafts.spec is not None:
             self.policy.observe_plain(n, seconds)
-        elif kind == "spec":
+        elif kind == "spec" and self.drafts.spec.measured:  # a step that captured a graph is no measurement
             spec = self.drafts.spec
             self.policy.observe_spec(n, k, spec.verify_seconds, spec.draft_seconds, self._last_accepted)
         self.prof.end_step(kind, n)

@@ -95,6 +95,11 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def tail(self, n: int) -> list[int]:
+        """The last ``n`` >= 1 tokens (without joining prompt and output when the output holds them)."""
+        out = self.output_token_ids
+        return out[-n:] if n <= len(out) else self.tokens[-n:]
+
     @property
     def last_token(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]

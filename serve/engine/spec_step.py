@@ -23,6 +23,7 @@ import torch
 from eagleray.kernels import cpu_decode
 from eagleray.platform.checkpoints.guard import assert_aux_shape
 from eagleray.platform.models.row_graphs import DecodeRows
+from eagleray.platform.models.spec_graphs import ChainStepGraphs
 from eagleray.serve.engine.model_runner import DraftRunner, ForwardBatch, TargetRunner, block_table_tensor
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.sampling import filter_logits, scaled_probs
@@ -64,16 +65,19 @@ class SpecContext:
     verify_seconds: float = 0.0  # the last step's target forward + verification
     clock: StepClock | None = None
     lag_marks: tuple | None = None  # a catch-up over more than a step's positions (after plain steps), not drafting cost
+    graphs: ChainStepGraphs | None = None  # CUDA rows: greedy chain steps as two graphs per (batch bucket, k)
+    measured: bool = True  # False when the last step also captured a graph (its times are not the step's cost)
 
     def __post_init__(self):
         self.clock = self.clock or StepClock(self.target.device)
 
-    def record_times(self, m0, m1, m2) -> None:
+    def record_times(self, m0, m1, m2, measured: bool = True) -> None:
         """Draft (m0..m1, less a long catch-up) and verify (m1..m2) seconds of the step just done."""
         lag = self.clock.seconds(*self.lag_marks) if self.lag_marks is not None else 0.0
         self.lag_marks = None
         self.draft_seconds = max(self.clock.seconds(m0, m1) - lag, 0.0)
         self.verify_seconds = self.clock.seconds(m1, m2)
+        self.measured = measured
 
 
 @dataclass
@@ -270,7 +274,9 @@ def target_verify_rows(
 
 
 def chain_step(ctx: SpecContext, seqs: list[Sequence], k: int) -> list[SeqResult]:
-    """Speculative step with a k-token chain for every sequence."""
+    """Speculative step with a k-token chain for every sequence (greedy batches on the step graphs when there are)."""
+    if ctx.graphs is not None and all(s.params.greedy for s in seqs):
+        return graph_chain_step(ctx, seqs, k)
     m0 = ctx.clock.mark()
     with ctx.prof.phase("prepare"):
         rows = RowParams.of(seqs, ctx.target.device)
@@ -294,6 +300,60 @@ def chain_step(ctx: SpecContext, seqs: list[Sequence], k: int) -> list[SeqResult
         tokens, nacc = tokens.tolist(), nacc.tolist()  # the step's one device -> host transfer of results
     ctx.record_times(m0, m1, ctx.clock.mark())
     return [SeqResult(tokens[b][: n + 1], aux[b][: n + 1], k, n) for b, n in enumerate(nacc)]
+
+
+def graph_chain_step(ctx: SpecContext, seqs: list[Sequence], k: int) -> list[SeqResult]:
+    """:func:`chain_step` of greedy sequences on :class:`ChainStepGraphs`: one staging copy, a drafting and a
+    verification replay, one read-back of the accepted tokens."""
+    g, n, w = ctx.graphs, len(seqs), k + 1
+    lagging = [s for s in seqs if s.num_tokens - 1 - s.draft_cached > g.columns]
+    if lagging:
+        settle_draft(ctx, lagging)
+    with ctx.prof.phase("prepare"):
+        aux = []
+        for b, s in enumerate(seqs):
+            g.put(b, s.tail(s.num_tokens - 1 - s.draft_cached), s.draft_cached, s.last_token, s.num_tokens - 1, s.block_table)
+            aux.append(s.take_aux())  # [n_b, A]
+            s.draft_cached = s.num_tokens - 1
+        if not ctx.aux_checked:
+            assert_aux_shape(aux[0], ctx.draft.num_aux, ctx.target.model.hidden_size)
+            ctx.aux_checked = True
+        bucket = g.load(n, aux)
+    captures = g.graphs.captures
+    m0 = ctx.clock.mark()
+    with ctx.prof.phase("draft"):
+        g.draft(bucket, k)
+    m1 = ctx.clock.mark()
+    with ctx.prof.phase("target"):
+        tokens, nacc, aux_out = g.verify(bucket, k)  # [bucket, k+1], [bucket], [bucket*(k+1), A] | None
+    m2 = ctx.clock.mark()
+    with ctx.prof.phase("verify"):
+        rows = None if aux_out is None else aux_out[: n * w].clone()  # [n*(k+1), A]: outlives the next replay
+        host = torch.cat([tokens[:n].reshape(-1), nacc[:n]]).tolist()  # the step's one device -> host transfer
+    ctx.record_times(m0, m1, m2, measured=g.graphs.captures == captures)
+    out = []
+    for b in range(n):
+        a = host[n * w + b]
+        part = None if rows is None else rows[b * w : b * w + a + 1]
+        out.append(SeqResult(host[b * w : b * w + a + 1], part, k, a))
+    return out
+
+
+def settle_draft(ctx: SpecContext, seqs: list[Sequence]) -> None:
+    """Feed the draft all but the last of the positions it has not seen (after a prefill, plain steps or a longer
+    chain), so that the step graphs' catch-up holds one row for these sequences. Not drafting cost: the price of
+    having decoded without the draft."""
+    with ctx.prof.phase("prepare"):
+        chunks = [s.take_aux() for s in seqs]  # [n_b, A]
+        for s, a in zip(seqs, chunks):
+            s.pending_aux = [a[-1:]]
+        tokens = [s.tokens[s.draft_cached + 1 : s.num_tokens - 1] for s in seqs]
+        batch = _draft_batch(seqs, tokens, [s.draft_cached for s in seqs], ctx.draft, ctx.draft.device)
+        aux = torch.cat([a[:-1] for a in chunks], dim=0)  # [T, A]
+    with ctx.prof.phase("draft"):
+        ctx.draft.forward(batch, aux.to(ctx.draft.device), from_aux=True)  # writes the draft's K/V of those positions
+    for s in seqs:
+        s.draft_cached = s.num_tokens - 2
 
 
 def tree_step(ctx: SpecContext, seqs: list[Sequence], depth: int, topk: int, num_nodes: int) -> list[SeqResult]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from eagleray.kernels import cpu_decode
-from eagleray.platform.models.row_graphs import DecodeRows
-from eagleray.serve.engine.model_runner import ForwardBatch, TargetRunner, block_table_tensor
+from eagleray.platform.models.row_graphs import DecodeRows, StepStage
+from eagleray.serve.engine.model_runner import ForwardBatch, TargetRunner
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.sampling import filter_logits, sample_rows
 from eagleray.serve.engine.sequence import Sequence
@@ -32,6 +32,8 @@ class TargetSteps:
     ):
         self.target, self.block_size, self.device = target, block_size, device
         self.prof, self.threads, self.use_rows = prof, threads, use_rows
+        # rows: last token, its position, the block table (entries past a sequence's blocks are never read)
+        self.stage = StepStage(target.rows.buckets[-1], 2 + target.rows.max_blocks, device) if use_rows else None
 
     def prefill(self, seqs: list[Sequence]) -> list[SeqResult]:
         with self.prof.phase("prepare"), self.threads.for_gemm():
@@ -61,11 +63,12 @@ class TargetSteps:
         return ForwardBatch.of(ids, pos, [1] * len(seqs), starts, [s.block_table for s in seqs], self.block_size)
 
     def _rows(self, seqs: list[Sequence]) -> DecodeRows:
-        ids_pos = torch.tensor([[s.last_token for s in seqs], [s.num_tokens - 1 for s in seqs]], dtype=torch.int64).to(
-            self.device
-        )  # [2, B]: one host -> device copy
-        tables = block_table_tensor([s.block_table for s in seqs], self.device)  # [B, MB]
-        return DecodeRows.of(ids_pos[0], ids_pos[1], tables, self.block_size)
+        host = self.stage.host  # [Bmax, 2 + MB]
+        for b, s in enumerate(seqs):
+            host[b, :2] = (s.last_token, s.num_tokens - 1)
+            host[b, 2 : 2 + len(s.block_table)] = s.block_table
+        m = self.stage.upload(len(seqs))  # [B, 2 + MB]: one non-blocking host -> device copy
+        return DecodeRows.of(m[:, 0], m[:, 1], m[:, 2:].to(torch.int32), self.block_size)
 
 
 def _results(seqs: list[Sequence], logits: torch.Tensor, aux_parts) -> list[SeqResult]:

@@ -61,6 +61,16 @@ class Verifier:
             target_logits, draft_tokens, draft_probs, self.d2t, temperature=temperature, seed=seed
         )
 
+    def chain_greedy(self, target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy chain verification that reads nothing back to the host (a CUDA graph captures it):
+        target_logits [B, K+1, V] fp32, draft_tokens [B, K] -> tokens [B, K+1] (-1 padded), num_accepted [B]."""
+        if not use_kernel(self.backend, target_logits.device):
+            return verify_chain_greedy(target_logits, draft_tokens)
+        b, dev = target_logits.shape[0], target_logits.device
+        temperature = torch.zeros(b, dtype=torch.float32, device=dev)  # [B]
+        seed = torch.zeros(b, dtype=torch.int64, device=dev)  # [B]
+        return verify_chain(target_logits, draft_tokens, None, temperature=temperature, seed=seed, all_greedy=True)
+
     def tree(
         self, logits: list[torch.Tensor], trees: list[DraftTree], temperature: torch.Tensor, seed: torch.Tensor
     ) -> list[tuple[list[int], list[int]]]:

@@ -116,3 +116,18 @@ def scaled_copy(src: str | Path, dst: str | Path, factor: float = 6.0) -> Path:
         tensors = {k: (v * factor if v.dim() == 2 else v).contiguous() for k, v in load_file(str(f)).items()}
         save_file(tensors, str(f), metadata={"format": "pt"})
     return out
+
+
+def make_copy_draft(draft, target, final_aux: int):
+    """Turn ``draft`` into one that replays ``target``'s next-token distribution, so it is accepted often: fc picks
+    the aux state number ``final_aux`` (the target's final pre-norm state), the layer is an identity (o_proj =
+    down_proj = 0), norm and lm_head are the target's. Returns ``draft``."""
+    h = target.hidden_size
+    with torch.no_grad():
+        draft.fc.weight.zero_()
+        draft.fc.weight[:, final_aux * h : (final_aux + 1) * h] = torch.eye(h)
+        draft.midlayer.self_attn.o_proj.weight.zero_()
+        draft.midlayer.mlp.down_proj.weight.zero_()
+        draft.norm.weight.copy_(target.norm.weight)
+        draft.lm_head.weight.copy_(target.lm_head.weight)
+    return draft

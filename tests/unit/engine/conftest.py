@@ -67,16 +67,9 @@ def copy_draft(tiny_dir, target, tmp_path_factory):
     path = make_random_draft(
         TargetSpec.from_dir(tiny_dir), tmp_path_factory.mktemp("draft") / "copy", aux_layer_ids=[1, 2, NUM_LAYERS]
     )
-    draft = Eagle3Draft.from_checkpoint(path, target)
-    h = target.hidden_size
-    with torch.no_grad():
-        draft.fc.weight.zero_()
-        draft.fc.weight[:, 2 * h :] = torch.eye(h)
-        draft.midlayer.self_attn.o_proj.weight.zero_()
-        draft.midlayer.mlp.down_proj.weight.zero_()
-        draft.norm.weight.copy_(target.norm.weight)
-        draft.lm_head.weight.copy_(target.lm_head.weight)
-    return draft
+    from eagleray.tests.support.tiny import make_copy_draft
+
+    return make_copy_draft(Eagle3Draft.from_checkpoint(path, target), target, final_aux=2)
 
 
 def make_engine(target, tokenizer, draft=None, *, k=3, tree=None, policy=None, **engine_kw):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from eagleray.serve.engine import SamplingParams
@@ -76,3 +78,54 @@ def test_row_path_refuses_what_it_cannot_run(target, tokenizer):
         assert not make_engine(target, tokenizer, decode_path="auto").use_rows
     finally:
         target.tp = type(target.tp)()
+
+
+def _count_graph_steps(monkeypatch) -> list[tuple[int, int]]:
+    """Record (bucket, k) of every verification on the step graphs."""
+    from eagleray.platform.models.spec_graphs import ChainStepGraphs
+
+    calls: list[tuple[int, int]] = []
+    verify = ChainStepGraphs.verify
+    monkeypatch.setattr(ChainStepGraphs, "verify", lambda self, bucket, k: calls.append((bucket, k)) or verify(self, bucket, k))
+    return calls
+
+
+def test_row_path_greedy_chains_run_on_the_step_graphs(target, tokenizer, copy_draft, plain_outputs, monkeypatch):
+    """Greedy chain steps on the row path run on ChainStepGraphs (one staging copy, drafting + verification):
+    with k changing between steps, plain steps between them (the draft then lags by more than a step's catch-up
+    and is settled first) and sequences joining mid-flight (2 slots, 4 prompts), the output equals plain."""
+    calls = _count_graph_steps(monkeypatch)
+    engine = make_engine(target, tokenizer, copy_draft, k=3, decode_path="rows", max_num_seqs=2)
+    ks = itertools.cycle([3, 1, 0, 2, 0, 0, 0, 0, 0, 3, 3])
+    monkeypatch.setattr(engine.policy, "choose", lambda batch=1: next(ks))
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain_outputs
+    assert {k for _, k in calls} == {1, 2, 3} and {b for b, _ in calls} == {1, 2}
+    assert engine.metrics.spec.num_accepted_tokens > 0
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_sampled_rows_keep_the_step_by_step_path(target, tokenizer, copy_draft, monkeypatch):
+    """A batch with a sampled row does not run on the (greedy) step graphs."""
+    calls = _count_graph_steps(monkeypatch)
+    engine = make_engine(target, tokenizer, copy_draft, k=2, decode_path="rows", max_num_seqs=2)
+    engine.generate(PROMPTS[:2], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, seed=1))
+    assert calls == [] and engine.metrics.spec.num_drafts > 0
+
+
+def test_a_step_that_captured_a_graph_is_no_cost_measurement(target, tokenizer, copy_draft, monkeypatch):
+    """The adaptive policy does not learn step costs from a step that captured a CUDA graph (capture time is
+    not the step's cost): here every graph step 'captures' once, so none is observed."""
+    from eagleray.platform.models.spec_graphs import ChainStepGraphs
+
+    draft = ChainStepGraphs.draft
+
+    def capturing(self, bucket, k):
+        self.graphs.captures += 1
+        return draft(self, bucket, k)
+
+    monkeypatch.setattr(ChainStepGraphs, "draft", capturing)
+    engine = make_engine(target, tokenizer, copy_draft, k=2, decode_path="rows", max_num_seqs=2)
+    engine.generate(PROMPTS[:2], GREEDY)
+    assert engine.metrics.spec.num_drafts > 0
+    assert all(c.spec_steps == 0 for c in engine.policy.costs.values())

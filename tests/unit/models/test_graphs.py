@@ -156,3 +156,12 @@ def test_batch1_gemv_step_equals_eager(tiny_dirs):
             torch.testing.assert_close(got_aux, ref_aux, atol=1e-4, rtol=0)
             tok, n = ref.argmax(-1), n + 1
     torch.testing.assert_close(fast_kv.k[:6], eager_kv.k[:6], atol=1e-5, rtol=0)
+
+
+def test_a_batch_past_the_largest_bucket_is_refused_with_the_fix():
+    from eagleray.platform.errors import EaglerayError
+    from eagleray.platform.models.row_graphs import pick_bucket
+
+    assert pick_bucket((1, 2, 4), 3, "rows", "-") == 4
+    with pytest.raises(EaglerayError, match=r"a batch of 5 sequences exceeds the largest bucket 4\n    fix: max_num_seqs"):
+        pick_bucket((1, 2, 4), 5, "sequences", "max_num_seqs")
