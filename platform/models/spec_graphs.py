@@ -60,6 +60,19 @@ class ChainStepGraphs:
         self.graphs = GraphSet(dev, target.rows.use_graphs, lazy=True)
         self._drafts: torch.Tensor | None = None  # the last draft() output: what verify() reads
 
+    def capture(self, ks) -> None:
+        """Capture drafting and verification for every bucket and each k in ``ks`` now (CUDA; a no-op elsewhere), on
+        staged padding rows that touch only the pad block: a lazy capture inside a step would cost that step (and
+        the adaptive policy's cost tables) a capture's time."""
+        if not self.graphs.use_graphs:
+            return
+        self.stage.host[:] = self.pad_row
+        self.stage.upload(self.buckets[-1])
+        for k in ks:
+            for b in sorted(self.buckets, reverse=True):
+                self.draft(b, k)
+                self.verify(b, k)
+
     def bucket_for(self, n: int) -> int:
         return pick_bucket(self.buckets, n, "sequences", f"build the engine with max_num_seqs >= {n}")
 

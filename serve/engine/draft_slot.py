@@ -59,6 +59,7 @@ class DraftSlot:
             graphs = ChainStepGraphs(
                 self.target.rows, runner.rows, verifier.chain_greedy, row_buckets(self.max_seqs), self.chain_steps + 1
             )
+            graphs.capture(range(1, self.chain_steps + 2))  # CUDA: every bucket and k now, not inside requests' steps
         self.spec = SpecContext(self.target, runner, verifier, self.prof, graphs=graphs)
 
     def request_rollback(self) -> bool:
