@@ -39,6 +39,13 @@ class DecodeRows:
     def num_rows(self) -> int:
         return self.input_ids.shape[0]
 
+    def slice(self, start: int, stop: int) -> "DecodeRows":
+        """Rows ``start..stop-1``."""
+        pick = slice(start, stop)
+        return DecodeRows(
+            self.input_ids[pick], self.positions[pick], self.block_tables[pick], self.seq_lens[pick], self.slots[pick]
+        )
+
     def column(self, j: int, n: int, input_ids: torch.Tensor) -> "DecodeRows":
         """Rows laid out sequence-major, ``n`` a sequence: the j-th of each sequence, with ``input_ids`` [B]."""
         pick = slice(j, None, n)

@@ -341,17 +341,20 @@ def graph_chain_step(ctx: SpecContext, seqs: list[Sequence], k: int) -> list[Seq
 
 def settle_draft(ctx: SpecContext, seqs: list[Sequence]) -> None:
     """Feed the draft all but the last of the positions it has not seen (after a prefill, plain steps or a longer
-    chain), so that the step graphs' catch-up holds one row for these sequences. Not drafting cost: the price of
-    having decoded without the draft."""
-    with ctx.prof.phase("prepare"):
+    chain), so that the step graphs' catch-up holds one row for these sequences: as catch-up rows through the draft's
+    graphs, ``max_rows`` at a time (a row's K/V stays in the cache for the rows after it). Not drafting cost: the price
+    of having decoded without the draft."""
+    with ctx.prof.phase("settle"):
         chunks = [s.take_aux() for s in seqs]  # [n_b, A]
         for s, a in zip(seqs, chunks):
             s.pending_aux = [a[-1:]]
         tokens = [s.tokens[s.draft_cached + 1 : s.num_tokens - 1] for s in seqs]
-        batch = _draft_batch(seqs, tokens, [s.draft_cached for s in seqs], ctx.draft, ctx.draft.device)
-        aux = torch.cat([a[:-1] for a in chunks], dim=0)  # [T, A]
-    with ctx.prof.phase("draft"):
-        ctx.draft.forward(batch, aux.to(ctx.draft.device), from_aux=True)  # writes the draft's K/V of those positions
+        aux = torch.cat([a[:-1] for a in chunks], dim=0).to(ctx.draft.device)  # [T, A]
+        tables = block_table_tensor([s.block_table for s in seqs], ctx.draft.device)  # [B, MB]
+        rows, _ = _catch_up_rows(seqs, tokens, [len(t) for t in tokens], tables, ctx.draft)
+        step = ctx.draft.max_rows
+        for i in range(0, rows.num_rows, step):  # writes the draft's K/V of those positions
+            ctx.draft.decode(rows.slice(i, i + step), aux[i : i + step], from_aux=True)
     for s in seqs:
         s.draft_cached = s.num_tokens - 2
 

@@ -129,3 +129,15 @@ def test_a_step_that_captured_a_graph_is_no_cost_measurement(target, tokenizer, 
     engine.generate(PROMPTS[:2], GREEDY)
     assert engine.metrics.spec.num_drafts > 0
     assert all(c.spec_steps == 0 for c in engine.policy.costs.values())
+
+
+def test_a_long_prompt_settles_the_draft_in_chunks_of_rows(target, tokenizer, copy_draft, monkeypatch):
+    """After the prefill of a prompt longer than the draft's row buffers (k=1, one slot: 2 rows), the draft catches up
+    in chunks of rows before the step graphs run; greedy output still equals plain, and drafts are accepted."""
+    calls = _count_graph_steps(monkeypatch)
+    prompt = " ".join(PROMPTS * 3)
+    plain = make_engine(target, tokenizer, decode_path="rows", max_num_seqs=1).generate([prompt], GREEDY)[0].token_ids
+    engine = make_engine(target, tokenizer, copy_draft, k=1, decode_path="rows", max_num_seqs=1)
+    assert engine.drafts.spec.draft.max_rows == 2
+    assert engine.generate([prompt], GREEDY)[0].token_ids == plain
+    assert calls and engine.metrics.spec.num_accepted_tokens > 0
