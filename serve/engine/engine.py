@@ -247,7 +247,10 @@ class LLMEngine:
             self.policy.observe_plain(n, seconds)
         elif kind == "spec" and self.drafts.spec.measured:  # a step that captured a graph is no measurement
             spec = self.drafts.spec
-            self.policy.observe_spec(n, k, spec.verify_seconds, spec.draft_seconds, self._last_accepted)
+            # verifying costs the rest of the step (target, verification, the step's host work), as t_plain is a
+            # whole plain step: device time alone would make speculation look cheaper than it is
+            verify = max(seconds - spec.draft_seconds - spec.lag_seconds, 0.0)
+            self.policy.observe_spec(n, k, verify, spec.draft_seconds, self._last_accepted)
         self.prof.end_step(kind, n)
         self.metrics.current_k = self.policy.k if self.policy.speculating else 0
         self.metrics.speculation_enabled = self.drafts.spec is not None and self.policy.speculating

@@ -10,9 +10,10 @@
       speedup(B, k) = E(k) * t_plain(B) / (t_verify(B) + k * t_draft(B))
       E(k) = 1 + sum_{i<k} a_i          a_i = P(the first i+1 drafts are accepted), measured per position
 
-  with t_plain, t_verify(B, k) (target forward + verification of k+1 tokens: about flat in k while the
-  step is memory-bound on a GPU, less so on a CPU; measured per k, a k not measured yet takes the nearest
-  measured k's) and t_draft (one draft forward; a catch-up over plain steps' tokens is not counted)
+  with t_plain (a whole plain step), t_verify(B, k) (the rest of a speculative step after drafting: target
+  forward + verification of k+1 tokens and the step's host work, so that it compares with t_plain; about flat
+  in k while the step is memory-bound on a GPU, less so on a CPU; measured per k, a k not measured yet takes
+  the nearest measured k's) and t_draft (one draft forward; a catch-up over plain steps' tokens is not counted)
   measured per batch-size bucket as moving averages. It speculates with the best k when that beats plain by ``margin``, else decodes plain
   and probes k_max now and then (the interval doubles after every probe that does not pay, up to
   ``max_probe_interval``, and stretches by the bucket's cost ratio of a speculative to a plain step),

@@ -62,7 +62,8 @@ class SpecContext:
     prof: StepProfiler
     aux_checked: bool = False
     draft_seconds: float = 0.0  # the last step's drafting (catch-up + chain or tree), for the adaptive policy
-    verify_seconds: float = 0.0  # the last step's target forward + verification
+    verify_seconds: float = 0.0  # the last step's target forward + verification (device time on CUDA)
+    lag_seconds: float = 0.0  # the last step's catch-up over plain steps' positions (kept out of drafting)
     clock: StepClock | None = None
     lag_marks: tuple | None = None  # a catch-up over more than a step's positions (after plain steps), not drafting cost
     graphs: ChainStepGraphs | None = None  # CUDA rows: greedy chain steps as two graphs per (batch bucket, k)
@@ -74,7 +75,7 @@ class SpecContext:
     def record_times(self, m0, m1, m2, measured: bool = True) -> None:
         """Draft (m0..m1, less a long catch-up) and verify (m1..m2) seconds of the step just done."""
         lag = self.clock.seconds(*self.lag_marks) if self.lag_marks is not None else 0.0
-        self.lag_marks = None
+        self.lag_marks, self.lag_seconds = None, lag
         self.draft_seconds = max(self.clock.seconds(m0, m1) - lag, 0.0)
         self.verify_seconds = self.clock.seconds(m1, m2)
         self.measured = measured
@@ -306,9 +307,11 @@ def graph_chain_step(ctx: SpecContext, seqs: list[Sequence], k: int) -> list[Seq
     """:func:`chain_step` of greedy sequences on :class:`ChainStepGraphs`: one staging copy, a drafting and a
     verification replay, one read-back of the accepted tokens."""
     g, n, w = ctx.graphs, len(seqs), k + 1
+    m0 = ctx.clock.mark()
     lagging = [s for s in seqs if s.num_tokens - 1 - s.draft_cached > g.columns]
     if lagging:
         settle_draft(ctx, lagging)
+        ctx.lag_marks = (m0, ctx.clock.mark())
     with ctx.prof.phase("prepare"):
         aux = []
         for b, s in enumerate(seqs):
@@ -320,7 +323,6 @@ def graph_chain_step(ctx: SpecContext, seqs: list[Sequence], k: int) -> list[Seq
             ctx.aux_checked = True
         bucket = g.load(n, aux)
     captures = g.graphs.captures
-    m0 = ctx.clock.mark()
     with ctx.prof.phase("draft"):
         g.draft(bucket, k)
     m1 = ctx.clock.mark()

@@ -217,9 +217,9 @@ def test_a_catch_up_after_plain_steps_is_kept_out_of_the_drafting_cost(target, t
     lagged = []
     record = SpecContext.record_times
 
-    def spy(self, m0, m1, m2):
+    def spy(self, m0, m1, m2, **kw):
         lagged.append(self.lag_marks is not None)
-        record(self, m0, m1, m2)
+        record(self, m0, m1, m2, **kw)
 
     monkeypatch.setattr(SpecContext, "record_times", spy)
     engine = make_engine(target, tokenizer, random_draft, k=2)
@@ -233,3 +233,24 @@ def test_a_catch_up_after_plain_steps_is_kept_out_of_the_drafting_cost(target, t
     engine.policy.enable()
     engine.step()  # catches up 7 tokens
     assert first and steady and not any(steady) and lagged[-1]
+
+
+def test_the_verify_cost_is_the_whole_step_after_drafting(target, tokenizer, copy_draft, monkeypatch):
+    """t_plain is a whole plain step, host work included, so t_verify must be the rest of the speculative step after
+    drafting, host work included: here 30 ms of host work a speculative step, outside the step's clock marks, show in
+    the policy's verify cost (on the GPU, device time alone made speculation look cheaper than it was)."""
+    import time
+
+    from eagleray.serve.engine import LLMEngine
+
+    speculate = LLMEngine._speculate
+
+    def slow(self, seqs, k):
+        time.sleep(0.03)
+        return speculate(self, seqs, k)
+
+    monkeypatch.setattr(LLMEngine, "_speculate", slow)
+    engine = make_engine(target, tokenizer, copy_draft, k=2, decode_path="rows", max_num_seqs=1)
+    engine.generate(PROMPTS[:1], SamplingParams(max_tokens=12, ignore_eos=True))
+    costs = engine.policy.costs[1]
+    assert costs.spec_steps > 0 and costs.verify_by_k[2] >= 0.03
