@@ -212,3 +212,25 @@ def test_pack_for_cpu_packs_what_the_forward_multiplies_by_at_load(tiny_dirs, mo
     with torch.inference_mode():
         cache = model.make_kv_cache(num_blocks=4, block_size=4)
         _paged_forward(model, [ids], [0], [[0, 1]], 4, cache)
+
+
+def test_attention_never_asks_cudnn(tiny_dirs, monkeypatch):
+    """Every SDPA of the varlen path (the padded paged prefill, the no-cache causal and masked forms) runs with cuDNN
+    attention off: on the H200 it built a plan per new shape, 46 of a 79 ms one-prompt prefill."""
+    import torch.nn.functional as F
+
+    from eagleray.kernels import cpu_decode
+
+    monkeypatch.setattr(cpu_decode, "attention_supported", lambda *a: False)  # the padded SDPA path on this CPU too
+    cudnn, real = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        F, "scaled_dot_product_attention", lambda *a, **k: cudnn.append(torch.backends.cuda.cudnn_sdp_enabled()) or real(*a, **k)
+    )
+    model = LlamaModel.from_dir(tiny_dirs["llama_tied"])
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        model.forward_full(ids)  # no cache: causal
+        tree = AttentionMetadata.build([3], tree_masks=[torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)])
+        model(ids[0, :3], torch.tensor([0, 1, 1]), tree)  # no cache: masked
+        _paged_forward(model, [ids[0]], [0], [[3, 1, 2]], 4, model.make_kv_cache(num_blocks=4, block_size=4))
+    assert len(cudnn) >= 3 * model.arch.num_layers and not any(cudnn)
