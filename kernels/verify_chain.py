@@ -170,7 +170,7 @@ def launch_chain(logits, draft_tokens, q, t2d, temperature, seed, q_mode, cfg: L
     """Launch the chain kernels on already-checked inputs; returns (tokens, num_accepted)."""
     bsz, rows, _ = logits.shape
     dev = logits.device
-    pmax, psum, parg, nblk = launch_row_partials(logits, draft_tokens, temperature, cfg)
+    partials, nblk = launch_row_partials(logits, draft_tokens, temperature, cfg)
     tokens = torch.empty((bsz, rows), dtype=torch.int64, device=dev)  # [B, K+1]
     nacc = torch.empty((bsz,), dtype=torch.int64, device=dev)  # [B]
     row = torch.empty((bsz,), dtype=torch.int32, device=dev)  # [B]
@@ -187,9 +187,7 @@ def launch_chain(logits, draft_tokens, q, t2d, temperature, seed, q_mode, cfg: L
         t2d_arg,
         temperature,
         seed,
-        pmax,
-        psum,
-        parg,
+        *partials,
         tokens,
         nacc,
         row,

@@ -213,7 +213,7 @@ def _recover_final_kernel(
 
 
 def launch_row_partials(logits, draft, temperature, cfg: LaunchConfig):
-    """Pass 1 over all logit rows; returns the (pmax, psum, parg) block partials and NBLK."""
+    """Pass 1 over all logit rows; returns the block partials (pmax, psum, parg) and NBLK."""
     bsz, rows, vocab = logits.shape
     nblk = triton.cdiv(vocab, cfg.block_v)
     dev = logits.device
@@ -237,7 +237,7 @@ def launch_row_partials(logits, draft, temperature, cfg: LaunchConfig):
         BLOCK_V=cfg.block_v,
         num_warps=cfg.warps,
     )
-    return pmax, psum, parg, nblk
+    return (pmax, psum, parg), nblk
 
 
 def launch_recover(logits, q, t2d, temperature, seed, row, dtok, stat, tokens, q_mode, cfg):

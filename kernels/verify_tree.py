@@ -241,7 +241,7 @@ def verify_tree(target_logits, draft_tokens, parents, *, temperature, seed, conf
     dev = target_logits.device
     check_tensor("parents", parents, (bsz, rows - 1), (torch.int64,), dev, True)
     cfg = pick_config(config, bsz, vocab)
-    pmax, psum, parg, nblk = launch_row_partials(target_logits, draft_tokens, temperature, cfg)
+    partials, nblk = launch_row_partials(target_logits, draft_tokens, temperature, cfg)
     tokens = torch.full((bsz, rows), -1, dtype=torch.int64, device=dev)  # [B, N+1]
     path = torch.full((bsz, rows - 1), -1, dtype=torch.int64, device=dev)  # [B, N]
     nacc = torch.empty((bsz,), dtype=torch.int64, device=dev)  # [B]
@@ -256,9 +256,7 @@ def verify_tree(target_logits, draft_tokens, parents, *, temperature, seed, conf
         parents,
         temperature,
         seed,
-        pmax,
-        psum,
-        parg,
+        *partials,
         tokens,
         path,
         nacc,
