@@ -80,6 +80,7 @@ def qkv_rope_gemv_reference(
 
 if triton is not None:
     from eagleray.kernels.decode_ops import rotary_halves
+    from eagleray.kernels.grid import program_range
 
     @triton.jit
     def _ld(ptrs, mask, EVEN: tl.constexpr):
@@ -160,8 +161,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         EVEN: tl.constexpr,
     ):
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        rmask = rows < N
+        rows, rmask = program_range(0, BLOCK_N, N)  # [BLOCK_N] each
         acc = _dot_rows(x_ptr, up_ptr, nw_ptr, w_ptr, rows, rmask, K, stride_w, eps, MODE, KP2, BLOCK_N, BLOCK_K, EVEN)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)

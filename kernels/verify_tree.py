@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from eagleray.kernels.grid import program_range
 from eagleray.kernels.rng import ACCEPT_IDX, rng_base, rng_bits, torch_uniform
 from eagleray.kernels.verify_common import (
     LOG2E,
@@ -127,8 +128,7 @@ def _tree_walk_kernel(
     RP: tl.constexpr,
     NBP: tl.constexpr,
 ):
-    b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)  # [BB]
-    bok = b < B
+    b, bok = program_range(0, BLOCK_B, B)  # [BB] each
     t = tl.load(temp_ptr + b, mask=bok, other=0.0)
     greedy = t == 0.0
     c = 1.4426950408889634 / tl.where(greedy, 1.0, t)
@@ -202,8 +202,8 @@ def _tree_final_partials_kernel(
     BLOCK_V: tl.constexpr,
 ):
     blk = tl.program_id(0)
-    b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)  # [BB]
-    t = tl.load(temp_ptr + b, mask=b < B, other=0.0)
+    b, bok = program_range(1, BLOCK_B, B)  # [BB] each
+    t = tl.load(temp_ptr + b, mask=bok, other=0.0)
     live = t > 0.0
     if tl.max(live.to(tl.int32), 0) == 0:
         return
