@@ -1,8 +1,8 @@
 """Paged decode attention (one new token per sequence) with no host synchronisation: a Triton kernel
 and its PyTorch reference, for CUDA graphs.
 
-- :func:`decode_attention_reference`: gathers every sequence's blocks by block table (fixed width
-  ``max_blocks``) and runs SDPA with a length mask. Any device; the CPU path.
+- :data:`decode_attention_reference` (``decode_attention(..., reference=True)``): gathers every sequence's
+  blocks by block table (fixed width ``max_blocks``) and runs SDPA with a length mask. Any device; the CPU path.
 - :func:`decode_attention`: a split-K paged decode kernel (flash-decoding) that reads only the valid
   tokens of each sequence: grid (B, Hkv, splits), each program takes the Hq/Hkv query heads of one
   KV head over a range of TILE-token tiles, then a second kernel merges the splits by their
@@ -14,6 +14,8 @@ The caches are one layer's [num_blocks, block_size, Hkv, D]; ``block_tables`` [B
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -27,37 +29,6 @@ except ImportError:  # pragma: no cover - exercised only where Triton is absent
     triton = None
 
 SPLIT_TARGET_PROGRAMS = 256  # aim for about two programs per SM of an H100/H200
-
-
-def decode_attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """Gather by block table + masked SDPA: q [B, Hq, D] -> [B, Hq, D]; no host sync."""
-    b, max_blocks = block_tables.shape
-    bs, hkv, d = k_cache.shape[1:]
-    blocks = block_tables.clamp(min=0).long()  # [B, MB]; -1 entries lie past the length (masked)
-    kb = k_cache[blocks].reshape(b, max_blocks * bs, hkv, d).to(q.dtype)  # [B, L, Hkv, D]
-    vb = v_cache[blocks].reshape(b, max_blocks * bs, hkv, d).to(q.dtype)  # [B, L, Hkv, D]
-    pos = torch.arange(max_blocks * bs, device=q.device)  # [L]
-    lens = seq_lens.to(torch.int64).unsqueeze(1)  # [B, 1]
-    mask = pos.unsqueeze(0) < lens  # [B, L]
-    if sliding_window is not None:
-        mask = mask & (pos.unsqueeze(0) > lens - 1 - sliding_window)  # key > pos_q - window
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2),
-        kb.transpose(1, 2),
-        vb.transpose(1, 2),  # [B, H, 1|L, D]
-        attn_mask=mask[:, None, None, :],
-        scale=scale,
-        enable_gqa=True,
-    )  # [B, Hq, 1, D]
-    return o.squeeze(2)
 
 
 def split_plan(max_len: int, batch: int, kv_heads: int, tile: int, split_tokens: int | None = None) -> tuple[int, int]:
@@ -211,8 +182,32 @@ def decode_attention(
     sliding_window: int | None = None,
     tile: int = 64,
     split_tokens: int | None = None,
+    reference: bool = False,
 ) -> torch.Tensor:
-    """Split-K paged decode attention: q [B, Hq, D] -> [B, Hq, D]; reads only valid tokens."""
+    """Paged decode attention: q [B, Hq, D] -> [B, Hq, D]; no host sync.
+
+    The split-K Triton kernel reads only valid tokens (``tile``, ``split_tokens``: its plan, :func:`split_plan`).
+    ``reference=True`` (:data:`decode_attention_reference`): gather by block table + masked SDPA, on any device."""
+    if reference:
+        b, max_blocks = block_tables.shape
+        bs, hkv, d = k_cache.shape[1:]
+        blocks = block_tables.clamp(min=0).long()  # [B, MB]; -1 entries lie past the length (masked)
+        kb = k_cache[blocks].reshape(b, max_blocks * bs, hkv, d).to(q.dtype)  # [B, L, Hkv, D]
+        vb = v_cache[blocks].reshape(b, max_blocks * bs, hkv, d).to(q.dtype)  # [B, L, Hkv, D]
+        pos = torch.arange(max_blocks * bs, device=q.device)  # [L]
+        lens = seq_lens.to(torch.int64).unsqueeze(1)  # [B, 1]
+        mask = pos.unsqueeze(0) < lens  # [B, L]
+        if sliding_window is not None:
+            mask = mask & (pos.unsqueeze(0) > lens - 1 - sliding_window)  # key > pos_q - window
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2),
+            kb.transpose(1, 2),
+            vb.transpose(1, 2),  # [B, H, 1|L, D]
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )  # [B, Hq, 1, D]
+        return o.squeeze(2)
     _check(q, k_cache, v_cache, block_tables, seq_lens)
     b, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -250,3 +245,6 @@ def decode_attention(
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)  # [B, Hq, D]
     _decode_merge_kernel[(b * hq,)](part, lse, out, d, S=splits, SP=triton.next_power_of_2(splits), D=d, num_warps=1)
     return out
+
+
+decode_attention_reference = functools.partial(decode_attention, reference=True)  # gather + masked SDPA, any device

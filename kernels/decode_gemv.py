@@ -18,6 +18,8 @@ that unfused step. Batch 1 only: ``x`` is [1, K].
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -51,25 +53,6 @@ def config(n: int, k: int) -> tuple[int, int, int, int]:
     return min(block_n, triton.next_power_of_2(n)), block_k, 4, 3
 
 
-def gemv_reference(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    mode: str = "plain",
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """What :func:`gemv` computes, unfused: the prologue op, the product (+ bias), the residual add."""
-    if mode == "norm":
-        x, _ = add_rmsnorm_reference(x, None, norm_weight, eps)  # [1, K]
-    elif mode == "silu":
-        x = silu_mul_reference(x)  # [1, 2K] -> [1, K]
-    out = F.linear(x, weight, bias)  # [1, N]
-    return out if residual is None else residual + out
-
-
 def qkv_rope_gemv_reference(
     h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, bias: torch.Tensor | None, kv: KVWrite
 ) -> torch.Tensor:
@@ -80,6 +63,7 @@ def qkv_rope_gemv_reference(
 
 if triton is not None:
     from eagleray.kernels.decode_ops import rotary_halves
+    from eagleray.kernels.grid import program_range
 
     @triton.jit
     def _ld(ptrs, mask, EVEN: tl.constexpr):
@@ -160,8 +144,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         EVEN: tl.constexpr,
     ):
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        rmask = rows < N
+        rows, rmask = program_range(0, BLOCK_N, N)  # [BLOCK_N] each
         acc = _dot_rows(x_ptr, up_ptr, nw_ptr, w_ptr, rows, rmask, K, stride_w, eps, MODE, KP2, BLOCK_N, BLOCK_K, EVEN)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
@@ -245,8 +228,19 @@ def gemv(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     residual: torch.Tensor | None = None,
+    reference: bool = False,
 ) -> torch.Tensor:
-    """[1, K] (or [1, 2K] gate_up for ``silu``) @ weight [N, K].T (+ bias) (+ residual [1, N]) -> [1, N]."""
+    """[1, K] (or [1, 2K] gate_up for ``silu``) @ weight [N, K].T (+ bias) (+ residual [1, N]) -> [1, N].
+
+    ``reference=True`` (:data:`gemv_reference`): what the kernel computes, unfused in PyTorch on any device: the
+    prologue op, the product (+ bias), the residual add."""
+    if reference:
+        if mode == "norm":
+            x, _ = add_rmsnorm_reference(x, None, norm_weight, eps)  # [1, K]
+        elif mode == "silu":
+            x = silu_mul_reference(x)  # [1, 2K] -> [1, K]
+        out = F.linear(x, weight, bias)  # [1, N]
+        return out if residual is None else residual + out
     k = weight.shape[1]
     xin = x[:, :k] if mode == "silu" else x  # [1, K]
     _check("gemv", xin, weight)
@@ -277,6 +271,9 @@ def gemv(
         num_stages=stages,
     )
     return out
+
+
+gemv_reference = functools.partial(gemv, reference=True)  # the unfused step: gemv's arguments, any device
 
 
 def qkv_rope_gemv(

@@ -71,6 +71,7 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T,
 
 
 if triton is not None:
+    from eagleray.kernels.grid import program_range
 
     @triton.jit
     def rotary_halves(a1, a2, pos_ptr, inv_ptr, j, dt):
@@ -156,8 +157,7 @@ if triton is not None:
         BLOCK: tl.constexpr,
     ):
         t = tl.program_id(0)
-        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = c < inter
+        c, mask = program_range(1, BLOCK, inter)
         g = tl.load(gu_ptr + t * 2 * inter + c, mask=mask, other=0.0)
         dt = g.dtype
         u = tl.load(gu_ptr + t * 2 * inter + inter + c, mask=mask, other=0.0).to(tl.float32)

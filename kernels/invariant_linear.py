@@ -71,6 +71,7 @@ def invariant_linear_reference(
 
 
 if triton is not None:
+    from eagleray.kernels.grid import program_range
 
     @triton.jit
     def _partial_kernel(
@@ -155,9 +156,9 @@ if triton is not None:
         BM: tl.constexpr,
         BN: tl.constexpr,
     ):
-        rm = tl.program_id(0) * BM + tl.arange(0, BM)
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
-        omask = (rm < M)[:, None] & (rn < N)[None, :]
+        rm, mmask = program_range(0, BM, M)
+        rn, nmask = program_range(1, BN, N)
+        omask = mmask[:, None] & nmask[None, :]
         acc = tl.zeros([BM, BN], tl.float32)
         for s in tl.static_range(S):  # split order: the fixed summation order
             acc += tl.load(part_ptr + (s * M + rm[:, None]) * N + rn[None, :], mask=omask, other=0.0)

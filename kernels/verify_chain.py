@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from eagleray.kernels import cpu_decode
+from eagleray.kernels.grid import program_range
 from eagleray.kernels.rng import ACCEPT_IDX, rng_base, rng_bits, torch_uniform
 from eagleray.kernels.verify_common import (
     LOG2E,
@@ -129,8 +130,7 @@ def _chain_accept_kernel(
     KP: tl.constexpr,
     NBP: tl.constexpr,
 ):
-    b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)  # [BB]
-    bok = b < B
+    b, bok = program_range(0, BLOCK_B, B)  # [BB] each
     j = tl.arange(0, KP)[None, :]  # [1, KP] positions
     d = tl.load(draft_ptr + b[:, None] * K + j, mask=bok[:, None] & (j < K), other=-1)  # [BB, KP]
     n_b = tl.min(tl.where(d < 0, j, KP), 1)  # [BB] drafts in the row
@@ -170,7 +170,7 @@ def launch_chain(logits, draft_tokens, q, t2d, temperature, seed, q_mode, cfg: L
     """Launch the chain kernels on already-checked inputs; returns (tokens, num_accepted)."""
     bsz, rows, _ = logits.shape
     dev = logits.device
-    pmax, psum, parg, nblk = launch_row_partials(logits, draft_tokens, temperature, cfg)
+    partials, nblk = launch_row_partials(logits, draft_tokens, temperature, cfg)
     tokens = torch.empty((bsz, rows), dtype=torch.int64, device=dev)  # [B, K+1]
     nacc = torch.empty((bsz,), dtype=torch.int64, device=dev)  # [B]
     row = torch.empty((bsz,), dtype=torch.int32, device=dev)  # [B]
@@ -187,9 +187,7 @@ def launch_chain(logits, draft_tokens, q, t2d, temperature, seed, q_mode, cfg: L
         t2d_arg,
         temperature,
         seed,
-        pmax,
-        psum,
-        parg,
+        *partials,
         tokens,
         nacc,
         row,

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from eagleray.kernels.errors import VerifyInputError
+from eagleray.kernels.grid import program_range
 from eagleray.kernels.rng import ACCEPT_IDX, U_SCALE, rng_base, rng_bits
 
 LOG2E = 1.4426950408889634
@@ -80,11 +81,11 @@ def _row_partials_kernel(
     BLOCK_V: tl.constexpr,
 ):
     blk = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] flattened (b, r)
+    n, nok = program_range(1, BLOCK_N, B * R)  # [BLOCK_N] each, flattened (b, r)
     b = n // R
     r = n % R
-    prev = tl.load(draft_ptr + b * (R - 1) + r - 1, mask=(n < B * R) & (r > 0), other=0)
-    need = (n < B * R) & (prev >= 0)  # [BLOCK_N] rows past a row's drafts are not read
+    prev = tl.load(draft_ptr + b * (R - 1) + r - 1, mask=nok & (r > 0), other=0)
+    need = nok & (prev >= 0)  # [BLOCK_N] rows past a row's drafts are not read
     t = tl.load(temp_ptr + b, mask=need, other=1.0)  # [BLOCK_N]
     offs = blk * BLOCK_V + tl.arange(0, BLOCK_V)
     rows = b.to(tl.int64) * stride_lb + r.to(tl.int64) * stride_lr
@@ -156,8 +157,8 @@ def _recover_partials_kernel(
     BLOCK_V: tl.constexpr,
 ):
     blk = tl.program_id(0)
-    b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)  # [BB]
-    t = tl.load(temp_ptr + b, mask=b < B, other=0.0)
+    b, bok = program_range(1, BLOCK_B, B)  # [BB] each
+    t = tl.load(temp_ptr + b, mask=bok, other=0.0)
     live = t > 0.0  # [BB] sampled rows
     if tl.max(live.to(tl.int32), 0) == 0:
         return
@@ -201,8 +202,8 @@ def _recover_final_kernel(
     BLOCK_B: tl.constexpr,
     NBP: tl.constexpr,
 ):
-    b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)  # [BB]
-    live = tl.load(temp_ptr + b, mask=b < B, other=0.0) > 0.0
+    b, bok = program_range(0, BLOCK_B, B)  # [BB] each
+    live = tl.load(temp_ptr + b, mask=bok, other=0.0) > 0.0
     blks = tl.arange(0, NBP)[None, :]
     ok = live[:, None] & (blks < NBLK)  # [BB, NBP]
     sc = tl.load(best_ptr + b[:, None] * NBLK + blks, mask=ok, other=-2.0)
@@ -213,7 +214,7 @@ def _recover_final_kernel(
 
 
 def launch_row_partials(logits, draft, temperature, cfg: LaunchConfig):
-    """Pass 1 over all logit rows; returns the (pmax, psum, parg) block partials and NBLK."""
+    """Pass 1 over all logit rows; returns the block partials (pmax, psum, parg) and NBLK."""
     bsz, rows, vocab = logits.shape
     nblk = triton.cdiv(vocab, cfg.block_v)
     dev = logits.device
@@ -237,7 +238,7 @@ def launch_row_partials(logits, draft, temperature, cfg: LaunchConfig):
         BLOCK_V=cfg.block_v,
         num_warps=cfg.warps,
     )
-    return pmax, psum, parg, nblk
+    return (pmax, psum, parg), nblk
 
 
 def launch_recover(logits, q, t2d, temperature, seed, row, dtok, stat, tokens, q_mode, cfg):

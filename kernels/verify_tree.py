@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from eagleray.kernels.grid import program_range
 from eagleray.kernels.rng import ACCEPT_IDX, rng_base, rng_bits, torch_uniform
 from eagleray.kernels.verify_common import (
     LOG2E,
@@ -127,8 +128,7 @@ def _tree_walk_kernel(
     RP: tl.constexpr,
     NBP: tl.constexpr,
 ):
-    b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)  # [BB]
-    bok = b < B
+    b, bok = program_range(0, BLOCK_B, B)  # [BB] each
     t = tl.load(temp_ptr + b, mask=bok, other=0.0)
     greedy = t == 0.0
     c = 1.4426950408889634 / tl.where(greedy, 1.0, t)
@@ -202,8 +202,8 @@ def _tree_final_partials_kernel(
     BLOCK_V: tl.constexpr,
 ):
     blk = tl.program_id(0)
-    b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)  # [BB]
-    t = tl.load(temp_ptr + b, mask=b < B, other=0.0)
+    b, bok = program_range(1, BLOCK_B, B)  # [BB] each
+    t = tl.load(temp_ptr + b, mask=bok, other=0.0)
     live = t > 0.0
     if tl.max(live.to(tl.int32), 0) == 0:
         return
@@ -241,7 +241,7 @@ def verify_tree(target_logits, draft_tokens, parents, *, temperature, seed, conf
     dev = target_logits.device
     check_tensor("parents", parents, (bsz, rows - 1), (torch.int64,), dev, True)
     cfg = pick_config(config, bsz, vocab)
-    pmax, psum, parg, nblk = launch_row_partials(target_logits, draft_tokens, temperature, cfg)
+    partials, nblk = launch_row_partials(target_logits, draft_tokens, temperature, cfg)
     tokens = torch.full((bsz, rows), -1, dtype=torch.int64, device=dev)  # [B, N+1]
     path = torch.full((bsz, rows - 1), -1, dtype=torch.int64, device=dev)  # [B, N]
     nacc = torch.empty((bsz,), dtype=torch.int64, device=dev)  # [B]
@@ -256,9 +256,7 @@ def verify_tree(target_logits, draft_tokens, parents, *, temperature, seed, conf
         parents,
         temperature,
         seed,
-        pmax,
-        psum,
-        parg,
+        *partials,
         tokens,
         path,
         nacc,

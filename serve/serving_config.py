@@ -7,14 +7,12 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from eagleray.platform.config.load import StrictModel
-from eagleray.platform.config.schemas import MlflowConfig, check_custom_resources
+from eagleray.platform.config.schemas import MlflowConfig, check_custom_resources, testing_delay, testing_hooks
 from eagleray.serve.engine import EngineConfig
 
 
 class CaptureTesting(StrictModel):
-    write_delay_s: float = Field(
-        0.0, ge=0.0, description="Testing only: the writer sleeps this long in every add (a slow disk), to fill the buffer."
-    )
+    write_delay_s: float = testing_delay("the writer sleeps this long in every add (a slow disk), to fill the buffer.")
 
 
 class AdaptSchedule(StrictModel):
@@ -53,7 +51,7 @@ class CaptureConfig(StrictModel):
         30.0, gt=0.0, description="A shard is written at the latest this long after its first request was buffered."
     )
     seed: int | None = Field(None, description="Seed of the per-request sampling draw (None: from the OS).")
-    testing: CaptureTesting = Field(default_factory=CaptureTesting, description="eagleray's own tests only; leave unset.")
+    testing: CaptureTesting = testing_hooks(CaptureTesting)
 
 
 class ServingConfig(EngineConfig):

@@ -21,6 +21,15 @@ MIDLAYER = (
 )
 
 
+def _wrong_shape(c: GuardContext, name: str, want: list[int], why: str, fix: str) -> list[Problem]:
+    """The problem of draft tensor ``name`` when the draft holds it with a shape other than ``want`` (``why``: where
+    ``want`` comes from); none when it is absent (:func:`check_tensors` reports missing ones) or right."""
+    s = c.shape(name)
+    if s is None or s == want:
+        return []
+    return [Problem(f"draft.weights.{name}", f"has shape {s}, {why}", fix)]
+
+
 def check_fc(c: GuardContext) -> list[Problem]:
     fc = c.shape("fc.weight")
     t_hidden = int(c.cfg.get("target_hidden_size") or c.hidden)
@@ -64,24 +73,17 @@ def check_attention_shapes(c: GuardContext) -> list[Problem]:
     hidden, heads, kv, head_dim = c.geometry(problems)
     if problems:
         return []  # check_dims reports the config fields
-    out = []
     shapes = {
         "q_proj": [heads * head_dim, 2 * hidden],
         "k_proj": [kv * head_dim, 2 * hidden],
         "v_proj": [kv * head_dim, 2 * hidden],
         "o_proj": [hidden, heads * head_dim],
     }
+    why = f"({heads} heads, {kv} key/value heads, head_dim {head_dim}, hidden {hidden})"
+    fix = "restore the config.json that belongs to these weights"
+    out = []
     for proj, want in shapes.items():
-        s = c.shape(f"midlayer.self_attn.{proj}.weight")
-        if s is not None and s != want:
-            out.append(
-                Problem(
-                    f"draft.weights.midlayer.self_attn.{proj}.weight",
-                    f"has shape {s}, config implies {want} "
-                    f"({heads} heads, {kv} key/value heads, head_dim {head_dim}, hidden {hidden})",
-                    "restore the config.json that belongs to these weights",
-                )
-            )
+        out += _wrong_shape(c, f"midlayer.self_attn.{proj}.weight", want, f"config implies {want} {why}", fix)
     return out
 
 
@@ -97,16 +99,10 @@ def check_tensors(c: GuardContext) -> list[Problem]:
                 "use a complete EAGLE-3 checkpoint (see eagleray.platform.checkpoints.draft)",
             )
         )
-    emb = c.shape("embed_tokens.weight")
-    if emb is not None and emb != [c.target.vocab_size, c.target.hidden_size]:
-        out.append(
-            Problem(
-                "draft.weights.embed_tokens.weight",
-                f"has shape {emb}, the target's embedding is {[c.target.vocab_size, c.target.hidden_size]}",
-                "drop embed_tokens.weight to share the target's",
-            )
-        )
-    return out
+    emb = [c.target.vocab_size, c.target.hidden_size]
+    return out + _wrong_shape(
+        c, "embed_tokens.weight", emb, f"the target's embedding is {emb}", "drop embed_tokens.weight to share the target's"
+    )
 
 
 def check_vocab(c: GuardContext) -> list[Problem]:

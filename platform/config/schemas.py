@@ -6,7 +6,7 @@ Every model forbids unknown fields and describes every field; errors name the do
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -26,6 +26,25 @@ def check_custom_resources(field: str, resources: dict[str, float], instead: str
     bad = {k: v for k, v in resources.items() if not v > 0 or not k}
     if bad:
         raise ValueError(f"{field}: every amount must be > 0 and every name non-empty (got {bad})")
+
+
+def testing_hooks(hooks: type[StrictModel]) -> Any:
+    """The ``testing`` field of a config: its fault-injection hooks (``hooks``, all off by default)."""
+    return Field(default_factory=hooks, description="Fault-injection hooks used by eagleray's own tests; leave unset.")
+
+
+def testing_kill(ge: int, who: str, after: str, proves: str) -> Any:
+    """A hook that SIGKILLs a process once, at a count (None: never); a marker file in output_dir keeps it to once."""
+    return Field(
+        None,
+        ge=ge,
+        description=f"Testing only: {who} SIGKILLs itself once (marker file in output_dir) {after}, to prove {proves}.",
+    )
+
+
+def testing_delay(description: str) -> Any:
+    """A hook that slows a stage down by a sleep of this many seconds (0: none)."""
+    return Field(0.0, ge=0.0, description=f"Testing only: {description}")
 
 
 class TargetConfig(StrictModel):
@@ -90,15 +109,11 @@ class GenerationConfig(StrictModel):
 
 
 class DatagenTesting(StrictModel):
-    kill_extract_worker_after_shards: int | None = Field(
-        None,
-        ge=0,
-        description="Testing only: the hidden-state worker SIGKILLs itself once (marker file in output_dir) after writing this many shards, mid-write, to prove a killed worker loses nothing.",
+    kill_extract_worker_after_shards: int | None = testing_kill(
+        0, "the hidden-state worker", "after writing this many shards, mid-write", "a killed worker loses nothing"
     )
-    chunk_delay_s: float = Field(
-        0.0,
-        ge=0.0,
-        description="Testing only: sleep this long per shard in the hidden-state stage (slows a run so a test can kill the driver mid-run).",
+    chunk_delay_s: float = testing_delay(
+        "sleep this long per shard in the hidden-state stage (slows a run so a test can kill the driver mid-run)."
     )
 
 
@@ -171,9 +186,7 @@ class DatagenConfig(StrictModel):
         1.2, ge=1.0, description="Refuse to start unless free space >= estimated output size x this factor."
     )
     ray_address: str | None = Field(None, description="Ray cluster address; default RAY_ADDRESS or a local instance.")
-    testing: DatagenTesting = Field(
-        default_factory=DatagenTesting, description="Fault-injection hooks used by eagleray's own tests; leave unset."
-    )
+    testing: DatagenTesting = testing_hooks(DatagenTesting)
 
     @property
     def prompt_token_cap(self) -> int:
@@ -217,15 +230,11 @@ class OnlineDataConfig(StrictModel):
 
 
 class TrainTesting(StrictModel):
-    kill_worker_at_step: int | None = Field(
-        None,
-        ge=1,
-        description="Testing only: rank 0 SIGKILLs itself once (marker file in output_dir) after this optimizer step, to prove a run resumes from its last checkpoint.",
+    kill_worker_at_step: int | None = testing_kill(
+        1, "rank 0", "after this optimizer step", "a run resumes from its last checkpoint"
     )
-    step_delay_s: float = Field(
-        0.0,
-        ge=0.0,
-        description="Testing only: sleep this long after each optimizer step (slows a run so a test can kill a node mid-run).",
+    step_delay_s: float = testing_delay(
+        "sleep this long after each optimizer step (slows a run so a test can kill a node mid-run)."
     )
 
 
@@ -318,9 +327,7 @@ class TrainingConfig(StrictModel):
         description="After training, jobs/train.py measures real τ and speed with eagleray's engine (serve.measure.measure_draft) and logs them to the same MLflow run.",
     )
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="Tracking and registry.")
-    testing: TrainTesting = Field(
-        default_factory=TrainTesting, description="Fault-injection hooks used by eagleray's own tests; leave unset."
-    )
+    testing: TrainTesting = testing_hooks(TrainTesting)
 
     @model_validator(mode="after")
     def _online_needs_prompts(self) -> "TrainingConfig":

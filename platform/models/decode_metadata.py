@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagleray.kernels.decode_attention import decode_attention, decode_attention_reference
+from eagleray.kernels.decode_attention import decode_attention
 from eagleray.kernels.reference_ops import write_kv
 from eagleray.platform.errors import EaglerayError
 
@@ -53,8 +53,14 @@ class DecodeMetadata:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, sliding_window: int | None = None
     ) -> torch.Tensor:
         """q [B, Hq, D] over one layer's paged cache [num_blocks, block_size, Hkv, D] (new K/V already in it) -> [B, Hq, D]."""
-        if self.use_triton:
-            return decode_attention(
-                q, k_cache, v_cache, self.block_tables, self.seq_lens, scale, sliding_window, split_tokens=self.split_tokens
-            )
-        return decode_attention_reference(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale, sliding_window)
+        return decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            self.block_tables,
+            self.seq_lens,
+            scale,
+            sliding_window,
+            split_tokens=self.split_tokens,
+            reference=not self.use_triton,
+        )
