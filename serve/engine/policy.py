@@ -27,7 +27,8 @@
 
   Acceptance a_i starts from an optimistic prior (every draft accepted, worth ``PRIOR`` verified sequences)
   averaged with the counts of the first ``EVIDENCE`` verified sequences, then follows the measured rate as a
-  moving average; it is judged hopeless only after ``EVIDENCE`` sequences. (At batch 1 a verification is one
+  moving average over about ``ACCEPT_WINDOW`` verified sequences (a step weighs as many sequences as it verified); it
+  is judged hopeless only after ``EVIDENCE`` sequences. (At batch 1 a verification is one
   Bernoulli draw: a draft accepting 41% at the first position rejects the first two drafts 35% of the time,
   which used to turn speculation off for a thousand steps.)
 """
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 PRIOR = 2.0  # the optimistic prior (every draft accepted) counts as this many verified sequences
 EVIDENCE = 16  # verified sequences before acceptance follows the measured rate and may be judged hopeless
+ACCEPT_WINDOW = 64  # after EVIDENCE, a_i is a moving average over about this many verified sequences
 
 
 class AcceptanceWatchdog:
@@ -235,8 +237,9 @@ class AdaptivePolicy:
 
     def _observe_accept(self, i: int, rate: float, sequences: int) -> None:
         """a_i: prior + counts until EVIDENCE sequences (then the plain measured mean), a moving average after."""
-        if self._seen[i] >= EVIDENCE:
-            self.accept[i] = self._ema(self.accept[i], rate)
+        if self._seen[i] >= EVIDENCE:  # weighted by sequences: at batch 1 a step is one Bernoulli draw, not a rate
+            w = min(1.0, sequences / ACCEPT_WINDOW)
+            self.accept[i] = (1 - w) * self.accept[i] + w * rate
             return
         self._hits[i] += rate * sequences
         self._seen[i] += sequences

@@ -254,3 +254,18 @@ def test_the_verify_cost_is_the_whole_step_after_drafting(target, tokenizer, cop
     engine.generate(PROMPTS[:1], SamplingParams(max_tokens=12, ignore_eos=True))
     costs = engine.policy.costs[1]
     assert costs.spec_steps > 0 and costs.verify_by_k[2] >= 0.03
+
+
+def test_acceptance_at_batch_1_averages_many_steps():
+    """At batch 1 each step verifies one sequence (a Bernoulli draw per position): a moving average per step followed
+    the last few draws (it read 0.97 for a draft accepting about half its first drafts on the H200). Weighted by
+    sequences, a draft accepting every other first draft stays near 0.5."""
+    import random
+
+    from eagleray.serve.engine.policy import EVIDENCE
+
+    policy, rng = AdaptivePolicy(k_max=1), random.Random(0)
+    outcomes = [0, 1] * EVIDENCE + [rng.random() < 0.5 for _ in range(200)] + [1] * 6
+    for hit in outcomes:
+        policy.observe_spec(1, 1, 0.01, 0.002, [int(hit)])
+    assert 0.3 < policy.accept[0] < 0.7
