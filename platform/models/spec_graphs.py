@@ -72,6 +72,7 @@ class ChainStepGraphs:
             for b in sorted(self.buckets, reverse=True):
                 self.draft(b, k)
                 self.verify(b, k)
+        torch.cuda.synchronize()  # the staging copy is done before a step writes the pinned rows again
 
     def bucket_for(self, n: int) -> int:
         return pick_bucket(self.buckets, n, "sequences", f"build the engine with max_num_seqs >= {n}")
