@@ -12,8 +12,9 @@
 
   with t_plain (a whole plain step), t_verify(B, k) (the rest of a speculative step after drafting: target
   forward + verification of k+1 tokens and the step's host work, so that it compares with t_plain; about flat
-  in k while the step is memory-bound on a GPU, less so on a CPU; measured per k, a k not measured yet takes
-  the nearest measured k's) and t_draft (one draft forward; a catch-up over plain steps' tokens is not counted)
+  in k while the step is memory-bound on a GPU, less so on a CPU; measured per k; a k below every measured one
+  on the line from the plain step to the smallest measured k, another unmeasured k takes the nearest measured
+  k's) and t_draft (one draft forward; a catch-up over plain steps' tokens is not counted)
   measured per batch-size bucket as moving averages. It speculates with the best k when that beats plain by ``margin``, else decodes plain
   and probes k_max now and then (the interval doubles after every probe that does not pay, up to
   ``max_probe_interval``, and stretches by the bucket's cost ratio of a speculative to a plain step),
@@ -196,9 +197,15 @@ class AdaptivePolicy:
 
     @staticmethod
     def _verify_cost(c: _Costs, k: int) -> float:
-        """t_verify at k: measured, else the nearest measured k's (the larger on a tie)."""
+        """t_verify at k: measured; below every measured k, on the line from the plain step (k = 0) to the smallest
+        measured k (verifying fewer rows is expected cheaper: with only k_max probed, taking its cost for every k kept
+        the shorter chains untried); else the nearest measured k's (the larger on a tie: on a CPU the cost need not
+        grow with k)."""
         if k in c.verify_by_k:
             return c.verify_by_k[k]
+        low = min(c.verify_by_k)
+        if k < low and c.plain is not None:
+            return c.plain + (c.verify_by_k[low] - c.plain) * k / low
         nearest = min(c.verify_by_k, key=lambda j: (abs(j - k), -j))
         return c.verify_by_k[nearest]
 
