@@ -30,6 +30,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--target", default="smollm2")
     p.add_argument("--champion", default="random", help="the starting draft: a directory, models:/..., or random")
     p.add_argument("--replay", default=None, help="the champion's original data (a datagen output) mixed into fine-tuning")
+    p.add_argument("--replay-fraction", type=float, default=0.3, help="share of training rows drawn from --replay")
     p.add_argument("--traffic", type=int, default=100, help="HumanEval prompts sent as traffic (the first N of 164)")
     p.add_argument("--held-out", type=int, default=64, help="HumanEval prompts measured before/after (the last N of 164)")
     p.add_argument("--mtbench", type=int, default=80, help="MT-bench prompts measured before/after (the control)")
@@ -38,6 +39,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--train-steps", type=int, default=200)
     p.add_argument("--learning-rate", type=float, default=1e-4)
+    p.add_argument("--ttt-steps", type=int, default=None, help="unrolled training steps of the fine-tuning (default: --k)")
+    p.add_argument("--autocast", choices=["auto", "bf16", "off"], default="auto", help="bf16 autocast of the fine-tuning")
     p.add_argument("--work", default=".cache/adapt-shift")
     p.add_argument("--json", default="docs/bench/adapt-shift.json")
     p.add_argument("--plot", default="docs/bench/adapt-shift.png")
@@ -115,6 +118,40 @@ def load(url: str, prompts: list, args, phase: str, record: list[dict]) -> dict[
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "failed": failed}
 
 
+def adapt_config(args, capture_dir: Path, work: Path, uri: str):
+    """The adaptation loop's config: fine-tune on the captured traffic (replay mixed in), gate on held-out traffic and MT-bench."""
+    from eagleray.platform.config.promotion import AdaptConfig
+
+    return AdaptConfig.model_validate(
+        {
+            "capture_path": str(capture_dir),
+            "work_dir": str(work / "adapt"),
+            "target": {"model": args.target, "device": "cpu"},
+            "min_new_requests": max(1, args.traffic // 2),
+            "held_out_fraction": 0.2,
+            "max_held_out": 16,
+            "control": ["mtbench"],
+            "control_limit": min(16, args.mtbench),
+            "max_tokens": args.max_tokens,
+            "num_speculative_tokens": args.k,
+            "train": {
+                "max_steps": args.train_steps,
+                "learning_rate": args.learning_rate,
+                "ttt_steps": args.ttt_steps or args.k,
+                "autocast": args.autocast,
+                "warmup_steps": min(20, args.train_steps // 5),
+                "batch_size": 4,
+                "backend": "local",
+                "log_every": 10,
+                "checkpoint_every": args.train_steps,
+                "eval_batches": 4,
+                **({"replay": {"data_dir": args.replay, "fraction": args.replay_fraction}} if args.replay else {}),
+            },
+            "mlflow": {"tracking_uri": uri, "experiment": "adapt-shift", "registered_model": "shift-draft"},
+        }
+    )
+
+
 def serving(args, uri: str, capture: str | None):
     from eagleray.serve.serving_config import ServingConfig
 
@@ -161,7 +198,6 @@ def run(argv: list[str]) -> dict[str, Any]:
     from eagleray.jobs.adapt import adapt_once
     from eagleray.platform import capture_store, registry
     from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
-    from eagleray.platform.config.promotion import AdaptConfig
     from eagleray.serve.app import build
     from eagleray.serve.local import APP_NAME, start_local, stop_local, wait_ready
 
@@ -195,32 +231,7 @@ def run(argv: list[str]) -> dict[str, Any]:
         metrics = httpx.get(url + "/health", timeout=30).json()["metrics"]
         log(f"  captured {captured} requests ({metrics.get('capture_dropped', 0)} dropped)")
         log("[3] the adaptation loop on the captured traffic")
-        cfg = AdaptConfig.model_validate(
-            {
-                "capture_path": str(capture_dir),
-                "work_dir": str(work / "adapt"),
-                "target": {"model": args.target, "device": "cpu"},
-                "min_new_requests": max(1, len(traffic) // 2),
-                "held_out_fraction": 0.2,
-                "max_held_out": 16,
-                "control": ["mtbench"],
-                "control_limit": min(16, args.mtbench),
-                "max_tokens": args.max_tokens,
-                "num_speculative_tokens": args.k,
-                "train": {
-                    "max_steps": args.train_steps,
-                    "learning_rate": args.learning_rate,
-                    "warmup_steps": min(20, args.train_steps // 5),
-                    "batch_size": 4,
-                    "backend": "local",
-                    "log_every": 10,
-                    "checkpoint_every": args.train_steps,
-                    "eval_batches": 4,
-                    **({"replay": {"data_dir": args.replay, "fraction": 0.3}} if args.replay else {}),
-                },
-                "mlflow": {"tracking_uri": uri, "experiment": "adapt-shift", "registered_model": "shift-draft"},
-            }
-        )
+        cfg = adapt_config(args, capture_dir, work, uri)
         decision = adapt_once(cfg, emit=log)
         swap_t = time.time() if decision.action == "promote" else None
         log(f"[4] the traffic again ({'the app hot-swaps to ' + decision.candidate if swap_t else 'no new draft'})")
