@@ -3,7 +3,8 @@
     [0] registry (sqlite, --work): the champion draft as version 1, @champion
     [1] before: τ of the champion on the held-out HumanEval prompts (the last --held-out of 164) and on MT-bench
     [2] capture overhead: the Serve app (capture off) then (capture at rate 1.0) under the same load:
-        the first --traffic HumanEval prompts, --concurrency clients; throughput = generated tokens / wall time
+        the first --traffic HumanEval prompts, --concurrency clients; throughput = generated tokens / wall time;
+        --overhead-rounds R: R rounds in ABBA order, each pass on a fresh replica, tokens/s summed per mode
     [3] the adaptation loop (jobs/adapt.adapt_once) on the captured traffic: fine-tune, gate, alias
     [4] the traffic again: the app hot-swaps through its alias poller (τ over time, no failed request)
     [5] after: τ of the draft now @champion on the same held-out HumanEval prompts and MT-bench
@@ -37,6 +38,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=4, help="draft tokens per step")
     p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument(
+        "--overhead-rounds",
+        type=int,
+        default=1,
+        help="rounds of one capture-off and one capture-on pass (ABBA order, a fresh replica before each pass); "
+        "the last pass captures the traffic the loop trains on, earlier capture-on passes go to a scratch directory",
+    )
     p.add_argument("--train-steps", type=int, default=200)
     p.add_argument("--learning-rate", type=float, default=1e-4)
     p.add_argument("--ttt-steps", type=int, default=None, help="unrolled training steps of the fine-tuning (default: --k)")
@@ -168,6 +176,24 @@ def serving(args, uri: str, capture: str | None):
     )
 
 
+def overhead_plan(rounds: int) -> list[str]:
+    """The capture-off/on passes: rounds in ABBA order (off on, on off, ...), the last round always off -> on
+    (its capture is the loop's traffic), so a drift of the machine's load over time cancels out."""
+    if rounds < 1:
+        raise ValueError(f"--overhead-rounds must be >= 1, got {rounds}")
+    return [m for r in range(rounds) for m in (("off", "on") if (rounds - 1 - r) % 2 == 0 else ("on", "off"))]
+
+
+def overhead(off: list[dict], on: list[dict]) -> dict[str, Any]:
+    """Capture's cost in serving throughput: 1 - on/off tokens per second, each over all its passes; and per round."""
+
+    def rate(passes: list[dict]) -> float:
+        return sum(p["tokens"] for p in passes) / sum(p["seconds"] for p in passes)
+
+    per_round = [1 - b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(off, on)]
+    return {"overhead": 1 - rate(on) / rate(off), "per_round": per_round}
+
+
 def plot(record: list[dict], swap_t: float | None, out: str) -> None:
     import matplotlib
 
@@ -217,13 +243,26 @@ def run(argv: list[str]) -> dict[str, Any]:
     log(f"  τ code {before['code']:.3f}, MT-bench {before['mtbench']:.3f}")
     record: list[dict] = []
     capture_dir = work / f"traffic-{int(t_start)}"
-    log(f"[2] capture overhead: the same {len(traffic)} requests with capture off, then at rate 1.0")
-    url = start_local(serving(args, uri, None), num_cpus=2, timeout_s=600)
+    log(
+        f"[2] capture overhead: the same {len(traffic)} requests with capture off and at rate 1.0, {args.overhead_rounds} round(s)"
+    )
+    plan = overhead_plan(args.overhead_rounds)
+
+    def capture_to(i: int) -> str | None:  # the last pass captures the loop's traffic, earlier ones a scratch directory
+        where = capture_dir if i == len(plan) - 1 else work / f"overhead-{int(t_start)}" / f"pass-{i}"
+        return str(where) if plan[i] == "on" else None
+
+    url = start_local(serving(args, uri, capture_to(0)), num_cpus=2, timeout_s=600)
     try:
-        off = load(url, traffic, args, "capture off", record)
-        serve.run(build(serving(args, uri, str(capture_dir))), name=APP_NAME, route_prefix="/", blocking=False)
-        wait_ready(url, None, 600)  # serve.run returned with the new replica running
-        on = load(url, traffic, args, "capture on", record)
+        passes: dict[str, list[dict]] = {"off": [], "on": []}
+        for i, mode in enumerate(plan):
+            if i:  # a fresh replica before every pass, so that no pass runs on a warmer app than another
+                serve.run(build(serving(args, uri, capture_to(i))), name=APP_NAME, route_prefix="/", blocking=False)
+                wait_ready(url, None, 600)  # serve.run returned with the new replica running
+            passes[mode].append(load(url, traffic, args, f"capture {mode}", record))
+        off, on = passes["off"], passes["on"]
+        cost = overhead(off, on)
+        log(f"  capture overhead {cost['overhead']:+.1%} (per round {', '.join(f'{c:+.1%}' for c in cost['per_round'])})")
         deadline = time.monotonic() + 120
         while capture_store.count_rows(capture_store.list_shards(capture_dir)) < len(traffic) and time.monotonic() < deadline:
             time.sleep(1)
@@ -250,10 +289,12 @@ def run(argv: list[str]) -> dict[str, Any]:
         "tau_mtbench_after": after["mtbench"],
         "tau_code_gain": after["code"] / before["code"] - 1 if before["code"] else None,
         "tau_mtbench_change": after["mtbench"] / before["mtbench"] - 1 if before["mtbench"] else None,
-        "failed_requests": off["failed"] + on["failed"] + again["failed"],
+        "failed_requests": sum(p["failed"] for p in off + on + [again]),
         "captured_requests": captured,
-        "capture_overhead": 1 - on["tokens_per_s"] / off["tokens_per_s"],
+        "capture_overhead": cost["overhead"],
+        "capture_overhead_per_round": cost["per_round"],
         "throughput": {"capture_off": off, "capture_on": on, "after_adaptation": again},
+        "requests_sent": sum(len(p) for p in (off, on)) * len(traffic) + len(traffic),
         "decision": decision.to_dict(),
         "served_draft_versions": served_versions,
         "traffic_requests": len(traffic),

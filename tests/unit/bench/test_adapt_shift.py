@@ -32,3 +32,23 @@ def test_unrolled_steps_follow_the_served_chain_length_by_default_and_no_replay_
     t = _training(_cfg(tmp_path, "--k", "3", "--traffic", "40"), tmp_path)
     assert t.ttt_steps == 3 and t.replay is None and t.autocast == "auto"
     assert _cfg(tmp_path, "--traffic", "40").min_new_requests == 20
+
+
+def test_overhead_rounds_alternate_abba_and_always_end_with_the_capture_that_feeds_the_loop():
+    assert bench.overhead_plan(1) == ["off", "on"]
+    assert bench.overhead_plan(2) == ["on", "off", "off", "on"]
+    assert bench.overhead_plan(3) == ["off", "on", "on", "off", "off", "on"]
+    for r in range(1, 6):
+        plan = bench.overhead_plan(r)
+        assert plan.count("on") == plan.count("off") == r and plan[-1] == "on"
+
+
+def test_overhead_is_the_throughput_ratio_over_all_passes_not_the_mean_of_rounds():
+    def p(tokens, seconds):
+        return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+    off = [p(1000, 10.0), p(1000, 20.0)]  # 100 and 50 tok/s: 2000 tokens in 30 s
+    on = [p(1000, 10.0), p(1000, 30.0)]  # 100 and 33.3 tok/s: 2000 tokens in 40 s
+    cost = bench.overhead(off, on)
+    assert abs(cost["overhead"] - (1 - 30.0 / 40.0)) < 1e-12
+    assert cost["per_round"][0] == 0.0 and abs(cost["per_round"][1] - (1 - (1000 / 30) / 50)) < 1e-12
