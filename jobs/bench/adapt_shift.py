@@ -3,7 +3,8 @@
     [0] registry (sqlite, --work): the champion draft as version 1, @champion
     [1] before: τ of the champion on the held-out HumanEval prompts (the last --held-out of 164) and on MT-bench
     [2] capture overhead: the Serve app (capture off) then (capture at rate 1.0) under the same load:
-        the first --traffic HumanEval prompts, --concurrency clients; throughput = generated tokens / wall time
+        the first --traffic HumanEval prompts, --concurrency clients; throughput = generated tokens / wall time;
+        --overhead-rounds R: R rounds in ABBA order, each pass on a fresh replica, tokens/s summed per mode
     [3] the adaptation loop (jobs/adapt.adapt_once) on the captured traffic: fine-tune, gate, alias
     [4] the traffic again: the app hot-swaps through its alias poller (τ over time, no failed request)
     [5] after: τ of the draft now @champion on the same held-out HumanEval prompts and MT-bench
@@ -30,14 +31,24 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--target", default="smollm2")
     p.add_argument("--champion", default="random", help="the starting draft: a directory, models:/..., or random")
     p.add_argument("--replay", default=None, help="the champion's original data (a datagen output) mixed into fine-tuning")
+    p.add_argument("--replay-fraction", type=float, default=0.3, help="share of training rows drawn from --replay")
     p.add_argument("--traffic", type=int, default=100, help="HumanEval prompts sent as traffic (the first N of 164)")
     p.add_argument("--held-out", type=int, default=64, help="HumanEval prompts measured before/after (the last N of 164)")
     p.add_argument("--mtbench", type=int, default=80, help="MT-bench prompts measured before/after (the control)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=4, help="draft tokens per step")
     p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument(
+        "--overhead-rounds",
+        type=int,
+        default=1,
+        help="rounds of one capture-off and one capture-on pass (ABBA order, a fresh replica before each pass); "
+        "the last pass captures the traffic the loop trains on, earlier capture-on passes go to a scratch directory",
+    )
     p.add_argument("--train-steps", type=int, default=200)
     p.add_argument("--learning-rate", type=float, default=1e-4)
+    p.add_argument("--ttt-steps", type=int, default=None, help="unrolled training steps of the fine-tuning (default: --k)")
+    p.add_argument("--autocast", choices=["auto", "bf16", "off"], default="auto", help="bf16 autocast of the fine-tuning")
     p.add_argument("--work", default=".cache/adapt-shift")
     p.add_argument("--json", default="docs/bench/adapt-shift.json")
     p.add_argument("--plot", default="docs/bench/adapt-shift.png")
@@ -115,6 +126,40 @@ def load(url: str, prompts: list, args, phase: str, record: list[dict]) -> dict[
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "failed": failed}
 
 
+def adapt_config(args, capture_dir: Path, work: Path, uri: str):
+    """The adaptation loop's config: fine-tune on the captured traffic (replay mixed in), gate on held-out traffic and MT-bench."""
+    from eagleray.platform.config.promotion import AdaptConfig
+
+    return AdaptConfig.model_validate(
+        {
+            "capture_path": str(capture_dir),
+            "work_dir": str(work / "adapt"),
+            "target": {"model": args.target, "device": "cpu"},
+            "min_new_requests": max(1, args.traffic // 2),
+            "held_out_fraction": 0.2,
+            "max_held_out": 16,
+            "control": ["mtbench"],
+            "control_limit": min(16, args.mtbench),
+            "max_tokens": args.max_tokens,
+            "num_speculative_tokens": args.k,
+            "train": {
+                "max_steps": args.train_steps,
+                "learning_rate": args.learning_rate,
+                "ttt_steps": args.ttt_steps or args.k,
+                "autocast": args.autocast,
+                "warmup_steps": min(20, args.train_steps // 5),
+                "batch_size": 4,
+                "backend": "local",
+                "log_every": 10,
+                "checkpoint_every": args.train_steps,
+                "eval_batches": 4,
+                **({"replay": {"data_dir": args.replay, "fraction": args.replay_fraction}} if args.replay else {}),
+            },
+            "mlflow": {"tracking_uri": uri, "experiment": "adapt-shift", "registered_model": "shift-draft"},
+        }
+    )
+
+
 def serving(args, uri: str, capture: str | None):
     from eagleray.serve.serving_config import ServingConfig
 
@@ -129,6 +174,24 @@ def serving(args, uri: str, capture: str | None):
             **({"capture": {"path": capture, "rate": 1.0, "flush_seconds": 2}} if capture else {}),
         }
     )
+
+
+def overhead_plan(rounds: int) -> list[str]:
+    """The capture-off/on passes: rounds in ABBA order (off on, on off, ...), the last round always off -> on
+    (its capture is the loop's traffic), so a drift of the machine's load over time cancels out."""
+    if rounds < 1:
+        raise ValueError(f"--overhead-rounds must be >= 1, got {rounds}")
+    return [m for r in range(rounds) for m in (("off", "on") if (rounds - 1 - r) % 2 == 0 else ("on", "off"))]
+
+
+def overhead(off: list[dict], on: list[dict]) -> dict[str, Any]:
+    """Capture's cost in serving throughput: 1 - on/off tokens per second, each over all its passes; and per round."""
+
+    def rate(passes: list[dict]) -> float:
+        return sum(p["tokens"] for p in passes) / sum(p["seconds"] for p in passes)
+
+    per_round = [1 - b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(off, on)]
+    return {"overhead": 1 - rate(on) / rate(off), "per_round": per_round}
 
 
 def plot(record: list[dict], swap_t: float | None, out: str) -> None:
@@ -161,7 +224,6 @@ def run(argv: list[str]) -> dict[str, Any]:
     from eagleray.jobs.adapt import adapt_once
     from eagleray.platform import capture_store, registry
     from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
-    from eagleray.platform.config.promotion import AdaptConfig
     from eagleray.serve.app import build
     from eagleray.serve.local import APP_NAME, start_local, stop_local, wait_ready
 
@@ -181,13 +243,26 @@ def run(argv: list[str]) -> dict[str, Any]:
     log(f"  τ code {before['code']:.3f}, MT-bench {before['mtbench']:.3f}")
     record: list[dict] = []
     capture_dir = work / f"traffic-{int(t_start)}"
-    log(f"[2] capture overhead: the same {len(traffic)} requests with capture off, then at rate 1.0")
-    url = start_local(serving(args, uri, None), num_cpus=2, timeout_s=600)
+    log(
+        f"[2] capture overhead: the same {len(traffic)} requests with capture off and at rate 1.0, {args.overhead_rounds} round(s)"
+    )
+    plan = overhead_plan(args.overhead_rounds)
+
+    def capture_to(i: int) -> str | None:  # the last pass captures the loop's traffic, earlier ones a scratch directory
+        where = capture_dir if i == len(plan) - 1 else work / f"overhead-{int(t_start)}" / f"pass-{i}"
+        return str(where) if plan[i] == "on" else None
+
+    url = start_local(serving(args, uri, capture_to(0)), num_cpus=2, timeout_s=600)
     try:
-        off = load(url, traffic, args, "capture off", record)
-        serve.run(build(serving(args, uri, str(capture_dir))), name=APP_NAME, route_prefix="/", blocking=False)
-        wait_ready(url, None, 600)  # serve.run returned with the new replica running
-        on = load(url, traffic, args, "capture on", record)
+        passes: dict[str, list[dict]] = {"off": [], "on": []}
+        for i, mode in enumerate(plan):
+            if i:  # a fresh replica before every pass, so that no pass runs on a warmer app than another
+                serve.run(build(serving(args, uri, capture_to(i))), name=APP_NAME, route_prefix="/", blocking=False)
+                wait_ready(url, None, 600)  # serve.run returned with the new replica running
+            passes[mode].append(load(url, traffic, args, f"capture {mode}", record))
+        off, on = passes["off"], passes["on"]
+        cost = overhead(off, on)
+        log(f"  capture overhead {cost['overhead']:+.1%} (per round {', '.join(f'{c:+.1%}' for c in cost['per_round'])})")
         deadline = time.monotonic() + 120
         while capture_store.count_rows(capture_store.list_shards(capture_dir)) < len(traffic) and time.monotonic() < deadline:
             time.sleep(1)
@@ -195,32 +270,7 @@ def run(argv: list[str]) -> dict[str, Any]:
         metrics = httpx.get(url + "/health", timeout=30).json()["metrics"]
         log(f"  captured {captured} requests ({metrics.get('capture_dropped', 0)} dropped)")
         log("[3] the adaptation loop on the captured traffic")
-        cfg = AdaptConfig.model_validate(
-            {
-                "capture_path": str(capture_dir),
-                "work_dir": str(work / "adapt"),
-                "target": {"model": args.target, "device": "cpu"},
-                "min_new_requests": max(1, len(traffic) // 2),
-                "held_out_fraction": 0.2,
-                "max_held_out": 16,
-                "control": ["mtbench"],
-                "control_limit": min(16, args.mtbench),
-                "max_tokens": args.max_tokens,
-                "num_speculative_tokens": args.k,
-                "train": {
-                    "max_steps": args.train_steps,
-                    "learning_rate": args.learning_rate,
-                    "warmup_steps": min(20, args.train_steps // 5),
-                    "batch_size": 4,
-                    "backend": "local",
-                    "log_every": 10,
-                    "checkpoint_every": args.train_steps,
-                    "eval_batches": 4,
-                    **({"replay": {"data_dir": args.replay, "fraction": 0.3}} if args.replay else {}),
-                },
-                "mlflow": {"tracking_uri": uri, "experiment": "adapt-shift", "registered_model": "shift-draft"},
-            }
-        )
+        cfg = adapt_config(args, capture_dir, work, uri)
         decision = adapt_once(cfg, emit=log)
         swap_t = time.time() if decision.action == "promote" else None
         log(f"[4] the traffic again ({'the app hot-swaps to ' + decision.candidate if swap_t else 'no new draft'})")
@@ -239,10 +289,12 @@ def run(argv: list[str]) -> dict[str, Any]:
         "tau_mtbench_after": after["mtbench"],
         "tau_code_gain": after["code"] / before["code"] - 1 if before["code"] else None,
         "tau_mtbench_change": after["mtbench"] / before["mtbench"] - 1 if before["mtbench"] else None,
-        "failed_requests": off["failed"] + on["failed"] + again["failed"],
+        "failed_requests": sum(p["failed"] for p in off + on + [again]),
         "captured_requests": captured,
-        "capture_overhead": 1 - on["tokens_per_s"] / off["tokens_per_s"],
+        "capture_overhead": cost["overhead"],
+        "capture_overhead_per_round": cost["per_round"],
         "throughput": {"capture_off": off, "capture_on": on, "after_adaptation": again},
+        "requests_sent": sum(len(p) for p in (off, on)) * len(traffic) + len(traffic),
         "decision": decision.to_dict(),
         "served_draft_versions": served_versions,
         "traffic_requests": len(traffic),

@@ -1,0 +1,54 @@
+"""The issue-16 shift benchmark's driver (jobs/bench/adapt_shift): what the adaptation loop is told to train."""
+
+from eagleray.jobs.bench import adapt_shift as bench
+from eagleray.platform.config.load import parse_config
+from eagleray.platform.config.schemas import TrainingConfig
+
+
+def _cfg(tmp_path, *argv: str):
+    args = bench.parse(["--work", str(tmp_path), *argv])
+    return bench.adapt_config(args, tmp_path / "traffic", tmp_path, f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+
+def _training(cfg, tmp_path) -> TrainingConfig:
+    """The fine-tuning config the loop builds from cfg.train (as jobs/adapt.train_step does)."""
+    fields = {**cfg.train, "data_dir": str(tmp_path / "data"), "output_dir": str(tmp_path / "out")}
+    return parse_config(TrainingConfig, fields, source="test", prefix="train")
+
+
+def test_replay_share_unrolled_steps_and_autocast_reach_the_fine_tuning(tmp_path):
+    cfg = _cfg(
+        tmp_path,
+        "--replay", str(tmp_path / "replay"), "--replay-fraction", "0.5",
+        "--ttt-steps", "3", "--autocast", "bf16", "--learning-rate", "2e-4", "--train-steps", "150",
+    )  # fmt: skip
+    t = _training(cfg, tmp_path)
+    assert t.replay is not None and t.replay.data_dir == str(tmp_path / "replay") and t.replay.fraction == 0.5
+    assert t.ttt_steps == 3 and t.autocast == "bf16"
+    assert t.learning_rate == 2e-4 and t.max_steps == 150 and t.backend == "local"
+
+
+def test_unrolled_steps_follow_the_served_chain_length_by_default_and_no_replay_without_data(tmp_path):
+    t = _training(_cfg(tmp_path, "--k", "3", "--traffic", "40"), tmp_path)
+    assert t.ttt_steps == 3 and t.replay is None and t.autocast == "auto"
+    assert _cfg(tmp_path, "--traffic", "40").min_new_requests == 20
+
+
+def test_overhead_rounds_alternate_abba_and_always_end_with_the_capture_that_feeds_the_loop():
+    assert bench.overhead_plan(1) == ["off", "on"]
+    assert bench.overhead_plan(2) == ["on", "off", "off", "on"]
+    assert bench.overhead_plan(3) == ["off", "on", "on", "off", "off", "on"]
+    for r in range(1, 6):
+        plan = bench.overhead_plan(r)
+        assert plan.count("on") == plan.count("off") == r and plan[-1] == "on"
+
+
+def test_overhead_is_the_throughput_ratio_over_all_passes_not_the_mean_of_rounds():
+    def p(tokens, seconds):
+        return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+    off = [p(1000, 10.0), p(1000, 20.0)]  # 100 and 50 tok/s: 2000 tokens in 30 s
+    on = [p(1000, 10.0), p(1000, 30.0)]  # 100 and 33.3 tok/s: 2000 tokens in 40 s
+    cost = bench.overhead(off, on)
+    assert abs(cost["overhead"] - (1 - 30.0 / 40.0)) < 1e-12
+    assert cost["per_round"][0] == 0.0 and abs(cost["per_round"][1] - (1 - (1000 / 30) / 50)) < 1e-12
