@@ -21,7 +21,6 @@ from typing import Callable
 
 import torch
 
-from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.decode_metadata import DecodeMetadata
 from eagleray.platform.models.draft_graphs import DraftGraphRunner
 from eagleray.platform.models.graphs import DecodeGraphRunner
@@ -43,8 +42,6 @@ class ChainStepGraphs:
     """
 
     def __init__(self, target: DecodeGraphRunner, draft: DraftGraphRunner, verify: GreedyVerify, buckets, k_max: int):
-        if not target.rows.lazy and target.rows.use_graphs:
-            raise EaglerayError("ChainStepGraphs captures lazily\n    fix: build the target's DecodeGraphRunner with lazy=True")
         dev = target.kv.k.device
         self.target, self.drafter, self.verify_fn = target, draft, verify
         self.buckets = tuple(sorted(buckets))
