@@ -20,12 +20,12 @@ from eagleray.serve.engine.verify import Verifier
 
 
 class DraftSlot:
-    """``chain_steps``: the greedy chain steps a draft's CUDA graphs are captured for (k-1; 0 for a tree);
+    """``chain_steps``: k_max - 1, the greedy chain steps the step graphs are captured for (0 for a tree);
     ``chain_rows``: run the draft on row graphs (CUDA, chain) sized like the target's, and greedy chain steps of up to
     ``max_seqs`` sequences on :class:`ChainStepGraphs`."""
 
     def __init__(
-        self, target: TargetRunner, verify_backend: str, prof: StepProfiler, chain_rows: bool, chain_steps: int, max_seqs: int = 0
+        self, target: TargetRunner, verify_backend: str, prof: StepProfiler, chain_rows: bool, chain_steps: int, max_seqs: int
     ):
         self.target = target
         self.max_seqs = max_seqs
@@ -51,11 +51,11 @@ class DraftSlot:
             self.target.model.set_aux_layers(aux_layer_ids)
         runner = DraftRunner(draft, self.target.kv.num_blocks, self.target.block_size, *self.rows)
         if runner.rows is not None:  # CUDA: every bucket's graph now, not inside the first requests' steps
-            runner.rows.capture(self.chain_steps)
+            runner.rows.capture()  # catch-up and chain rows; greedy chains run on ChainStepGraphs below
         self.aux_layer_ids = list(self.target.model.aux_layer_ids)
         verifier = Verifier(self.verify_backend, draft.d2t, self.target.vocab_size)
         graphs = None
-        if runner.rows is not None and self.max_seqs > 0:
+        if runner.rows is not None:
             graphs = ChainStepGraphs(
                 self.target.rows, runner.rows, verifier.chain_greedy, row_buckets(self.max_seqs), self.chain_steps + 1
             )

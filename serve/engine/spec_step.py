@@ -62,7 +62,6 @@ class SpecContext:
     prof: StepProfiler
     aux_checked: bool = False
     draft_seconds: float = 0.0  # the last step's drafting (catch-up + chain or tree), for the adaptive policy
-    verify_seconds: float = 0.0  # the last step's target forward + verification (device time on CUDA)
     lag_seconds: float = 0.0  # the last step's catch-up over plain steps' positions (kept out of drafting)
     clock: StepClock | None = None
     lag_marks: tuple | None = None  # a catch-up over more than a step's positions (after plain steps), not drafting cost
@@ -72,12 +71,12 @@ class SpecContext:
     def __post_init__(self):
         self.clock = self.clock or StepClock(self.target.device)
 
-    def record_times(self, m0, m1, m2, measured: bool = True) -> None:
-        """Draft (m0..m1, less a long catch-up) and verify (m1..m2) seconds of the step just done."""
+    def record_times(self, m0, m1, measured: bool = True) -> None:
+        """Draft seconds (m0..m1, less a long catch-up) of the step just done; the engine takes the rest of the
+        step as its verify cost."""
         lag = self.clock.seconds(*self.lag_marks) if self.lag_marks is not None else 0.0
         self.lag_marks, self.lag_seconds = None, lag
         self.draft_seconds = max(self.clock.seconds(m0, m1) - lag, 0.0)
-        self.verify_seconds = self.clock.seconds(m1, m2)
         self.measured = measured
 
 
@@ -299,7 +298,7 @@ def chain_step(ctx: SpecContext, seqs: list[Sequence], k: int) -> list[SeqResult
             p, draft_tokens.to(p.device), None if q is None else q.to(p.device), rows.temperature, rows.seed
         )
         tokens, nacc = tokens.tolist(), nacc.tolist()  # the step's one device -> host transfer of results
-    ctx.record_times(m0, m1, ctx.clock.mark())
+    ctx.record_times(m0, m1)
     return [SeqResult(tokens[b][: n + 1], aux[b][: n + 1], k, n) for b, n in enumerate(nacc)]
 
 
@@ -328,11 +327,10 @@ def graph_chain_step(ctx: SpecContext, seqs: list[Sequence], k: int) -> list[Seq
     m1 = ctx.clock.mark()
     with ctx.prof.phase("target"):
         tokens, nacc, aux_out = g.verify(bucket, k)  # [bucket, k+1], [bucket], [bucket*(k+1), A] | None
-    m2 = ctx.clock.mark()
     with ctx.prof.phase("verify"):
         rows = None if aux_out is None else aux_out[: n * w].clone()  # [n*(k+1), A]: outlives the next replay
         host = torch.cat([tokens[:n].reshape(-1), nacc[:n]]).tolist()  # the step's one device -> host transfer
-    ctx.record_times(m0, m1, m2, measured=g.graphs.captures == captures)
+    ctx.record_times(m0, m1, measured=g.graphs.captures == captures)
     out = []
     for b in range(n):
         a = host[n * w + b]
@@ -378,7 +376,7 @@ def tree_step(ctx: SpecContext, seqs: list[Sequence], depth: int, topk: int, num
             for b, t in enumerate(trees)
         ]  # [M_b+1, V] each
         verdicts = ctx.verifier.tree(rows_p, trees, rows.temperature, rows.seed)
-    ctx.record_times(m0, m1, ctx.clock.mark())
+    ctx.record_times(m0, m1)
     out = []
     for b, (s, tree, (path, toks)) in enumerate(zip(seqs, trees, verdicts)):
         start = s.num_tokens - 1
