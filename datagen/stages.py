@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -267,8 +265,4 @@ class ExtractStage:
         after = self.cfg.testing.kill_extract_worker_after_shards
         if after is None or self.written < after:
             return
-        marker = Path(self.cfg.output_dir) / ".test-worker-killed"
-        if marker.exists():
-            return
-        marker.write_text(f"pid {os.getpid()} killed itself before renaming {tmp.name}\n")
-        os.kill(os.getpid(), signal.SIGKILL)
+        self.cfg.testing.kill_once(self.cfg.output_dir, f"before renaming {tmp.name}")

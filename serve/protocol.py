@@ -15,9 +15,9 @@ surrogate such as ``"\\ud800"`` is valid JSON but not Unicode text). Errors foll
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 # pydantic error type -> OpenAI-style error code
 ERROR_CODES = {
@@ -201,7 +201,25 @@ class StreamOptions(_Strict):
     )
 
 
+M = TypeVar("M", bound="_Sampling")
+
+
+def with_default_only_fields(cls: type[M]) -> type[M]:
+    """``cls`` with a field for each name of its ``DEFAULT_ONLY`` table, so that the table is the one place a field
+    accepted only at its defaults is named. Such a field is not an unknown field; it takes any type, default null,
+    since :func:`refuse_non_defaults` (before field validation) lets only the table's defaults through."""
+    fields: dict[str, Any] = {
+        name: (Any, Field(None, description=f"Only {' or '.join(json.dumps(d) for d in defaults)}: {why}."))
+        for name, (defaults, why) in cls.DEFAULT_ONLY.items()
+    }
+    return create_model(cls.__name__, __base__=cls, __module__=cls.__module__, __doc__=cls.__doc__, **fields)
+
+
 class _Sampling(_Strict):
+    """Fields common to chat and completions requests. A request type adds its own, names its table
+    (:data:`CHAT_DEFAULT_ONLY`, :data:`COMPLETION_DEFAULT_ONLY`) and takes that table's fields from
+    :func:`with_default_only_fields`."""
+
     DEFAULT_ONLY: ClassVar[dict[str, tuple[tuple, str]]] = _COMMON_DEFAULT_ONLY  # each request type names its table
 
     @model_validator(mode="before")
@@ -233,33 +251,9 @@ class _Sampling(_Strict):
     safety_identifier: str | None = Field(None, description=_RECORDED["safety_identifier"])
     request_id: str | None = Field(None, description=_RECORDED["request_id"])
     cache_salt: str | None = Field(None, description=_RECORDED["cache_salt"])
-    # Accepted at their defaults only (CHAT_DEFAULT_ONLY / COMPLETION_DEFAULT_ONLY check the values first).
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
-    use_beam_search: bool | None = None
-    best_of: int | None = None
-    length_penalty: float | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    truncate_prompt_tokens: None = None
-    prompt_logprobs: None = None
-    return_tokens_as_token_ids: bool | None = None
-    guided_json: None = None
-    guided_regex: None = None
-    guided_choice: None = None
-    guided_grammar: None = None
-    structured_outputs: None = None
-    response_format: dict[str, str] | None = None
-    priority: int | None = None
-    store: bool | None = None
-    service_tier: str | None = None
-    kv_transfer_params: None = None
-    add_special_tokens: bool | None = None
+    store: bool | None = Field(
+        None, description="Capture opt-in/out (serving.capture): false is never captured; true is refused when capture is off."
+    )
 
     @field_validator("stop")
     @classmethod
@@ -299,31 +293,13 @@ class _Sampling(_Strict):
         }
 
 
+@with_default_only_fields
 class ChatCompletionRequest(_Sampling):
     DEFAULT_ONLY: ClassVar[dict[str, tuple[tuple, str]]] = CHAT_DEFAULT_ONLY
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far (at least one message).")
     max_completion_tokens: int | None = Field(
         None, ge=1, le=INT64_MAX, description="Newer name of max_tokens; wins when both are set."
     )
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | None = None
-    functions: list[Any] | None = None
-    function_call: str | None = None
-    audio: None = None
-    modalities: list[str] | None = None
-    prediction: None = None
-    web_search_options: None = None
-    reasoning_effort: None = None
-    verbosity: str | None = None
-    echo: bool | None = None
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool | None = None
-    documents: None = None
-    chat_template: None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    mm_processor_kwargs: None = None
     parallel_tool_calls: bool | None = Field(None, description=_RECORDED["parallel_tool_calls"])
 
     @field_validator("messages")
@@ -340,13 +316,12 @@ class ChatCompletionRequest(_Sampling):
         return self.max_tokens, "max_tokens"
 
 
+@with_default_only_fields
 class CompletionRequest(_Sampling):
     DEFAULT_ONLY: ClassVar[dict[str, tuple[tuple, str]]] = COMPLETION_DEFAULT_ONLY
     prompt: str | list[int] | list[str] = Field(description="One prompt: text, token ids, or a one-element list of text.")
     max_tokens: int | None = Field(16, ge=1, le=INT64_MAX, description="Maximum generated tokens (OpenAI's default is 16).")
     echo: Literal[False] | None = Field(False, description="Echoing the prompt is not supported.")
-    logprobs: None = None
-    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod

@@ -7,11 +7,11 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from eagleray.platform.config.load import StrictModel
-from eagleray.platform.config.schemas import MlflowConfig, check_custom_resources, testing_delay, testing_hooks
+from eagleray.platform.config.schemas import FaultHooks, MlflowConfig, check_custom_resources, testing_delay, testing_hooks
 from eagleray.serve.engine import EngineConfig
 
 
-class CaptureTesting(StrictModel):
+class CaptureTesting(FaultHooks):
     write_delay_s: float = testing_delay("the writer sleeps this long in every add (a slow disk), to fill the buffer.")
 
 

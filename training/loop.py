@@ -9,8 +9,6 @@ restores both and skips the batches already consumed. Metrics go to MLflow from 
 from __future__ import annotations
 
 import math
-import os
-import signal
 import tempfile
 import time
 from pathlib import Path
@@ -263,9 +261,4 @@ def _maybe_die(cfg: TrainingConfig, session: Session, step: int) -> None:
     at = cfg.testing.kill_worker_at_step
     if at is None or step != at or session.rank != 0:
         return
-    marker = Path(cfg.output_dir) / ".test-worker-killed"
-    if marker.exists():
-        return
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(f"pid {os.getpid()} killed itself after step {step}\n")
-    os.kill(os.getpid(), signal.SIGKILL)
+    cfg.testing.kill_once(cfg.output_dir, f"after step {step}")

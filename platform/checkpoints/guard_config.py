@@ -17,6 +17,12 @@ from eagleray.platform.errors import EaglerayError, Problem
 KNOWN_ALGORITHMS = (EAGLE3, EAGLE)
 
 
+def config_problem(field: str, what: str) -> Problem:
+    """A problem whose cause is the draft's config.json (a field that is wrong or missing, or a weight that disagrees
+    with it): the fix is to restore that file."""
+    return Problem(field, what, "restore the draft's config.json")
+
+
 @dataclass
 class GuardContext:
     """What every check reads: the target, the opened draft checkpoint, the configured algorithm, the positions served."""
@@ -60,7 +66,7 @@ class GuardContext:
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            out.append(Problem(f"draft.config.{key}", f"is {value!r}, not a positive integer", "restore the draft's config.json"))
+            out.append(config_problem(f"draft.config.{key}", f"is {value!r}, not a positive integer"))
             return None
         return value
 
@@ -70,7 +76,7 @@ class GuardContext:
         hidden = self.config_int("hidden_size", out) or 0
         heads = self.config_int("num_attention_heads", out)
         if heads is None and "num_attention_heads" not in self.cfg:
-            out.append(Problem("draft.config.num_attention_heads", "is missing", "restore the draft's config.json"))
+            out.append(config_problem("draft.config.num_attention_heads", "is missing"))
         heads = heads or 0
         kv = self.config_int("num_key_value_heads", out) or heads
         head_dim = self.config_int("head_dim", out) or (hidden // heads if heads else 0)

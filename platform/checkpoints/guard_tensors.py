@@ -3,7 +3,7 @@ complete tensors, the vocabulary map. (The config checks: :mod:`eagleray.platfor
 
 from __future__ import annotations
 
-from eagleray.platform.checkpoints.guard_config import GuardContext
+from eagleray.platform.checkpoints.guard_config import GuardContext, config_problem
 from eagleray.platform.checkpoints.vocab_check import check_vocab_map
 from eagleray.platform.errors import Problem
 
@@ -57,13 +57,7 @@ def check_fc(c: GuardContext) -> list[Problem]:
             )
         )
     if c.hidden and fc[0] != c.hidden:
-        out.append(
-            Problem(
-                "draft.weights.fc.weight",
-                f"output width {fc[0]} != draft hidden_size {c.hidden}",
-                "restore the draft's config.json",
-            )
-        )
+        out.append(config_problem("draft.weights.fc.weight", f"output width {fc[0]} != draft hidden_size {c.hidden}"))
     return out
 
 

@@ -6,6 +6,9 @@ Every model forbids unknown fields and describes every field; errors name the do
 
 from __future__ import annotations
 
+import os
+import signal
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -13,6 +16,7 @@ from pydantic import Field, model_validator
 from eagleray.platform.config.load import StrictModel
 
 RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+KILL_MARKER = ".test-worker-killed"
 
 
 def check_custom_resources(field: str, resources: dict[str, float], instead: str) -> None:
@@ -28,7 +32,23 @@ def check_custom_resources(field: str, resources: dict[str, float], instead: str
         raise ValueError(f"{field}: every amount must be > 0 and every name non-empty (got {bad})")
 
 
-def testing_hooks(hooks: type[StrictModel]) -> Any:
+class FaultHooks(StrictModel):
+    """Base of a config's ``testing`` section: fault-injection hooks used by eagleray's own tests, all off by default
+    (each a :func:`testing_kill` or :func:`testing_delay` field). :meth:`kill_once` is what a kill hook does."""
+
+    @staticmethod
+    def kill_once(output_dir: str, note: str) -> None:
+        """SIGKILL this process, unless a kill hook already fired for ``output_dir``: the marker file it leaves there
+        (:data:`KILL_MARKER`, ``note`` inside) keeps the kill to once, so the retried run gets through."""
+        marker = Path(output_dir) / KILL_MARKER
+        if marker.exists():
+            return
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"pid {os.getpid()} killed itself {note}\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def testing_hooks(hooks: type[FaultHooks]) -> Any:
     """The ``testing`` field of a config: its fault-injection hooks (``hooks``, all off by default)."""
     return Field(default_factory=hooks, description="Fault-injection hooks used by eagleray's own tests; leave unset.")
 
@@ -45,6 +65,24 @@ def testing_kill(ge: int, who: str, after: str, proves: str) -> Any:
 def testing_delay(description: str) -> Any:
     """A hook that slows a stage down by a sleep of this many seconds (0: none)."""
     return Field(0.0, ge=0.0, description=f"Testing only: {description}")
+
+
+class DatagenTesting(FaultHooks):
+    kill_extract_worker_after_shards: int | None = testing_kill(
+        0, "the hidden-state worker", "after writing this many shards, mid-write", "a killed worker loses nothing"
+    )
+    chunk_delay_s: float = testing_delay(
+        "sleep this long per shard in the hidden-state stage (slows a run so a test can kill the driver mid-run)."
+    )
+
+
+class TrainTesting(FaultHooks):
+    kill_worker_at_step: int | None = testing_kill(
+        1, "rank 0", "after this optimizer step", "a run resumes from its last checkpoint"
+    )
+    step_delay_s: float = testing_delay(
+        "sleep this long after each optimizer step (slows a run so a test can kill a node mid-run)."
+    )
 
 
 class TargetConfig(StrictModel):
@@ -106,15 +144,6 @@ class GenerationConfig(StrictModel):
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     seed: int = Field(0, description="Base seed; each prompt derives its own from its id.")
-
-
-class DatagenTesting(StrictModel):
-    kill_extract_worker_after_shards: int | None = testing_kill(
-        0, "the hidden-state worker", "after writing this many shards, mid-write", "a killed worker loses nothing"
-    )
-    chunk_delay_s: float = testing_delay(
-        "sleep this long per shard in the hidden-state stage (slows a run so a test can kill the driver mid-run)."
-    )
 
 
 class DatagenConfig(StrictModel):
@@ -226,15 +255,6 @@ class OnlineDataConfig(StrictModel):
     loss_turns: Literal["last", "all"] = Field(
         "last",
         description="Which assistant messages are learned: 'last' (the regenerated answer; earlier ones may be the dataset's), or 'all' (every assistant message: conversations regenerated turn by turn, `answer_turns: all`).",
-    )
-
-
-class TrainTesting(StrictModel):
-    kill_worker_at_step: int | None = testing_kill(
-        1, "rank 0", "after this optimizer step", "a run resumes from its last checkpoint"
-    )
-    step_delay_s: float = testing_delay(
-        "sleep this long after each optimizer step (slows a run so a test can kill a node mid-run)."
     )
 
 
