@@ -6,11 +6,16 @@ of the k+1 rows a verification step scores. cuBLAS picks its algorithm (tile sha
 the number of rows, so the summation order of a row's dot products, and its last bits, change with
 the batch. This kernel fixes that order for every row count:
 
-- one tile configuration for every M (``BLOCK_M`` x ``BLOCK_N`` x ``BLOCK_K``, warps, stages);
-  rows only add tiles, each tile runs the same instructions, and a row's products are accumulated
-  in the same sequence of ``tl.dot`` steps over K;
-- a split of K into ``splits`` fixed ranges that depends only on the weight's shape (N, K), never on
-  M; partial sums are fp32 and are added in split order by the epilogue kernel (no atomics);
+- one :class:`Plan` per weight shape (and GPU), never per M: tiles (``BLOCK_M`` x ``block_n`` x
+  ``block_k``, warps, stages) and a split of K into ``splits`` fixed ranges. Rows only add tiles,
+  each tile runs the same instructions, and a row's products are accumulated in the same sequence
+  of ``tl.dot`` steps over K; partial sums are fp32 and are added in split order by the epilogue
+  kernel (no atomics). Plans measured on a GPU (``jobs/bench/invariant_check --tune``) lie in
+  ``invariant_linear_plans.json`` by device name and shape (``EAGLERAY_INVARIANT_PLANS`` names another
+  file); other shapes get :func:`make_plan`'s;
+- a prologue may compute the left operand from its input on load, as the decode step's element-wise
+  kernel would have (one launch fewer each): ``norm`` (RMSNorm: each row's 1/rms over all of K,
+  computed alike by every program of the row) or ``silu`` (silu(gate) * up of a fused gate_up row);
 - the epilogue adds the bias, rounds to the weight's dtype, and optionally adds a residual
   (rounded again), as the model's ``linear`` followed by ``h + delta`` does.
 
@@ -18,15 +23,22 @@ Cost, measured against cuBLAS in BENCHMARKS.md: at one row the K split keeps eno
 flight to stream the weight; at many rows (prefill sizes) it is slower than cuBLAS, so the engine
 uses it only for decode and verification, where rows are few.
 
-    y = invariant_linear(x, weight, bias, residual=h)   # x [M, K], weight [N, K] -> [M, N]
+    y = invariant_linear(x, weight, bias, residual=h)                       # x [M, K], weight [N, K] -> [M, N]
+    y = invariant_linear(h, weight, mode="norm", norm_weight=w, eps=1e-5)   # rmsnorm(h) @ weight.T
+    y = invariant_linear(gate_up, weight, mode="silu", residual=h)          # gate_up [M, 2K]
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from eagleray.kernels.decode_ops import add_rmsnorm_reference, silu_mul_reference
 from eagleray.kernels.errors import KernelInputError, no_triton
 
 try:
@@ -38,29 +50,82 @@ except ImportError:  # pragma: no cover - Triton is optional on CPU machines
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 128
 NUM_WARPS, NUM_STAGES = 4, 3
 TARGET_PROGRAMS = 264  # two per SM of an H200: enough loads in flight to stream a weight at one row
+MODES = {"plain": 0, "norm": 1, "silu": 2}  # the left operand: x, rmsnorm(x), silu(gate) * up
+# measured plans by GPU name and weight shape; EAGLERAY_INVARIANT_PLANS names another file (plans tuned on this machine)
+PLANS_FILE = Path(os.environ.get("EAGLERAY_INVARIANT_PLANS") or Path(__file__).with_name("invariant_linear_plans.json"))
 
 
 @dataclass(frozen=True)
 class Plan:
-    """How a weight [N, K] is tiled: ``splits`` ranges of ``k_per_split`` columns (a multiple of BLOCK_K)."""
+    """How a weight [N, K] is tiled: ``splits`` ranges of ``k_per_split`` columns (a multiple of ``block_k``), tiles
+    of ``block_n`` output columns, and the launch's warps and pipeline stages."""
 
     splits: int
     k_per_split: int
+    block_n: int = BLOCK_N
+    block_k: int = BLOCK_K
+    warps: int = NUM_WARPS
+    stages: int = NUM_STAGES
 
 
-def plan(n: int, k: int) -> Plan:
-    """The K split for a weight [N, K]: a function of the shape alone (the batch invariance rests on it)."""
-    chunks = -(-k // BLOCK_K)
-    n_tiles = -(-n // BLOCK_N)
-    want = max(1, min(chunks, -(-TARGET_PROGRAMS // n_tiles)))
-    per = -(-chunks // want)
-    return Plan(-(-chunks // per), per * BLOCK_K)
+def make_plan(
+    n: int,
+    k: int,
+    splits: int | None = None,
+    block_n: int = BLOCK_N,
+    block_k: int = BLOCK_K,
+    warps: int = NUM_WARPS,
+    stages: int = NUM_STAGES,
+) -> Plan:
+    """A plan for a weight [N, K]: ``splits`` ranges of K (at most, no empty one), or by default enough to keep
+    about :data:`TARGET_PROGRAMS` programs in flight at one row."""
+    chunks = -(-k // block_k)
+    if splits is None:
+        splits = max(1, min(chunks, -(-TARGET_PROGRAMS // -(-n // block_n))))
+    per = -(-chunks // max(1, min(splits, chunks)))
+    return Plan(-(-chunks // per), per * block_k, block_n, block_k, warps, stages)
+
+
+@functools.lru_cache(maxsize=None)
+def measured_plans(device_name: str) -> dict[tuple[int, int], Plan]:
+    """The plans measured on the GPU ``device_name`` (``jobs/bench/invariant_check --tune``), by weight shape."""
+    table = json.loads(PLANS_FILE.read_text()) if PLANS_FILE.exists() else {}
+    out = {}
+    for shape, cfg in table.get(device_name, {}).items():
+        n, k = (int(v) for v in shape.split("x"))
+        out[(n, k)] = make_plan(n, k, **cfg)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str | None:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def plan(n: int, k: int, device: torch.device | None = None) -> Plan:
+    """The plan for a weight [N, K] on ``device``: a function of the device and the shape alone, never of the
+    number of rows (the batch invariance rests on it). Measured plans first, else :func:`make_plan`'s default."""
+    name = _device_name(device) if device is not None else None
+    found = measured_plans(name).get((n, k)) if name is not None else None
+    return found if found is not None else make_plan(n, k)
 
 
 def invariant_linear_reference(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    *,
+    mode: str = "plain",
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T (+ bias) in fp32, rounded to weight.dtype (+ residual, rounded) -> [M, N]."""
+    """The left operand (x; rmsnorm(x) for ``norm``; silu(gate) * up of x [M, 2K] for ``silu``) @ weight [N, K].T
+    (+ bias) in fp32, rounded to weight.dtype (+ residual, rounded) -> [M, N]."""
+    if mode == "norm":
+        x, _ = add_rmsnorm_reference(x, None, norm_weight, eps)  # [M, K]
+    elif mode == "silu":
+        x = silu_mul_reference(x)  # [M, 2K] -> [M, K]
     y = x.to(torch.float32) @ weight.to(torch.float32).T  # [M, N]
     if bias is not None:
         y = y + bias.to(torch.float32)
@@ -74,9 +139,38 @@ if triton is not None:
     from eagleray.kernels.grid import program_range
 
     @triton.jit
+    def _row_rstd(x_ptr, rm, mmask, stride_x, K, eps, BM: tl.constexpr, BK: tl.constexpr):
+        """1 / sqrt(mean(x^2) + eps) of rows ``rm`` of x [M, K] -> [BM] fp32 (K summed in BK steps, in order)."""
+        ss = tl.zeros([BM], tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)  # [BK]
+            a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mmask[:, None] & (rk < K)[None, :], other=0.0)
+            a = a.to(tl.float32)  # [BM, BK]
+            ss += tl.sum(a * a, axis=1)
+        return 1.0 / tl.sqrt(ss / K + eps)
+
+    @triton.jit
+    def _x_tile(x_ptr, nw_ptr, rstd, rm, rk, amask, stride_x, K, MODE: tl.constexpr):
+        """The left operand's tile [BM, BK] in x's dtype: x (MODE 0), nw * rmsnorm(x) (1, ``rstd`` [BM]) or
+        silu(gate) * up (2: gate = x[:, :K], up = x[:, K:]), rounded as the model's own ops round them."""
+        ptrs = x_ptr + rm[:, None] * stride_x + rk[None, :]
+        a = tl.load(ptrs, mask=amask, other=0.0)  # [BM, BK]
+        dt = a.dtype
+        if MODE == 1:
+            y = (a.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)
+            nw = tl.load(nw_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)  # [BK]
+            a = (nw[None, :] * y).to(dt)
+        elif MODE == 2:
+            g = a.to(tl.float32)
+            u = tl.load(ptrs + K, mask=amask, other=0.0).to(tl.float32)  # [BM, BK]
+            a = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt)
+        return a
+
+    @triton.jit
     def _partial_kernel(
-        x_ptr,  # [M, K] (row stride stride_x)
+        x_ptr,  # [M, K] ([M, 2K] gate_up for MODE 2; row stride stride_x)
         w_ptr,  # [N, K] (row stride stride_w)
+        nw_ptr,  # [K] RMSNorm weight (MODE 1)
         part_ptr,  # [S, M, N] fp32 partial sums
         b_ptr,
         res_ptr,
@@ -89,6 +183,8 @@ if triton is not None:
         stride_r,
         stride_o,
         K_PER_SPLIT,
+        eps,
+        MODE: tl.constexpr,
         FUSED: tl.constexpr,
         IEEE: tl.constexpr,
         HAS_BIAS: tl.constexpr,
@@ -103,13 +199,17 @@ if triton is not None:
         rm = pid_m * BM + tl.arange(0, BM)  # [BM]
         rn = pid_n * BN + tl.arange(0, BN)  # [BN]
         mmask, nmask = rm < M, rn < N
+        if MODE == 1:  # every program of a row computes its norm alike: the same bits in every split
+            rstd = _row_rstd(x_ptr, rm, mmask, stride_x, K, eps, BM, BK)  # [BM]
+        else:
+            rstd = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, BN], tl.float32)
         k_lo = s * K_PER_SPLIT
         k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
         for k0 in range(k_lo, k_hi, BK):
             rk = k0 + tl.arange(0, BK)  # [BK]
             kmask = rk < k_hi
-            a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BM, BK]
+            a = _x_tile(x_ptr, nw_ptr, rstd, rm, rk, mmask[:, None] & kmask[None, :], stride_x, K, MODE)  # [BM, BK]
             w = tl.load(
                 w_ptr + rn[:, None] * stride_w + rk[None, :],
                 mask=nmask[:, None] & kmask[None, :],
@@ -165,16 +265,25 @@ if triton is not None:
         _epilogue(acc, rm, rn, N, omask, b_ptr, res_ptr, out_ptr, stride_r, stride_o, HAS_BIAS, HAS_RES)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None) -> None:
+def _check(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    mode: str,
+    norm_weight: torch.Tensor | None,
+) -> None:
     def bad(arg: str, expected: str, got, fix: str) -> KernelInputError:
         return KernelInputError(f"invariant_linear: {arg}", expected, str(got), fix)
 
     if triton is None:
         raise no_triton("invariant_linear")
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+    if mode not in MODES:
+        raise bad("mode", f"one of {sorted(MODES)}", repr(mode), "plain: x; norm: rmsnorm(x); silu: silu(gate) * up")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] * (2 if mode == "silu" else 1):
         raise bad(
             "x, weight",
-            "x [M, K] and weight [N, K] (the same K)",
+            "x [M, K] and weight [N, K] (the same K; x [M, 2K], gate then up, for mode silu)",
             f"{tuple(x.shape)} and {tuple(weight.shape)}",
             "pass 2-D tensors with matching inner dimensions",
         )
@@ -192,7 +301,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
             f"{x.dtype}, {x.device}",
             "cast x to the weight's dtype and device",
         )
-    n = weight.shape[0]
+    n, k = weight.shape
+    if (mode == "norm") != (norm_weight is not None):
+        raise bad("norm_weight", "given exactly with mode norm", f"mode {mode!r}", "pass mode='norm' with the norm's weight")
+    if norm_weight is not None and (tuple(norm_weight.shape) != (k,) or norm_weight.stride(0) != 1):
+        raise bad("norm_weight", f"a contiguous [{k}] tensor", tuple(norm_weight.shape), "pass the RMSNorm's own weight")
     if bias is not None and (tuple(bias.shape) != (n,) or bias.stride(0) != 1):
         raise bad("bias", f"a contiguous [{n}] tensor", tuple(bias.shape), "pass the layer's own bias")
     if residual is not None and (tuple(residual.shape) != (x.shape[0], n) or residual.stride(1) != 1):
@@ -205,23 +318,32 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
 
 
 def invariant_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    *,
+    mode: str = "plain",
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T (+ bias) -> weight.dtype (+ residual [M, N]) -> [M, N]; row results
-    do not depend on M (see the module docstring)."""
-    _check(x, weight, bias, residual)
-    m, k = x.shape
-    n = weight.shape[0]
-    p = plan(n, k)
+    """The left operand (x [M, K]; ``norm``: norm_weight * rmsnorm(x); ``silu``: silu(gate) * up of x [M, 2K]) @
+    weight [N, K].T (+ bias) -> weight.dtype (+ residual [M, N]) -> [M, N]; row results do not depend on M (see
+    the module docstring)."""
+    _check(x, weight, bias, residual, mode, norm_weight)
+    m = x.shape[0]
+    n, k = weight.shape
+    p = plan(n, k, x.device)
     out = torch.empty(m, n, dtype=weight.dtype, device=x.device)  # [M, N]
     fused = p.splits == 1
     part = out if fused else torch.empty(p.splits, m, n, dtype=torch.float32, device=x.device)  # [S, M, N]
     b = bias if bias is not None else out
     r = residual if residual is not None else out
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), p.splits)
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, p.block_n), p.splits)
     _partial_kernel[grid](
         x,
         weight,
+        norm_weight if norm_weight is not None else weight,
         part,
         b,
         r,
@@ -234,15 +356,17 @@ def invariant_linear(
         r.stride(0),
         out.stride(0),
         p.k_per_split,
+        float(eps),
+        MODE=MODES[mode],
         FUSED=fused,
         IEEE=weight.dtype == torch.float32,
         HAS_BIAS=bias is not None,
         HAS_RES=residual is not None,
         BM=BLOCK_M,
-        BN=BLOCK_N,
-        BK=BLOCK_K,
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        BN=p.block_n,
+        BK=p.block_k,
+        num_warps=p.warps,
+        num_stages=p.stages,
     )
     if not fused:
         _reduce_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 128))](

@@ -5,6 +5,7 @@
 #
 #   bash jobs/bench/engine_h200.sh part 1      # carry .stage1 and .whl: wheels, prompts, the GGUF's first third
 #   bash jobs/bench/engine_h200.sh part 2      # carry .stage2: the second third
+#                                              # (either part may be followed by a command that needs no GGUF)
 #   bash jobs/bench/engine_h200.sh run CMD...  # carry .stage3: the last third, joined and checked; then CMD with
 #                                              # $STAGE (prompts) and $OUT set, e.g. "pytest tests/gpu" or a bench
 #
@@ -16,6 +17,8 @@ set -euo pipefail
 ROOT=/root/engine-run
 export STAGE=$ROOT/stage PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export EAGLERAY_HOME=$ROOT/home PYTHONPATH=$ROOT/site:$ROOT/src EAGLERAY_TEST_GPU=1
+# plans of the batch-invariant linear tuned in this lease (`python3 -m eagleray.jobs.bench.invariant_check OUT --tune`)
+export EAGLERAY_INVARIANT_PLANS=$ROOT/invariant_linear_plans.json
 mkdir -p "$STAGE" $ROOT/site $ROOT/src
 case "${1:-}" in
 part)
@@ -25,6 +28,11 @@ part)
     nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv
   fi
   ls -la "$STAGE"
+  shift 2
+  if [ $# -gt 0 ]; then  # a command that needs no GGUF (a kernel check, the tuning) while the thirds arrive
+    ln -sfn "$PWD" $ROOT/src/eagleray
+    "$@"
+  fi
   ;;
 run)
   shift

@@ -40,11 +40,11 @@ from eagleray.kernels.decode_ops import (
     silu_mul,
     silu_mul_reference,
 )
-from eagleray.kernels.invariant_linear import invariant_linear
+from eagleray.kernels.invariant_linear import invariant_linear, plan
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.attention import KVCache
 from eagleray.platform.models.decode_metadata import DecodeMetadata
-from eagleray.platform.models.row_graphs import DecodeRows, RowGraphs
+from eagleray.platform.models.row_graphs import DecodeRows, RowGraphs, row_slots
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -121,6 +121,8 @@ class FusedDecodeStep:
         b = ids.shape[0]
         if b == 1 and self.use_gemv:
             return self._gemv_step(ids, positions, meta, kv)
+        if self.invariant and self.use_triton:
+            return self._folded_step(ids, positions, meta, kv)
         h, delta = m.embed(ids), None  # [B, H]
         wanted = set(m.aux_layer_ids)
         aux: list[torch.Tensor] = []
@@ -154,6 +156,38 @@ class FusedDecodeStep:
 
     def _proj(self, linear, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, linear.weight, linear.bias) if self.invariant else linear(x)
+
+    def _folded_step(self, ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata, kv: KVCache) -> Step:
+        """The batch-invariant step in Triton with the element-wise ops folded into the products: the residual adds
+        into o_proj's and down's epilogues, silu * up into down's prologue, each RMSNorm into the next product's
+        prologue where that product's K is not split (else its own kernel): 7 launches a layer instead of 14."""
+        m = self.model
+        b = ids.shape[0]
+        h = m.embed(ids)  # [B, H] residual stream
+        wanted = set(m.aux_layer_ids)
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(m.layers):
+            if i in wanted:
+                aux.append(h)
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = self._norm_linear(h, layer.input_layernorm.weight, *self.qkv[i])  # [B, (Hq+2Hkv)*D]
+            q = self.rope_write_kv(qkv, self._kv_write(i, positions, meta, kv))  # [B, Hq, D]
+            o = meta.attend_cached(q, kv.k[i], kv.v[i], self.scale, self.window)  # [B, Hq, D]
+            h = invariant_linear(o.reshape(b, -1), attn.o_proj.weight, attn.o_proj.bias, residual=h)  # [B, H]
+            gu = self._norm_linear(h, layer.post_attention_layernorm.weight, *self.gate_up[i])  # [B, 2I]
+            h = invariant_linear(gu, mlp.down_proj.weight, mlp.down_proj.bias, residual=h, mode="silu")  # [B, H]
+        if m.arch.num_layers in wanted:
+            aux.append(h)
+        logits = self._norm_linear(h, m.norm.weight, m.lm_head.weight, None)[:, : m.arch.vocab_size]  # [B, V]
+        return logits, (torch.cat(aux, dim=-1) if aux else None)
+
+    def _norm_linear(self, h: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+        """rmsnorm(h) @ weight.T (+ bias): the norm in the product's prologue when its plan does not split K (every
+        split program would read all of K), else the norm's own kernel first."""
+        if plan(*weight.shape, weight.device).splits == 1:
+            return invariant_linear(h, weight, bias, mode="norm", norm_weight=norm_weight, eps=self.eps)
+        x, _ = self.add_rmsnorm(h, None, norm_weight, self.eps)  # [B, K]
+        return invariant_linear(x, weight, bias)
 
     def _gemv_step(self, ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata, kv: KVCache) -> Step:
         """Batch 1: 4 GEMV launches + attention per layer; norms, rotary, SiLU, residual adds folded in."""
@@ -219,6 +253,7 @@ class DecodeGraphRunner:
             dev, buckets, max_blocks_per_seq, kv_cache.block_size, pad, cuda if use_graphs is None else use_graphs, lazy
         )
         self.buckets, self.pad_slot, self.max_blocks = self.rows.buckets, pad, self.rows.max_blocks
+        self.pad_block = self.rows.pad_block  # the block padding rows read and write
         self._aux_key = tuple(model.aux_layer_ids)
 
     @property
@@ -241,15 +276,41 @@ class DecodeGraphRunner:
         self.rows.capture(self._aux_key, buckets or self.rows.buckets, self._forward)
 
     @torch.inference_mode()
+    def run_staged(self, staged: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Score a plain decode batch staged on the device: ``staged`` [Bmax, 2 + max_blocks] int64 (a row per
+        sequence: its last token, that token's position, its block table; rows past the batch padded to ``bucket``
+        with a token at position 0 of the pad block). The rows' lengths and slots are derived inside the graph, so
+        a step is one staging copy and one replay.
+
+        Returns static views of ``bucket`` rows (valid until the next replay): logits [bucket, V], their argmax
+        [bucket] (greedy tokens, no separate launch), aux [bucket, A] or None."""
+        self._check_aux_key()
+        return self.rows.replay(("staged", self._aux_key), bucket, lambda b: self._staged_forward(staged, b))
+
+    def _staged_forward(self, staged: torch.Tensor, b: int):
+        m, bs = staged[:b], self.rows.block_size
+        pos = m[:, 1].contiguous()  # [b]
+        tables = m[:, 2 : 2 + self.max_blocks].to(torch.int32)  # [b, MB]
+        meta = DecodeMetadata(
+            tables, (pos + 1).to(torch.int32), row_slots(tables, pos, bs), bs, self.use_triton, self.split_tokens
+        )
+        logits, aux = self.step(m[:, 0].contiguous(), pos, meta, self.kv)  # [b, V], [b, A] | None
+        return logits, cpu_decode.argmax_last(logits), aux
+
+    def _check_aux_key(self) -> None:
+        """Drop the graphs when the model's aux layers changed (they captured the old ones)."""
+        if tuple(self.model.aux_layer_ids) != self._aux_key:
+            self.rows.reset()
+            self._aux_key = tuple(self.model.aux_layer_ids)
+
+    @torch.inference_mode()
     def run(self, rows: DecodeRows) -> Step:
         """Score ``rows`` (block tables of at most ``max_blocks_per_seq`` blocks).
 
         Returns views of static outputs (valid until the next ``run``): logits [B, V], aux or None.
         """
         b = rows.num_rows
-        if tuple(self.model.aux_layer_ids) != self._aux_key:
-            self.rows.reset()
-            self._aux_key = tuple(self.model.aux_layer_ids)
+        self._check_aux_key()
         bucket = self.rows.load(rows)
         logits, aux = self.rows.replay(self._aux_key, bucket, self._forward)
         return logits[:b], (None if aux is None else aux[:b])

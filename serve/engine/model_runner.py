@@ -108,6 +108,13 @@ class TargetRunner:
         logits, aux = self.rows.run(rows)
         return logits.float(), (None if aux is None else aux.clone())  # aux outlives the next replay
 
+    @torch.inference_mode()
+    def decode_staged(self, staged: torch.Tensor, bucket: int, n: int):
+        """A plain decode batch of ``n`` sequences staged on the device (:meth:`DecodeGraphRunner.run_staged`) ->
+        logits [n, V] (a static view), greedy tokens [n], aux [n, A] or None (a copy: it outlives the next replay)."""
+        logits, greedy, aux = self.rows.run_staged(staged, bucket)
+        return logits[:n], greedy[:n], (None if aux is None else aux[:n].clone())
+
     @property
     def vocab_size(self) -> int:
         return self.model.arch.vocab_size

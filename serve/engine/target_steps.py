@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from eagleray.kernels import cpu_decode
-from eagleray.platform.models.row_graphs import DecodeRows, StepStage
+from eagleray.platform.models.row_graphs import StepStage
 from eagleray.serve.engine.model_runner import ForwardBatch, TargetRunner
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.sampling import filter_logits, sample_rows
@@ -49,12 +49,26 @@ class TargetSteps:
 
     def decode(self, seqs: list[Sequence]) -> list[SeqResult]:
         """One new token per sequence: rows through the target's graphs (CUDA), else the varlen forward."""
+        if self.use_rows:
+            return self._decode_rows(seqs)
         with self.prof.phase("prepare"):
-            rows = self._rows(seqs) if self.use_rows else self._varlen(seqs)
+            batch = self._varlen(seqs)
         with self.prof.phase("target"):
-            logits, aux = self.target.decode(rows) if self.use_rows else self.target.forward(rows)  # [B, V], [B, A]
+            logits, aux = self.target.forward(batch)  # [B, V], [B, A]
         with self.prof.phase("sample"):
             return _results(seqs, logits, aux.split(1) if aux is not None else None)
+
+    def _decode_rows(self, seqs: list[Sequence]) -> list[SeqResult]:
+        """Rows staged by one copy, scored by one graph replay that also takes the greedy tokens; one read-back."""
+        n = len(seqs)
+        with self.prof.phase("prepare"):
+            bucket = self._stage_rows(seqs)
+        with self.prof.phase("target"):
+            logits, greedy, aux = self.target.decode_staged(self.stage.dev, bucket, n)  # [n, V], [n], [n, A] | None
+        with self.prof.phase("sample"):
+            tokens = greedy.tolist() if all(s.params.greedy for s in seqs) else sample(seqs, logits.float())
+            parts = aux.split(1) if aux is not None else [None] * n
+            return [SeqResult([t], a, 0, 0) for t, a in zip(tokens, parts)]
 
     def _varlen(self, seqs: list[Sequence]) -> ForwardBatch:
         starts = [s.num_tokens - 1 for s in seqs]
@@ -62,13 +76,18 @@ class TargetSteps:
         pos = torch.tensor(starts, dtype=torch.int64, device=self.device)  # [B]
         return ForwardBatch.of(ids, pos, [1] * len(seqs), starts, [s.block_table for s in seqs], self.block_size)
 
-    def _rows(self, seqs: list[Sequence]) -> DecodeRows:
-        host = self.stage.host  # [Bmax, 2 + MB]
+    def _stage_rows(self, seqs: list[Sequence]) -> int:
+        """Write each sequence's last token, its position and its block table into the pinned rows, pad them to the
+        bucket with rows at the pad block's first slot, queue one non-blocking copy -> the bucket."""
+        host, n = self.stage.host, len(seqs)  # [Bmax, 2 + MB]
         for b, s in enumerate(seqs):
             host[b, :2] = (s.last_token, s.num_tokens - 1)
             host[b, 2 : 2 + len(s.block_table)] = s.block_table
-        m = self.stage.upload(len(seqs))  # [B, 2 + MB]: one non-blocking host -> device copy
-        return DecodeRows.of(m[:, 0], m[:, 1], m[:, 2:].to(torch.int32), self.block_size)
+        bucket = self.target.rows.bucket_for(n)
+        host[n:bucket, :2] = 0
+        host[n:bucket, 2:] = self.target.rows.pad_block
+        self.stage.upload(bucket)
+        return bucket
 
 
 def _results(seqs: list[Sequence], logits: torch.Tensor, aux_parts) -> list[SeqResult]:

@@ -39,8 +39,8 @@ def _eager(model, tok, lens, tables, kv):
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-2), (torch.bfloat16, 0.1)])  # Triton fp32 dots are tf32
-@pytest.mark.parametrize("fused", [True, False])
-def test_graph_replay_equals_eager(dtype, atol, fused):
+@pytest.mark.parametrize("fused,invariant", [(True, False), (False, False), (True, True)])
+def test_graph_replay_equals_eager(dtype, atol, fused, invariant):
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     model = LlamaModel.from_config(CFG, dtype=dtype, device=dev, aux_layer_ids=[1, 3], std=0.05)
@@ -53,9 +53,9 @@ def test_graph_replay_equals_eager(dtype, atol, fused):
         for kv in (kv_graph, kv_eager):
             kv.k.copy_(kv_ref.k)
             kv.v.copy_(kv_ref.v)
-    graph = DecodeGraphRunner(model, kv_graph, 8, fused=fused)
+    graph = DecodeGraphRunner(model, kv_graph, 8, fused=fused, invariant=invariant)
     graph.capture()
-    eager = DecodeGraphRunner(model, kv_eager, 8, fused=fused, use_graphs=False)
+    eager = DecodeGraphRunner(model, kv_eager, 8, fused=fused, use_graphs=False, invariant=invariant)
     tok, lens = torch.randint(0, 512, (len(LENS),), device=dev), list(LENS)
     with torch.inference_mode():
         for _ in range(4):  # batch 5 replays the bucket-8 graph
@@ -111,3 +111,23 @@ def test_fused_step_on_8b_shapes_matches_engine_path():
     rel = float((got - ref).norm() / ref.norm())
     print(f"8B-shaped step: logits relative error {rel:.2e}, argmax {got.argmax(-1).tolist()} vs {ref.argmax(-1).tolist()}")
     assert rel < 2e-2
+
+
+@pytest.mark.parametrize("k", [576, 1536])
+def test_folded_prologues_round_as_the_element_wise_kernels_in_bf16(k):
+    """invariant_linear's norm and silu prologues are bitwise the decode step's own kernels followed by the product
+    (an identity weight returns the left operand exactly, so every rounding shows)."""
+    from eagleray.kernels.decode_ops import add_rmsnorm, silu_mul
+    from eagleray.kernels.invariant_linear import invariant_linear
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(k)
+    x = (torch.randn(70, 2 * k, device=dev, generator=g) * 3).to(torch.bfloat16)
+    nw = torch.randn(k, device=dev, generator=g).to(torch.bfloat16)
+    eye = torch.eye(k, device=dev, dtype=torch.bfloat16)
+    assert torch.equal(invariant_linear(x, eye, mode="silu"), silu_mul(x))
+    h = x[:, :k].contiguous()
+    normed, _ = add_rmsnorm(h, None, nw, 1e-5)
+    folded = invariant_linear(h, eye, mode="norm", norm_weight=nw, eps=1e-5)
+    # the prologue sums K in block_k steps, the kernel in one reduction: 1/rms may differ in its last bit
+    torch.testing.assert_close(folded.float(), normed.float(), atol=0, rtol=2**-7)

@@ -68,6 +68,22 @@ def test_row_path_chain_greedy_equals_plain(target, tokenizer, copy_draft, plain
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
+def test_plain_rows_pad_their_bucket_with_rows_at_the_pad_block(target, tokenizer):
+    """Rows past the batch (3 sequences run in bucket 4) are staged as a token at the pad block's first slot, never
+    as what an earlier, larger batch left there: the graph writes every row's K/V, and a stale row's would land in
+    a live sequence's block."""
+    from types import SimpleNamespace
+
+    engine = make_engine(target, tokenizer, decode_path="rows", max_num_seqs=4)
+    stage = engine.steps.stage
+    stage.host[:] = 7  # an earlier batch's rows
+    seqs = [SimpleNamespace(last_token=11 + b, num_tokens=5, block_table=[2 + b]) for b in range(3)]
+    assert engine.steps._stage_rows(seqs) == 4
+    assert list(stage.host[2, :3]) == [13, 4, 4]  # token, its position, the block table
+    assert list(stage.host[3, :2]) == [0, 0] and (stage.host[3, 2:] == engine.target.rows.pad_block).all()
+    assert engine.target.rows.pad_block >= engine.blocks.num_blocks  # outside the pool
+
+
 def test_row_path_refuses_what_it_cannot_run(target, tokenizer):
     from eagleray.platform.errors import EaglerayError
 

@@ -4,6 +4,8 @@ are refused by name."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -47,3 +49,64 @@ def test_split_depends_on_the_weight_shape_only():
 def test_bad_inputs_are_refused_by_name(bad, match):
     with pytest.raises(KernelInputError, match=match):
         invariant_linear(bad["x"], bad["w"], bad.get("bias"), residual=bad.get("residual"))
+
+
+@pytest.mark.parametrize("mode", ["norm", "silu"])
+@pytest.mark.parametrize("n,k,residual", [(96, 200, True), (70, 384, False)])
+def test_prologue_modes_equal_the_unfused_ops_and_rows_are_invariant(mode, n, k, residual):
+    """norm: rmsnorm(x) @ W.T; silu: silu(gate) * up @ W.T - one launch, the same rows at any M."""
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(21, 2 * k if mode == "silu" else k, generator=g)
+    nw = torch.randn(k, generator=g) if mode == "norm" else None
+    r = torch.randn(21, n, generator=g) if residual else None
+    kw = dict(mode=mode, norm_weight=nw, eps=1e-5)
+    y = invariant_linear(x, w, residual=r, **kw)
+    torch.testing.assert_close(y, invariant_linear_reference(x, w, None, r, **kw), atol=1e-3, rtol=1e-3)
+    for m in (1, 5):
+        assert torch.equal(invariant_linear(x[:m], w, residual=None if r is None else r[:m], **kw), y[:m])
+
+
+def test_the_prologues_compute_the_element_wise_kernels_formulas():
+    """The folded left operand is bitwise what the decode step's own element-wise kernels compute (fp32 here: the
+    interpreter's bf16 products are not exact; tests/gpu checks bf16)."""
+    from eagleray.kernels.decode_ops import add_rmsnorm, silu_mul
+
+    g = torch.Generator().manual_seed(3)
+    gu = torch.randn(16, 256, generator=g) * 3
+    eye = torch.eye(128)  # the product returns its left operand exactly
+    assert torch.equal(invariant_linear(gu, eye, mode="silu"), silu_mul(gu))
+    nw = torch.randn(128, generator=g)
+    normed, _ = add_rmsnorm(gu[:, :128].contiguous(), None, nw, 1e-5)
+    torch.testing.assert_close(invariant_linear(gu[:, :128].contiguous(), eye, mode="norm", norm_weight=nw, eps=1e-5), normed)
+
+
+def test_measured_plans_are_read_by_device_name_and_shape(tmp_path, monkeypatch):
+    import eagleray.kernels.invariant_linear as il
+
+    table = {"GPU X": {"576x1536": {"splits": 1, "block_n": 32, "block_k": 64, "warps": 8, "stages": 4}}}
+    (tmp_path / "plans.json").write_text(json.dumps(table))
+    monkeypatch.setattr(il, "PLANS_FILE", tmp_path / "plans.json")
+    il.measured_plans.cache_clear()
+    try:
+        got = il.measured_plans("GPU X")[(576, 1536)]
+        assert (got.splits, got.k_per_split, got.block_n, got.block_k, got.warps, got.stages) == (1, 1536, 32, 64, 8, 4)
+        assert il.measured_plans("GPU Y") == {}
+        assert plan(576, 1536) == il.make_plan(576, 1536)  # no device: the default plan
+    finally:
+        il.measured_plans.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(mode="gelu"), "mode"),
+        (dict(mode="norm"), "norm_weight"),
+        (dict(norm_weight=torch.randn(8)), "norm_weight"),
+        (dict(mode="norm", norm_weight=torch.randn(9)), "norm_weight"),
+        (dict(mode="silu"), "the same K"),
+    ],
+)
+def test_bad_prologues_are_refused_by_name(kw, match):
+    with pytest.raises(KernelInputError, match=match):
+        invariant_linear(torch.randn(3, 8), torch.randn(4, 8), **kw)

@@ -39,24 +39,40 @@ def _runner_step(runner, tok, lens):
     return runner.run(DecodeRows(tok, pos, tables, (pos + 1).to(torch.int32), slots))
 
 
+def _split_plans(monkeypatch):
+    """Every product's K split in two (tiny weights are otherwise never split): the unfolded norms and the reduce."""
+    import eagleray.kernels.invariant_linear as il
+    import eagleray.platform.models.graphs as graphs
+
+    split = lambda n, k, device=None: il.make_plan(n, k, splits=2, block_k=16)  # noqa: E731
+    monkeypatch.setattr(il, "plan", split)
+    monkeypatch.setattr(graphs, "plan", split)
+
+
 @pytest.mark.parametrize(
-    "variant,fused,triton",
+    "variant,fused,triton,invariant",
     [
-        ("llama_tied", True, False),
-        ("llama_tied", False, False),
-        ("llama_tied", True, True),
-        ("mistral_window", True, True),
-        ("qwen2", True, False),
-        ("qwen3", None, False),
-        ("llama3_rope", False, False),
+        ("llama_tied", True, False, False),
+        ("llama_tied", False, False, False),
+        ("llama_tied", True, True, False),
+        ("mistral_window", True, True, False),
+        ("qwen2", True, False, False),
+        ("qwen3", None, False, False),
+        ("llama3_rope", False, False, False),
+        ("llama_tied", True, True, "folded"),  # the batch-invariant step, element-wise ops folded into the products
+        ("qwen2", True, True, "split"),  # ... with biases, and K split: norms in their own kernel, silu folded
     ],
 )
-def test_decode_runner_equals_eager(variant, fused, triton, tiny_dirs):
+def test_decode_runner_equals_eager(variant, fused, triton, invariant, tiny_dirs, monkeypatch):
+    if invariant == "split":
+        _split_plans(monkeypatch)
     model = LlamaModel.from_dir(tiny_dirs[variant], aux_layer_ids=[0, 2, 4])
     g = torch.Generator().manual_seed(5)
     seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in PROMPTS]
     eager_kv, fast_kv = (model.make_kv_cache(num_blocks=14, block_size=BLOCK) for _ in range(2))
-    runner = DecodeGraphRunner(model, fast_kv, max_blocks_per_seq=6, buckets=(1, 2, 4), fused=fused, use_triton=triton)
+    runner = DecodeGraphRunner(
+        model, fast_kv, max_blocks_per_seq=6, buckets=(1, 2, 4), fused=fused, use_triton=triton, invariant=bool(invariant)
+    )
     with torch.inference_mode():
         tok = _prefill(model, seqs, eager_kv)
         fast_kv.k.copy_(eager_kv.k)
