@@ -13,9 +13,11 @@ the batch. This kernel fixes that order for every row count:
   kernel (no atomics). Plans measured on a GPU (``jobs/bench/invariant_check --tune``) lie in
   ``invariant_linear_plans.json`` by device name and shape (``EAGLERAY_INVARIANT_PLANS`` names another
   file); other shapes get :func:`make_plan`'s;
-- a prologue may compute the left operand from its input on load, as the decode step's element-wise
-  kernel would have (one launch fewer each): ``norm`` (RMSNorm: each row's 1/rms over all of K,
-  computed alike by every program of the row) or ``silu`` (silu(gate) * up of a fused gate_up row);
+- the element-wise op before a product may be folded into it (one launch fewer each): ``silu``
+  (silu(gate) * up of a fused gate_up row, computed on load and rounded as the decode step's silu
+  kernel rounds) or ``norm`` (RMSNorm, for a weight whose plan does not split K: the tile loads
+  nw * x, the loop also sums each row's squares, and the epilogue scales the row by 1/rms - the
+  rounding differs from the norm kernel's (nw * x is rounded, not x / rms), alike at every M);
 - the epilogue adds the bias, rounds to the weight's dtype, and optionally adds a residual
   (rounded again), as the model's ``linear`` followed by ``h + delta`` does.
 
@@ -139,32 +141,24 @@ if triton is not None:
     from eagleray.kernels.grid import program_range
 
     @triton.jit
-    def _row_rstd(x_ptr, rm, mmask, stride_x, K, eps, BM: tl.constexpr, BK: tl.constexpr):
-        """1 / sqrt(mean(x^2) + eps) of rows ``rm`` of x [M, K] -> [BM] fp32 (K summed in BK steps, in order)."""
-        ss = tl.zeros([BM], tl.float32)
-        for k0 in range(0, K, BK):
-            rk = k0 + tl.arange(0, BK)  # [BK]
-            a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mmask[:, None] & (rk < K)[None, :], other=0.0)
-            a = a.to(tl.float32)  # [BM, BK]
-            ss += tl.sum(a * a, axis=1)
-        return 1.0 / tl.sqrt(ss / K + eps)
-
-    @triton.jit
-    def _x_tile(x_ptr, nw_ptr, rstd, rm, rk, amask, stride_x, K, MODE: tl.constexpr):
-        """The left operand's tile [BM, BK] in x's dtype: x (MODE 0), nw * rmsnorm(x) (1, ``rstd`` [BM]) or
-        silu(gate) * up (2: gate = x[:, :K], up = x[:, K:]), rounded as the model's own ops round them."""
+    def _x_tile(x_ptr, nw_ptr, rm, rk, amask, stride_x, K, MODE: tl.constexpr):
+        """The left operand's tile [BM, BK] in x's dtype, and its rows' sums of squares [BM] fp32 (MODE 1): x (MODE 0),
+        nw * x (1: the norm's 1/rms scales the product in the epilogue) or silu(gate) * up (2: gate = x[:, :K],
+        up = x[:, K:], rounded as the decode step's silu kernel rounds)."""
         ptrs = x_ptr + rm[:, None] * stride_x + rk[None, :]
         a = tl.load(ptrs, mask=amask, other=0.0)  # [BM, BK]
         dt = a.dtype
+        ss = tl.zeros([a.shape[0]], tl.float32)
         if MODE == 1:
-            y = (a.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)
+            a32 = a.to(tl.float32)
+            ss = tl.sum(a32 * a32, axis=1)
             nw = tl.load(nw_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)  # [BK]
-            a = (nw[None, :] * y).to(dt)
+            a = (a32 * nw[None, :]).to(dt)
         elif MODE == 2:
             g = a.to(tl.float32)
             u = tl.load(ptrs + K, mask=amask, other=0.0).to(tl.float32)  # [BM, BK]
             a = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt)
-        return a
+        return a, ss
 
     @triton.jit
     def _partial_kernel(
@@ -199,17 +193,15 @@ if triton is not None:
         rm = pid_m * BM + tl.arange(0, BM)  # [BM]
         rn = pid_n * BN + tl.arange(0, BN)  # [BN]
         mmask, nmask = rm < M, rn < N
-        if MODE == 1:  # every program of a row computes its norm alike: the same bits in every split
-            rstd = _row_rstd(x_ptr, rm, mmask, stride_x, K, eps, BM, BK)  # [BM]
-        else:
-            rstd = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, BN], tl.float32)
+        ss = tl.zeros([BM], tl.float32)  # MODE 1: each row's sum of squares, over all of K (one split)
         k_lo = s * K_PER_SPLIT
         k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
         for k0 in range(k_lo, k_hi, BK):
             rk = k0 + tl.arange(0, BK)  # [BK]
             kmask = rk < k_hi
-            a = _x_tile(x_ptr, nw_ptr, rstd, rm, rk, mmask[:, None] & kmask[None, :], stride_x, K, MODE)  # [BM, BK]
+            a, ss_k = _x_tile(x_ptr, nw_ptr, rm, rk, mmask[:, None] & kmask[None, :], stride_x, K, MODE)  # [BM, BK]
+            ss += ss_k
             w = tl.load(
                 w_ptr + rn[:, None] * stride_w + rk[None, :],
                 mask=nmask[:, None] & kmask[None, :],
@@ -220,6 +212,8 @@ if triton is not None:
                 acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")  # [BM, BN]
             else:
                 acc = tl.dot(a, tl.trans(w), acc)  # [BM, BN]
+        if MODE == 1:  # rmsnorm(x) @ W.T = (nw * x) @ W.T / rms(x), row by row
+            acc = acc * (1.0 / tl.sqrt(ss / K + eps))[:, None]
         omask = mmask[:, None] & nmask[None, :]
         if FUSED:
             _epilogue(acc, rm, rn, N, omask, b_ptr, res_ptr, out_ptr, stride_r, stride_o, HAS_BIAS, HAS_RES)
@@ -304,6 +298,13 @@ def _check(
     n, k = weight.shape
     if (mode == "norm") != (norm_weight is not None):
         raise bad("norm_weight", "given exactly with mode norm", f"mode {mode!r}", "pass mode='norm' with the norm's weight")
+    if mode == "norm" and plan(n, k, x.device).splits != 1:
+        raise bad(
+            "mode",
+            "a weight whose plan does not split K (the norm needs each row's sum of squares over all of K)",
+            f"mode 'norm' for [{n}, {k}], split {plan(n, k, x.device).splits} ways",
+            "run the RMSNorm kernel first and pass its output with mode='plain'",
+        )
     if norm_weight is not None and (tuple(norm_weight.shape) != (k,) or norm_weight.stride(0) != 1):
         raise bad("norm_weight", f"a contiguous [{k}] tensor", tuple(norm_weight.shape), "pass the RMSNorm's own weight")
     if bias is not None and (tuple(bias.shape) != (n,) or bias.stride(0) != 1):

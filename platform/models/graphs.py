@@ -81,6 +81,8 @@ class FusedDecodeStep:
     same at any batch size and beside any number of verified tokens (lossless speculation in bf16).
     """
 
+    fold = True  # the batch-invariant Triton step folds its element-wise ops into the products (False: measure without)
+
     def __init__(self, model, use_triton: bool, use_gemv: bool | None = None, invariant: bool = False):
         arch = model.arch
         if arch.qk_norm:
@@ -121,7 +123,7 @@ class FusedDecodeStep:
         b = ids.shape[0]
         if b == 1 and self.use_gemv:
             return self._gemv_step(ids, positions, meta, kv)
-        if self.invariant and self.use_triton:
+        if self.invariant and self.use_triton and self.fold:
             return self._folded_step(ids, positions, meta, kv)
         h, delta = m.embed(ids), None  # [B, H]
         wanted = set(m.aux_layer_ids)

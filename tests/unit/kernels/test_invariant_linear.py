@@ -51,8 +51,9 @@ def test_bad_inputs_are_refused_by_name(bad, match):
         invariant_linear(bad["x"], bad["w"], bad.get("bias"), residual=bad.get("residual"))
 
 
-@pytest.mark.parametrize("mode", ["norm", "silu"])
-@pytest.mark.parametrize("n,k,residual", [(96, 200, True), (70, 384, False)])
+@pytest.mark.parametrize(
+    "mode,n,k,residual", [("silu", 96, 200, True), ("silu", 70, 384, False), ("norm", 96, 120, True), ("norm", 300, 64, False)]
+)
 def test_prologue_modes_equal_the_unfused_ops_and_rows_are_invariant(mode, n, k, residual):
     """norm: rmsnorm(x) @ W.T; silu: silu(gate) * up @ W.T - one launch, the same rows at any M."""
     g = torch.Generator().manual_seed(n * k)
@@ -105,8 +106,10 @@ def test_measured_plans_are_read_by_device_name_and_shape(tmp_path, monkeypatch)
         (dict(norm_weight=torch.randn(8)), "norm_weight"),
         (dict(mode="norm", norm_weight=torch.randn(9)), "norm_weight"),
         (dict(mode="silu"), "the same K"),
+        (dict(mode="norm", norm_weight=torch.randn(200), k=200), "does not split K"),
     ],
 )
 def test_bad_prologues_are_refused_by_name(kw, match):
+    k = kw.pop("k", 8)  # K = 200 is split in two ranges: a norm needs all of K in one
     with pytest.raises(KernelInputError, match=match):
-        invariant_linear(torch.randn(3, 8), torch.randn(4, 8), **kw)
+        invariant_linear(torch.randn(3, k), torch.randn(4, k), **kw)
