@@ -173,7 +173,13 @@ def sweep_records() -> list[dict]:
 
 
 TUNE_TILES = [(32, 128, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3), (32, 64, 4, 4)]
-TUNE_ROWS = {1: 3.0, 5: 1.0, 8: 1.0, 64: 1.0, 320: 0.25}  # rows M -> weight in a plan score (batch 1 first; 5: its k=4 verification)
+TUNE_ROWS = {
+    1: 3.0,
+    5: 1.0,
+    8: 1.0,
+    64: 1.0,
+    320: 0.25,
+}  # rows M -> weight in a plan score (batch 1 first; 5: its k=4 verification)
 
 
 def _candidates(n: int, k: int) -> list:
