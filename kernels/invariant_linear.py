@@ -13,11 +13,6 @@ the batch. This kernel fixes that order for every row count:
   kernel (no atomics). Plans measured on a GPU (``jobs/bench/invariant_check --tune``) lie in
   ``invariant_linear_plans.json`` by device name and shape (``EAGLERAY_INVARIANT_PLANS`` names another
   file); other shapes get :func:`make_plan`'s;
-- the element-wise op before a product may be folded into it (one launch fewer each): ``silu``
-  (silu(gate) * up of a fused gate_up row, computed on load and rounded as the decode step's silu
-  kernel rounds) or ``norm`` (RMSNorm, for a weight whose plan does not split K: the tile loads
-  nw * x, the loop also sums each row's squares, and the epilogue scales the row by 1/rms - the
-  rounding differs from the norm kernel's (nw * x is rounded, not x / rms), alike at every M);
 - the epilogue adds the bias, rounds to the weight's dtype, and optionally adds a residual
   (rounded again), as the model's ``linear`` followed by ``h + delta`` does.
 
@@ -25,9 +20,11 @@ Cost, measured against cuBLAS in BENCHMARKS.md: at one row the K split keeps eno
 flight to stream the weight; at many rows (prefill sizes) it is slower than cuBLAS, so the engine
 uses it only for decode and verification, where rows are few.
 
-    y = invariant_linear(x, weight, bias, residual=h)                       # x [M, K], weight [N, K] -> [M, N]
-    y = invariant_linear(h, weight, mode="norm", norm_weight=w, eps=1e-5)   # rmsnorm(h) @ weight.T
-    y = invariant_linear(gate_up, weight, mode="silu", residual=h)          # gate_up [M, 2K]
+    y = invariant_linear(x, weight, bias, residual=h)   # x [M, K], weight [N, K] -> [M, N]
+
+Folding the decode step's element-wise ops into the products (RMSNorm, silu * up on load) was measured
+slower on the H200 (BENCHMARKS.md): the loop's loads then feed element-wise ops before ``tl.dot`` and
+the step ran 1.8x (SmolLM2) to 2.5x (8B) longer than with the ops as kernels of their own.
 """
 
 from __future__ import annotations
@@ -40,7 +37,6 @@ from pathlib import Path
 
 import torch
 
-from eagleray.kernels.decode_ops import add_rmsnorm_reference, silu_mul_reference
 from eagleray.kernels.errors import KernelInputError, no_triton
 
 try:
@@ -52,7 +48,6 @@ except ImportError:  # pragma: no cover - Triton is optional on CPU machines
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 128
 NUM_WARPS, NUM_STAGES = 4, 3
 TARGET_PROGRAMS = 264  # two per SM of an H200: enough loads in flight to stream a weight at one row
-MODES = {"plain": 0, "norm": 1, "silu": 2}  # the left operand: x, rmsnorm(x), silu(gate) * up
 # measured plans by GPU name and weight shape; EAGLERAY_INVARIANT_PLANS names another file (plans tuned on this machine)
 PLANS_FILE = Path(os.environ.get("EAGLERAY_INVARIANT_PLANS") or Path(__file__).with_name("invariant_linear_plans.json"))
 
@@ -113,21 +108,9 @@ def plan(n: int, k: int, device: torch.device | None = None) -> Plan:
 
 
 def invariant_linear_reference(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
-    *,
-    mode: str = "plain",
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The left operand (x; rmsnorm(x) for ``norm``; silu(gate) * up of x [M, 2K] for ``silu``) @ weight [N, K].T
-    (+ bias) in fp32, rounded to weight.dtype (+ residual, rounded) -> [M, N]."""
-    if mode == "norm":
-        x, _ = add_rmsnorm_reference(x, None, norm_weight, eps)  # [M, K]
-    elif mode == "silu":
-        x = silu_mul_reference(x)  # [M, 2K] -> [M, K]
+    """x [M, K] @ weight [N, K].T (+ bias) in fp32, rounded to weight.dtype (+ residual, rounded) -> [M, N]."""
     y = x.to(torch.float32) @ weight.to(torch.float32).T  # [M, N]
     if bias is not None:
         y = y + bias.to(torch.float32)
@@ -141,30 +124,9 @@ if triton is not None:
     from eagleray.kernels.grid import program_range
 
     @triton.jit
-    def _x_tile(x_ptr, nw_ptr, rm, rk, amask, stride_x, K, MODE: tl.constexpr):
-        """The left operand's tile [BM, BK] in x's dtype, and its rows' sums of squares [BM] fp32 (MODE 1): x (MODE 0),
-        nw * x (1: the norm's 1/rms scales the product in the epilogue) or silu(gate) * up (2: gate = x[:, :K],
-        up = x[:, K:], rounded as the decode step's silu kernel rounds)."""
-        ptrs = x_ptr + rm[:, None] * stride_x + rk[None, :]
-        a = tl.load(ptrs, mask=amask, other=0.0)  # [BM, BK]
-        dt = a.dtype
-        ss = tl.zeros([a.shape[0]], tl.float32)
-        if MODE == 1:
-            a32 = a.to(tl.float32)
-            ss = tl.sum(a32 * a32, axis=1)
-            nw = tl.load(nw_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)  # [BK]
-            a = (a32 * nw[None, :]).to(dt)
-        elif MODE == 2:
-            g = a.to(tl.float32)
-            u = tl.load(ptrs + K, mask=amask, other=0.0).to(tl.float32)  # [BM, BK]
-            a = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt)
-        return a, ss
-
-    @triton.jit
     def _partial_kernel(
-        x_ptr,  # [M, K] ([M, 2K] gate_up for MODE 2; row stride stride_x)
+        x_ptr,  # [M, K] (row stride stride_x)
         w_ptr,  # [N, K] (row stride stride_w)
-        nw_ptr,  # [K] RMSNorm weight (MODE 1)
         part_ptr,  # [S, M, N] fp32 partial sums
         b_ptr,
         res_ptr,
@@ -177,8 +139,6 @@ if triton is not None:
         stride_r,
         stride_o,
         K_PER_SPLIT,
-        eps,
-        MODE: tl.constexpr,
         FUSED: tl.constexpr,
         IEEE: tl.constexpr,
         HAS_BIAS: tl.constexpr,
@@ -194,14 +154,12 @@ if triton is not None:
         rn = pid_n * BN + tl.arange(0, BN)  # [BN]
         mmask, nmask = rm < M, rn < N
         acc = tl.zeros([BM, BN], tl.float32)
-        ss = tl.zeros([BM], tl.float32)  # MODE 1: each row's sum of squares, over all of K (one split)
         k_lo = s * K_PER_SPLIT
         k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
         for k0 in range(k_lo, k_hi, BK):
             rk = k0 + tl.arange(0, BK)  # [BK]
             kmask = rk < k_hi
-            a, ss_k = _x_tile(x_ptr, nw_ptr, rm, rk, mmask[:, None] & kmask[None, :], stride_x, K, MODE)  # [BM, BK]
-            ss += ss_k
+            a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BM, BK]
             w = tl.load(
                 w_ptr + rn[:, None] * stride_w + rk[None, :],
                 mask=nmask[:, None] & kmask[None, :],
@@ -212,8 +170,6 @@ if triton is not None:
                 acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")  # [BM, BN]
             else:
                 acc = tl.dot(a, tl.trans(w), acc)  # [BM, BN]
-        if MODE == 1:  # rmsnorm(x) @ W.T = (nw * x) @ W.T / rms(x), row by row
-            acc = acc * (1.0 / tl.sqrt(ss / K + eps))[:, None]
         omask = mmask[:, None] & nmask[None, :]
         if FUSED:
             _epilogue(acc, rm, rn, N, omask, b_ptr, res_ptr, out_ptr, stride_r, stride_o, HAS_BIAS, HAS_RES)
@@ -259,25 +215,16 @@ if triton is not None:
         _epilogue(acc, rm, rn, N, omask, b_ptr, res_ptr, out_ptr, stride_r, stride_o, HAS_BIAS, HAS_RES)
 
 
-def _check(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    mode: str,
-    norm_weight: torch.Tensor | None,
-) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None) -> None:
     def bad(arg: str, expected: str, got, fix: str) -> KernelInputError:
         return KernelInputError(f"invariant_linear: {arg}", expected, str(got), fix)
 
     if triton is None:
         raise no_triton("invariant_linear")
-    if mode not in MODES:
-        raise bad("mode", f"one of {sorted(MODES)}", repr(mode), "plain: x; norm: rmsnorm(x); silu: silu(gate) * up")
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] * (2 if mode == "silu" else 1):
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise bad(
             "x, weight",
-            "x [M, K] and weight [N, K] (the same K; x [M, 2K], gate then up, for mode silu)",
+            "x [M, K] and weight [N, K] (the same K)",
             f"{tuple(x.shape)} and {tuple(weight.shape)}",
             "pass 2-D tensors with matching inner dimensions",
         )
@@ -295,18 +242,7 @@ def _check(
             f"{x.dtype}, {x.device}",
             "cast x to the weight's dtype and device",
         )
-    n, k = weight.shape
-    if (mode == "norm") != (norm_weight is not None):
-        raise bad("norm_weight", "given exactly with mode norm", f"mode {mode!r}", "pass mode='norm' with the norm's weight")
-    if mode == "norm" and plan(n, k, x.device).splits != 1:
-        raise bad(
-            "mode",
-            "a weight whose plan does not split K (the norm needs each row's sum of squares over all of K)",
-            f"mode 'norm' for [{n}, {k}], split {plan(n, k, x.device).splits} ways",
-            "run the RMSNorm kernel first and pass its output with mode='plain'",
-        )
-    if norm_weight is not None and (tuple(norm_weight.shape) != (k,) or norm_weight.stride(0) != 1):
-        raise bad("norm_weight", f"a contiguous [{k}] tensor", tuple(norm_weight.shape), "pass the RMSNorm's own weight")
+    n = weight.shape[0]
     if bias is not None and (tuple(bias.shape) != (n,) or bias.stride(0) != 1):
         raise bad("bias", f"a contiguous [{n}] tensor", tuple(bias.shape), "pass the layer's own bias")
     if residual is not None and (tuple(residual.shape) != (x.shape[0], n) or residual.stride(1) != 1):
@@ -319,21 +255,13 @@ def _check(
 
 
 def invariant_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
-    *,
-    mode: str = "plain",
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The left operand (x [M, K]; ``norm``: norm_weight * rmsnorm(x); ``silu``: silu(gate) * up of x [M, 2K]) @
-    weight [N, K].T (+ bias) -> weight.dtype (+ residual [M, N]) -> [M, N]; row results do not depend on M (see
-    the module docstring)."""
-    _check(x, weight, bias, residual, mode, norm_weight)
-    m = x.shape[0]
-    n, k = weight.shape
+    """x [M, K] @ weight [N, K].T (+ bias) -> weight.dtype (+ residual [M, N]) -> [M, N]; row results do not
+    depend on M (see the module docstring)."""
+    _check(x, weight, bias, residual)
+    m, k = x.shape
+    n = weight.shape[0]
     p = plan(n, k, x.device)
     out = torch.empty(m, n, dtype=weight.dtype, device=x.device)  # [M, N]
     fused = p.splits == 1
@@ -344,7 +272,6 @@ def invariant_linear(
     _partial_kernel[grid](
         x,
         weight,
-        norm_weight if norm_weight is not None else weight,
         part,
         b,
         r,
@@ -357,8 +284,6 @@ def invariant_linear(
         r.stride(0),
         out.stride(0),
         p.k_per_split,
-        float(eps),
-        MODE=MODES[mode],
         FUSED=fused,
         IEEE=weight.dtype == torch.float32,
         HAS_BIAS=bias is not None,

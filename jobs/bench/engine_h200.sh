@@ -17,8 +17,8 @@ set -euo pipefail
 ROOT=/root/engine-run
 export STAGE=$ROOT/stage PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export EAGLERAY_HOME=$ROOT/home PYTHONPATH=$ROOT/site:$ROOT/src EAGLERAY_TEST_GPU=1
-# plans of the batch-invariant linear tuned in this lease (`python3 -m eagleray.jobs.bench.invariant_check OUT --tune`)
-export EAGLERAY_INVARIANT_PLANS=$ROOT/invariant_linear_plans.json
+# plans of the batch-invariant linear tuned in this lease (`python3 -m eagleray.jobs.bench.invariant_check OUT --tune`
+# writes the shipped kernels/invariant_linear_plans.json of this copy of the tree; copy it back to ship it)
 mkdir -p "$STAGE" $ROOT/site $ROOT/src
 case "${1:-}" in
 part)

@@ -1,8 +1,7 @@
 """GPU check of the batch-invariant decode path: bitwise row invariance, accuracy, and its cost vs cuBLAS.
 
 `python -m eagleray.jobs.bench.invariant_check OUT.json` (on a CUDA machine; ``--sweep``: tile configurations
-for every shape at once; ``--tune``: a plan per weight shape, written to ``kernels/invariant_linear_plans.json``;
-``--fold``: the decode step's time with its element-wise ops folded into the products and without):
+for every shape at once; ``--tune``: a plan per weight shape, written to ``kernels/invariant_linear_plans.json``):
 
 1. :func:`~eagleray.kernels.invariant_linear.invariant_linear` on Llama-3.1-8B and SmolLM2 weight
    shapes (bf16): every row of M = 5, 64, 320 equals the same row computed alone, bit for bit; error
@@ -246,57 +245,9 @@ def _write_plans(table: dict) -> None:
     log(f"wrote {PLANS_FILE}")
 
 
-def _replay_ms(graph, reps: int = 50) -> float:
-    """Milliseconds per replay of a captured graph (``reps`` back to back, best of 3)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / reps)
-    return best
-
-
-def fold_records(rows=(1, 5, 8, 64, 320)) -> list[dict]:
-    """The batch-invariant decode step (one CUDA graph replay, random bf16 weights, 300 cached tokens a row) with its
-    element-wise ops folded into the products and without, SmolLM2 and Llama-3.1-8B shapes: ms per step."""
-    from eagleray.jobs.bench.common import CONFIGS
-    from eagleray.platform.models.graphs import DecodeGraphRunner, FusedDecodeStep
-    from eagleray.platform.models.llama import LlamaModel
-    from eagleray.platform.models.row_graphs import DecodeRows
-
-    dev, out = torch.device("cuda"), []
-    for name in ("smollm2", "8b"):
-        model = LlamaModel.from_config(CONFIGS[name], dtype="bf16", device=dev, aux_layer_ids=[2, 15, 27])
-        kv = model.make_kv_cache(max(rows) * 24 + 1, 16)
-        for fold in (True, False):
-            FusedDecodeStep.fold = fold
-            runner = DecodeGraphRunner(model, kv, 24, buckets=rows, invariant=True, lazy=True)
-            rec = {"model": name, "fold": fold}
-            for b in rows:
-                pos = torch.full((b,), 300, device=dev)
-                tables = torch.arange(b * 24, dtype=torch.int32, device=dev).view(b, 24)
-                runner.run(DecodeRows.of(torch.zeros(b, dtype=torch.int64, device=dev), pos, tables, 16))  # capture
-                rec[f"ms_b{b}"] = round(_replay_ms(runner.graphs[(runner._aux_key, b)]), 4)
-            out.append(rec)
-            log(json.dumps(rec))
-        del model, kv
-        torch.cuda.empty_cache()
-    FusedDecodeStep.fold = True
-    return out
-
-
 def main(argv: list[str]) -> int:
     out = argv[0] if argv else "invariant-check.json"
     result = {"device": torch.cuda.get_device_name()}
-    if "--fold" in argv:
-        result["fold"] = fold_records()
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
-        return 0
     if "--tune" in argv:
         result["tune"], table = tune_records()
         result["plans"] = table

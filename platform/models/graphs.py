@@ -40,7 +40,7 @@ from eagleray.kernels.decode_ops import (
     silu_mul,
     silu_mul_reference,
 )
-from eagleray.kernels.invariant_linear import invariant_linear, plan
+from eagleray.kernels.invariant_linear import invariant_linear
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.attention import KVCache
 from eagleray.platform.models.decode_metadata import DecodeMetadata
@@ -80,8 +80,6 @@ class FusedDecodeStep:
     (the native kernel on CPU), never cuBLAS or the batch-1 GEMVs, so a row's logits are bitwise the
     same at any batch size and beside any number of verified tokens (lossless speculation in bf16).
     """
-
-    fold = True  # the batch-invariant Triton step folds its element-wise ops into the products (False: measure without)
 
     def __init__(self, model, use_triton: bool, use_gemv: bool | None = None, invariant: bool = False):
         arch = model.arch
@@ -123,8 +121,6 @@ class FusedDecodeStep:
         b = ids.shape[0]
         if b == 1 and self.use_gemv:
             return self._gemv_step(ids, positions, meta, kv)
-        if self.invariant and self.use_triton and self.fold:
-            return self._folded_step(ids, positions, meta, kv)
         h, delta = m.embed(ids), None  # [B, H]
         wanted = set(m.aux_layer_ids)
         aux: list[torch.Tensor] = []
@@ -158,38 +154,6 @@ class FusedDecodeStep:
 
     def _proj(self, linear, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, linear.weight, linear.bias) if self.invariant else linear(x)
-
-    def _folded_step(self, ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata, kv: KVCache) -> Step:
-        """The batch-invariant step in Triton with the element-wise ops folded into the products: the residual adds
-        into o_proj's and down's epilogues, silu * up into down's prologue, each RMSNorm into the next product's
-        prologue where that product's K is not split (else its own kernel): 7 launches a layer instead of 14."""
-        m = self.model
-        b = ids.shape[0]
-        h = m.embed(ids)  # [B, H] residual stream
-        wanted = set(m.aux_layer_ids)
-        aux: list[torch.Tensor] = []
-        for i, layer in enumerate(m.layers):
-            if i in wanted:
-                aux.append(h)
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = self._norm_linear(h, layer.input_layernorm.weight, *self.qkv[i])  # [B, (Hq+2Hkv)*D]
-            q = self.rope_write_kv(qkv, self._kv_write(i, positions, meta, kv))  # [B, Hq, D]
-            o = meta.attend_cached(q, kv.k[i], kv.v[i], self.scale, self.window)  # [B, Hq, D]
-            h = invariant_linear(o.reshape(b, -1), attn.o_proj.weight, attn.o_proj.bias, residual=h)  # [B, H]
-            gu = self._norm_linear(h, layer.post_attention_layernorm.weight, *self.gate_up[i])  # [B, 2I]
-            h = invariant_linear(gu, mlp.down_proj.weight, mlp.down_proj.bias, residual=h, mode="silu")  # [B, H]
-        if m.arch.num_layers in wanted:
-            aux.append(h)
-        logits = self._norm_linear(h, m.norm.weight, m.lm_head.weight, None)[:, : m.arch.vocab_size]  # [B, V]
-        return logits, (torch.cat(aux, dim=-1) if aux else None)
-
-    def _norm_linear(self, h: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
-        """rmsnorm(h) @ weight.T (+ bias): the norm in the product's prologue when its plan does not split K (every
-        split program would read all of K), else the norm's own kernel first."""
-        if plan(*weight.shape, weight.device).splits == 1:
-            return invariant_linear(h, weight, bias, mode="norm", norm_weight=norm_weight, eps=self.eps)
-        x, _ = self.add_rmsnorm(h, None, norm_weight, self.eps)  # [B, K]
-        return invariant_linear(x, weight, bias)
 
     def _gemv_step(self, ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata, kv: KVCache) -> Step:
         """Batch 1: 4 GEMV launches + attention per layer; norms, rotary, SiLU, residual adds folded in."""

@@ -62,6 +62,8 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self.prof = StepProfiler(self.device, config.profile_steps)
         self.steps = TargetSteps(self.target, self.blocks.block_size, self.device, self.prof, self.threads, self.use_rows)
+        if self.use_rows:
+            self.steps.capture()  # CUDA: the staged plain step's graph of every bucket (a no-op on CPU)
         self.detok = Detokenizer(tokenizer)
         self.eos_id = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self._rng = random.Random(config.seed)
@@ -243,7 +245,7 @@ class LLMEngine:
         kind = "prefill" if batch.is_prefill else ("spec" if k else "plain")
         times = {"prefill": self.metrics.prefill, "spec": self.metrics.speculative, "plain": self.metrics.plain}[kind]
         times.add(emitted, seconds)
-        if kind == "plain" and self.drafts.spec is not None:
+        if kind == "plain" and self.drafts.spec is not None and self.steps.measured:  # a capture is no measurement
             self.policy.observe_plain(n, seconds)
         elif kind == "spec" and self.drafts.spec.measured:  # a step that captured a graph is no measurement
             spec = self.drafts.spec

@@ -34,6 +34,20 @@ class TargetSteps:
         self.prof, self.threads, self.use_rows = prof, threads, use_rows
         # rows: last token, its position, the block table (entries past a sequence's blocks are never read)
         self.stage = StepStage(target.rows.buckets[-1], 2 + target.rows.max_blocks, device) if use_rows else None
+        self.measured = True  # False when the last plain step also captured a graph (its time is not the step's cost)
+
+    def capture(self) -> None:
+        """Capture the plain step's graph for every bucket now (CUDA; a no-op elsewhere), on rows at the pad block: a
+        capture inside a step would cost that step, and the adaptive policy's t_plain, a capture's time."""
+        runner = self.target.rows
+        if runner is None or not runner.rows.use_graphs:
+            return
+        self.stage.host[:, :2] = 0
+        self.stage.host[:, 2:] = runner.pad_block
+        self.stage.upload(runner.buckets[-1])
+        for bucket in reversed(runner.buckets):
+            runner.run_staged(self.stage.dev, bucket)
+        torch.cuda.synchronize()  # the staging copy is done before a step writes the pinned rows again
 
     def prefill(self, seqs: list[Sequence]) -> list[SeqResult]:
         with self.prof.phase("prepare"), self.threads.for_gemm():
@@ -49,6 +63,7 @@ class TargetSteps:
 
     def decode(self, seqs: list[Sequence]) -> list[SeqResult]:
         """One new token per sequence: rows through the target's graphs (CUDA), else the varlen forward."""
+        self.measured = True
         if self.use_rows:
             return self._decode_rows(seqs)
         with self.prof.phase("prepare"):
@@ -60,11 +75,12 @@ class TargetSteps:
 
     def _decode_rows(self, seqs: list[Sequence]) -> list[SeqResult]:
         """Rows staged by one copy, scored by one graph replay that also takes the greedy tokens; one read-back."""
-        n = len(seqs)
+        n, captures = len(seqs), self.target.rows.rows.captures
         with self.prof.phase("prepare"):
             bucket = self._stage_rows(seqs)
         with self.prof.phase("target"):
             logits, greedy, aux = self.target.decode_staged(self.stage.dev, bucket, n)  # [n, V], [n], [n, A] | None
+        self.measured = self.target.rows.rows.captures == captures  # a new aux layer set captures again
         with self.prof.phase("sample"):
             tokens = greedy.tolist() if all(s.params.greedy for s in seqs) else sample(seqs, logits.float())
             parts = aux.split(1) if aux is not None else [None] * n

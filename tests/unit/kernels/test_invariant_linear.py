@@ -51,37 +51,6 @@ def test_bad_inputs_are_refused_by_name(bad, match):
         invariant_linear(bad["x"], bad["w"], bad.get("bias"), residual=bad.get("residual"))
 
 
-@pytest.mark.parametrize(
-    "mode,n,k,residual", [("silu", 96, 200, True), ("silu", 70, 384, False), ("norm", 96, 120, True), ("norm", 300, 64, False)]
-)
-def test_prologue_modes_equal_the_unfused_ops_and_rows_are_invariant(mode, n, k, residual):
-    """norm: rmsnorm(x) @ W.T; silu: silu(gate) * up @ W.T - one launch, the same rows at any M."""
-    g = torch.Generator().manual_seed(n * k)
-    w = torch.randn(n, k, generator=g)
-    x = torch.randn(21, 2 * k if mode == "silu" else k, generator=g)
-    nw = torch.randn(k, generator=g) if mode == "norm" else None
-    r = torch.randn(21, n, generator=g) if residual else None
-    kw = dict(mode=mode, norm_weight=nw, eps=1e-5)
-    y = invariant_linear(x, w, residual=r, **kw)
-    torch.testing.assert_close(y, invariant_linear_reference(x, w, None, r, **kw), atol=1e-3, rtol=1e-3)
-    for m in (1, 5):
-        assert torch.equal(invariant_linear(x[:m], w, residual=None if r is None else r[:m], **kw), y[:m])
-
-
-def test_the_prologues_compute_the_element_wise_kernels_formulas():
-    """The folded left operand is bitwise what the decode step's own element-wise kernels compute (fp32 here: the
-    interpreter's bf16 products are not exact; tests/gpu checks bf16)."""
-    from eagleray.kernels.decode_ops import add_rmsnorm, silu_mul
-
-    g = torch.Generator().manual_seed(3)
-    gu = torch.randn(16, 256, generator=g) * 3
-    eye = torch.eye(128)  # the product returns its left operand exactly
-    assert torch.equal(invariant_linear(gu, eye, mode="silu"), silu_mul(gu))
-    nw = torch.randn(128, generator=g)
-    normed, _ = add_rmsnorm(gu[:, :128].contiguous(), None, nw, 1e-5)
-    torch.testing.assert_close(invariant_linear(gu[:, :128].contiguous(), eye, mode="norm", norm_weight=nw, eps=1e-5), normed)
-
-
 def test_measured_plans_are_read_by_device_name_and_shape(tmp_path, monkeypatch):
     import eagleray.kernels.invariant_linear as il
 
@@ -98,18 +67,14 @@ def test_measured_plans_are_read_by_device_name_and_shape(tmp_path, monkeypatch)
         il.measured_plans.cache_clear()
 
 
-@pytest.mark.parametrize(
-    "kw,match",
-    [
-        (dict(mode="gelu"), "mode"),
-        (dict(mode="norm"), "norm_weight"),
-        (dict(norm_weight=torch.randn(8)), "norm_weight"),
-        (dict(mode="norm", norm_weight=torch.randn(9)), "norm_weight"),
-        (dict(mode="silu"), "the same K"),
-        (dict(mode="norm", norm_weight=torch.randn(200), k=200), "does not split K"),
-    ],
-)
-def test_bad_prologues_are_refused_by_name(kw, match):
-    k = kw.pop("k", 8)  # K = 200 is split in two ranges: a norm needs all of K in one
-    with pytest.raises(KernelInputError, match=match):
-        invariant_linear(torch.randn(3, k), torch.randn(4, k), **kw)
+def test_the_shipped_plans_tile_their_shapes():
+    """Every plan in kernels/invariant_linear_plans.json covers its weight's K in whole, non-empty splits."""
+    import eagleray.kernels.invariant_linear as il
+
+    table = json.loads(il.Path(il.__file__).with_name("invariant_linear_plans.json").read_text())
+    assert table, "no measured plans shipped"
+    for device in table:
+        il.measured_plans.cache_clear()
+        for (_, k), p in il.measured_plans(device).items():
+            assert p.k_per_split % p.block_k == 0 and p.splits * p.k_per_split >= k > (p.splits - 1) * p.k_per_split
+    il.measured_plans.cache_clear()
