@@ -61,7 +61,7 @@ def linear_records() -> list[dict]:
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
             x = torch.randn(320, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             alone = torch.cat([invariant_linear(x[i : i + 1], w) for i in range(8)])
-            rec = {"model": model, "n": n, "k": k, "splits": plan(n, k).splits}
+            rec = {"model": model, "n": n, "k": k, "splits": plan(n, k, w.device).splits}
             for m in (5, 64, 320):
                 rec[f"invariant_m{m}"] = bool(torch.equal(invariant_linear(x[:m], w)[: 8 if m >= 8 else m], alone[: min(m, 8)]))
             ref = invariant_linear_reference(x[:64], w).float()
