@@ -3,7 +3,8 @@
     [0] registry (sqlite, --work): the champion draft as version 1, @champion
     [1] before: τ of the champion on the held-out HumanEval prompts (the last --held-out of 164) and on MT-bench
     [2] capture overhead: the Serve app (capture off) then (capture at rate 1.0) under the same load:
-        the first --traffic HumanEval prompts, --concurrency clients; throughput = generated tokens / wall time;
+        the first --traffic HumanEval prompts (and --code-sharegpt code requests from ShareGPT), --concurrency
+        clients; throughput = generated tokens / wall time;
         --overhead-rounds R: R rounds in ABBA order, each pass on a fresh replica, tokens/s summed per mode
     [3] the adaptation loop (jobs/adapt.adapt_once) on the captured traffic: fine-tune, gate, alias
     [4] the traffic again: the app hot-swaps through its alias poller (τ over time, no failed request)
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -33,6 +35,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--replay", default=None, help="the champion's original data (a datagen output) mixed into fine-tuning")
     p.add_argument("--replay-fraction", type=float, default=0.3, help="share of training rows drawn from --replay")
     p.add_argument("--traffic", type=int, default=100, help="HumanEval prompts sent as traffic (the first N of 164)")
+    p.add_argument(
+        "--code-sharegpt",
+        type=int,
+        default=0,
+        help="code requests from ShareGPT added to the traffic (first user turns that ask for code, a seeded sample)",
+    )
     p.add_argument("--held-out", type=int, default=64, help="HumanEval prompts measured before/after (the last N of 164)")
     p.add_argument("--mtbench", type=int, default=80, help="MT-bench prompts measured before/after (the control)")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -60,6 +68,31 @@ def messages(source: str, start: int, stop: int | None) -> list[list[dict]]:
 
     recs = load_prompts(source).records if source != "mtbench" else load_prompts(source, limit=stop).records
     return [[m.to_dict() for m in r.messages] for r in recs[start:stop]]
+
+
+CODE_MARKER = re.compile(
+    r"```|\bdef |\bfunction\b|\bpython\b|\bjavascript\b|\bcode\b|\bsql\b|\bjava\b|\bc\+\+|\bscript\b|\bclass ", re.I
+)
+
+
+def sharegpt_code(n: int, seed: int = 0) -> list[list[dict]]:
+    """``n`` first user turns of ShareGPT conversations that ask for code (a code marker, at most 1,500 characters),
+    distinct, in a seeded shuffle: more code traffic of the kind HumanEval is, never a HumanEval prompt."""
+    import random
+
+    from eagleray.platform.prompts import iter_prompts
+
+    seen, picked = set(), []
+    for rec in iter_prompts("sharegpt"):
+        first = rec.messages[0].to_dict()
+        text = first["content"]
+        if first["role"] == "user" and len(text) <= 1500 and CODE_MARKER.search(text) and text not in seen:
+            seen.add(text)
+            picked.append([first])
+    random.Random(seed).shuffle(picked)
+    if len(picked) < n:
+        raise ValueError(f"--code-sharegpt {n}: ShareGPT has {len(picked)} code requests")
+    return picked[:n]
 
 
 def measure(args, draft_dir: Path, sets: dict[str, list]) -> dict[str, float]:
@@ -135,7 +168,7 @@ def adapt_config(args, capture_dir: Path, work: Path, uri: str):
             "capture_path": str(capture_dir),
             "work_dir": str(work / "adapt"),
             "target": {"model": args.target, "device": "cpu"},
-            "min_new_requests": max(1, args.traffic // 2),
+            "min_new_requests": max(1, (args.traffic + args.code_sharegpt) // 2),
             "held_out_fraction": 0.2,
             "max_held_out": 16,
             "control": ["mtbench"],
@@ -235,6 +268,7 @@ def run(argv: list[str]) -> dict[str, Any]:
     spec = TargetSpec.from_dir(resolve_target(args.target, "fp32"))
     humaneval = messages("humaneval", 0, None)
     traffic, held = humaneval[: args.traffic], humaneval[len(humaneval) - args.held_out :]
+    traffic += sharegpt_code(args.code_sharegpt) if args.code_sharegpt else []
     mtbench = messages("mtbench", 0, args.mtbench)
     log(f"[0] registry {work / 'mlflow.db'}: champion {args.champion}")
     uri, champ_dir = register_champion(args, work, spec)
@@ -298,6 +332,7 @@ def run(argv: list[str]) -> dict[str, Any]:
         "decision": decision.to_dict(),
         "served_draft_versions": served_versions,
         "traffic_requests": len(traffic),
+        "traffic_sources": {"humaneval": args.traffic, "sharegpt_code": args.code_sharegpt},
         "settings": vars(args),
         "requests": record,
         "wall_s": time.time() - t_start,

@@ -52,3 +52,16 @@ def test_overhead_is_the_throughput_ratio_over_all_passes_not_the_mean_of_rounds
     cost = bench.overhead(off, on)
     assert abs(cost["overhead"] - (1 - 30.0 / 40.0)) < 1e-12
     assert cost["per_round"][0] == 0.0 and abs(cost["per_round"][1] - (1 - (1000 / 30) / 50)) < 1e-12
+
+
+def test_code_requests_from_sharegpt_are_first_user_turns_asking_for_code(tmp_path):
+    """--code-sharegpt: distinct first user turns with a code marker, at most 1,500 characters, the same sample every run,
+    none of them a HumanEval prompt (the held-out set); the loop waits for half of all the traffic."""
+    picked = bench.sharegpt_code(40)
+    assert len(picked) == 40 and picked == bench.sharegpt_code(40)
+    texts = [m[0]["content"] for m in picked]
+    assert all(len(m) == 1 and m[0]["role"] == "user" for m in picked) and len(set(texts)) == 40
+    assert all(len(t) <= 1500 and bench.CODE_MARKER.search(t) for t in texts)
+    humaneval = {m[-1]["content"] for m in bench.messages("humaneval", 0, None)}
+    assert not humaneval & set(texts)
+    assert _cfg(tmp_path, "--traffic", "100", "--code-sharegpt", "200").min_new_requests == 150
