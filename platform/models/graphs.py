@@ -51,7 +51,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 Step = tuple[torch.Tensor, torch.Tensor | None]  # logits [B, V], aux [B, n_aux*H] or None
 
 
-def _fused(done, linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fused_weights(done, linears) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fused (weight, bias) of ``linears``: a :class:`FusedLinear` already made for inference, or a new one."""
     return (done.weight, done.bias) if done is not None else _fuse(linears)
 
@@ -105,10 +105,10 @@ class FusedDecodeStep:
         if fused is None:
             fused = (
                 [
-                    _fused(layer.self_attn.qkv, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+                    fused_weights(layer.self_attn.qkv, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
                     for layer in model.layers
                 ],
-                [_fused(layer.mlp.gate_up, [layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in model.layers],
+                [fused_weights(layer.mlp.gate_up, [layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in model.layers],
             )
             model._decode_fused = fused
         self.qkv, self.gate_up = fused

@@ -122,14 +122,14 @@ class ChainStepGraphs:
             rows_tables, (pos + 1).to(torch.int32), row_slots(rows_tables, pos, bs), bs, self.drafter.use_triton
         )
         hidden_in = dr.combine_hidden_states(self.aux_cat[src])  # [b*C, H]
-        normed, hidden = dr(tokens.reshape(-1), pos, hidden_in, meta, self.drafter.kv)  # [b*C, H] each
+        normed, hidden = self.drafter.step(tokens.reshape(-1), pos, hidden_in, meta, self.drafter.kv)  # [b*C, H] each
         last = self.seq_index[:b] * c + count - 1  # [b] each sequence's last catch-up row
         ids = dr.to_target_ids(dr.compute_logits(normed[last]).argmax(-1))  # [b] first drafts
         hidden, out = hidden[last], [ids]  # [b, H]
         for j in range(k - 1):  # the chain: draft j+1 at the position after the last committed token's
             p = last_pos + j  # [b]
             meta = DecodeMetadata(tables, (p + 1).to(torch.int32), row_slots(tables, p, bs), bs, self.drafter.use_triton)
-            normed, hidden = dr(ids, p, hidden, meta, self.drafter.kv)  # [b, H]
+            normed, hidden = self.drafter.step(ids, p, hidden, meta, self.drafter.kv)  # [b, H]
             ids = dr.to_target_ids(dr.compute_logits(normed).argmax(-1))  # [b]
             out.append(ids)
         return torch.stack(out, dim=1)  # [b, k]

@@ -57,3 +57,29 @@ def test_graph_chain_steps_equal_plain_in_bf16(k):
     graphs = engine.drafts.spec.graphs
     assert graphs is not None and graphs.graphs.captures > 0, "greedy chain steps must run on the step graphs"
     assert engine.metrics.spec.num_accepted_tokens > 0
+
+
+def test_the_fused_draft_step_equals_the_drafts_forward_in_bf16():
+    """The draft's graphs on CUDA run FusedDraftStep: the draft's own forward's values (bf16 rounding apart) and K/V."""
+    from eagleray.platform.models.decode_metadata import DecodeMetadata
+    from eagleray.platform.models.draft_graphs import DraftGraphRunner, FusedDraftStep
+
+    target, draft = _models()
+    dev = torch.device("cuda")
+    caches = [draft.make_kv_cache(num_blocks=9, block_size=16) for _ in range(2)]
+    for kv in caches:
+        kv.k.normal_(generator=torch.Generator(device=dev).manual_seed(1))
+        kv.v.normal_(generator=torch.Generator(device=dev).manual_seed(2))
+    assert isinstance(DraftGraphRunner(draft, caches[0], 4, 4, (1, 4)).step, FusedDraftStep)
+    tables = torch.tensor([[3, 1, 6, 0], [2, 7, 4, 5], [5, 0, 1, 2]], dtype=torch.int32, device=dev)
+    pos = torch.tensor([5, 40, 20], device=dev)
+    slots = tables.gather(1, (pos // 16)[:, None]).squeeze(1).long() * 16 + pos % 16
+    ids = torch.randint(0, CFG["vocab_size"], (3,), device=dev)
+    hidden = torch.randn(3, CFG["hidden_size"], device=dev, dtype=torch.bfloat16)
+    meta = DecodeMetadata(tables, (pos + 1).to(torch.int32), slots, 16, use_triton=True)
+    with torch.inference_mode():
+        want = draft(ids, pos, hidden, meta, caches[0])
+        got = FusedDraftStep(draft)(ids, pos, hidden, meta, caches[1])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.float(), w.float(), atol=0.05, rtol=0.02)
+    torch.testing.assert_close(caches[1].k.float(), caches[0].k.float(), atol=0.02, rtol=0)

@@ -210,3 +210,33 @@ def test_greedy_chain_graph_equals_the_step_by_step_chain(target, draft_dir):
                 got.append(ids)
             outs.append(torch.stack(got, 1))
     assert torch.equal(outs[0], outs[1]), (outs[0], outs[1])
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_the_fused_draft_step_equals_the_drafts_forward(target, draft_dir, norm_before_residual):
+    """FusedDraftStep (the draft's graphs on CUDA: its Triton kernels, interpreted here) gives the draft's own forward
+    on rows: normed and next hidden states, and the K/V it stores, for rows of three sequences at their positions."""
+    from eagleray.platform.models.decode_metadata import DecodeMetadata
+    from eagleray.platform.models.draft_graphs import FusedDraftStep
+
+    draft = Eagle3Draft.from_checkpoint(draft_dir, target)
+    draft.midlayer.norm_before_residual = norm_before_residual
+    caches = []
+    for _ in range(2):
+        kv = draft.make_kv_cache(num_blocks=9, block_size=4)
+        kv.k.copy_(torch.randn(kv.k.shape, generator=torch.Generator().manual_seed(1)))
+        kv.v.copy_(torch.randn(kv.v.shape, generator=torch.Generator().manual_seed(2)))
+        caches.append(kv)
+    tables = torch.tensor([[3, 1, 6, 0], [2, 7, 4, 5], [5, 0, 1, 2]], dtype=torch.int32)  # [3, 4]
+    pos = torch.tensor([5, 9, 2])  # [3]
+    slots = tables.gather(1, (pos // 4)[:, None]).squeeze(1).long() * 4 + pos % 4
+    ids = torch.randint(0, 64, (3,), generator=torch.Generator().manual_seed(4))
+    hidden = torch.randn(3, draft.arch.hidden_size, generator=torch.Generator().manual_seed(5))
+    meta = DecodeMetadata(tables, (pos + 1).to(torch.int32), slots, 4, use_triton=True)
+    with torch.inference_mode():
+        want = draft(ids, pos, hidden, meta, caches[0])
+        got = FusedDraftStep(draft)(ids, pos, hidden, meta, caches[1])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(caches[1].k, caches[0].k, atol=1e-5, rtol=0)
+    torch.testing.assert_close(caches[1].v, caches[0].v, atol=1e-5, rtol=0)
