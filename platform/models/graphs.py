@@ -226,6 +226,15 @@ class DecodeGraphRunner:
     def graphs(self) -> dict:
         return self.rows.graphs
 
+    @property
+    def captures(self) -> int:
+        """Graphs captured so far (a step that captured one took a capture's time)."""
+        return self.rows.captures
+
+    @property
+    def use_graphs(self) -> bool:
+        return self.rows.use_graphs
+
     def _generic_step(self, ids, positions, meta, kv) -> Step:
         hidden, aux = self.model(ids, positions, meta, kv)  # [B, H], [B, A] | None
         return self.model.compute_logits(hidden), aux

@@ -40,7 +40,7 @@ class TargetSteps:
         """Capture the plain step's graph for every bucket now (CUDA; a no-op elsewhere), on rows at the pad block: a
         capture inside a step would cost that step, and the adaptive policy's t_plain, a capture's time."""
         runner = self.target.rows
-        if runner is None or not runner.rows.use_graphs:
+        if runner is None or not runner.use_graphs:
             return
         self.stage.host[:, :2] = 0
         self.stage.host[:, 2:] = runner.pad_block
@@ -75,12 +75,12 @@ class TargetSteps:
 
     def _decode_rows(self, seqs: list[Sequence]) -> list[SeqResult]:
         """Rows staged by one copy, scored by one graph replay that also takes the greedy tokens; one read-back."""
-        n, captures = len(seqs), self.target.rows.rows.captures
+        n, captures = len(seqs), self.target.rows.captures
         with self.prof.phase("prepare"):
             bucket = self._stage_rows(seqs)
         with self.prof.phase("target"):
             logits, greedy, aux = self.target.decode_staged(self.stage.dev, bucket, n)  # [n, V], [n], [n, A] | None
-        self.measured = self.target.rows.rows.captures == captures  # a new aux layer set captures again
+        self.measured = self.target.rows.captures == captures  # a new aux layer set captures again
         with self.prof.phase("sample"):
             tokens = greedy.tolist() if all(s.params.greedy for s in seqs) else sample(seqs, logits.float())
             parts = aux.split(1) if aux is not None else [None] * n
