@@ -36,7 +36,7 @@ class ChainStepGraphs:
     device values back to the host (it is captured). Use::
 
         g.put(b, catch_up_tokens, first_pos, last_token, last_pos, block_table)   # each sequence b < n
-        bucket = g.load(n, aux_chunks)        # [n_b, A] chunks, sequence by sequence
+        bucket = g.load(n, aux)               # [T, A] catch-up aux rows, sequence by sequence
         drafts = g.draft(bucket, k)           # [bucket, k] target ids
         tokens, nacc, aux = g.verify(bucket, k)
     """
@@ -81,15 +81,14 @@ class ChainStepGraphs:
         row[c : c + 4] = (first_pos, len(tokens), last_token, last_pos)
         row[c + 4 : c + 4 + len(table)] = table
 
-    def load(self, n: int, aux_chunks: list[torch.Tensor]) -> int:
-        """Pad the staged rows to the bucket of ``n`` sequences, queue their copy, join the catch-up aux rows
-        (``aux_chunks``: [n_b, A] each, sequence by sequence) -> the bucket."""
+    def load(self, n: int, aux: torch.Tensor) -> int:
+        """Pad the staged rows to the bucket of ``n`` sequences, queue their copy, place the catch-up aux rows
+        (``aux`` [T, A], sequence by sequence) -> the bucket."""
         bucket = self.bucket_for(n)
         if bucket > n:
             self.stage.host[n:bucket] = self.pad_row
         self.stage.upload(bucket)
-        rows = sum(a.shape[0] for a in aux_chunks)
-        torch.cat(aux_chunks, dim=0, out=self.aux_cat[:rows])
+        self.aux_cat[: aux.shape[0]].copy_(aux)
         return bucket
 
     def _key(self, kind: str, k: int) -> tuple:

@@ -283,7 +283,7 @@ class LLMEngine:
             self._compact(seq, res.src_positions[: len(kept)], old_cached)
         seq.num_cached = seq.num_tokens - 1
         if self.drafts.spec is not None and res.aux is not None:
-            seq.append_aux(res.aux[: seq.num_cached - old_cached], self.capture_width)  # [n, A] newly committed rows
+            seq.append_aux(res.aux.head(seq.num_cached - old_cached))  # the newly committed positions' rows
         seq.step += 1
         self.blocks.truncate(seq, seq.num_tokens)
         return kept

@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -53,14 +54,81 @@ class SpecStats:
         }
 
 
+class AuxRows(NamedTuple):
+    """Rows ``start .. start+count-1`` of one step's aux tensor ``src`` [R, W], held by reference: a step hands each
+    sequence its rows without a tensor view apiece (a view costs microseconds of host time, a batch of 128 of them
+    a tenth of a small model's step); :func:`gather_aux` joins them, once, when the draft reads them."""
+
+    src: torch.Tensor  # [R, W]: the step's aux rows (W = A, or A + H while the engine captures)
+    start: int
+    count: int
+
+    @classmethod
+    def of(cls, rows: torch.Tensor) -> "AuxRows":
+        """All of ``rows`` [n, W]."""
+        return cls(rows, 0, rows.shape[0])
+
+    @classmethod
+    def split(cls, aux: torch.Tensor, sizes: list[int]) -> list["AuxRows"]:
+        """``aux`` [sum(sizes), W] as consecutive ranges of ``sizes`` rows."""
+        parts, start = [], 0
+        for n in sizes:
+            parts.append(cls(aux, start, n))
+            start += n
+        return parts
+
+    def head(self, n: int) -> "AuxRows":
+        """The first ``n`` rows."""
+        return AuxRows(self.src, self.start, min(n, self.count))
+
+    def last(self) -> "AuxRows":
+        """The last row."""
+        return AuxRows(self.src, self.start + self.count - 1, 1)
+
+    def tensor(self) -> torch.Tensor:
+        """The rows as a tensor [count, W] (a view of ``src``)."""
+        return self.src[self.start : self.start + self.count]
+
+
+def gather_aux(seqs: list["Sequence"], extra: int = 0) -> tuple[torch.Tensor, list[int]]:
+    """Every queued aux row of ``seqs``, sequence by sequence in position order, as one tensor [T, W - extra]
+    (``extra``: trailing columns that are not the draft's, the target's final state while the engine captures),
+    and each sequence's row count; the queues are emptied. One join of the distinct step tensors and one index
+    select, however many steps queued the rows."""
+    srcs: list[torch.Tensor] = []
+    offsets: dict[int, int] = {}  # id(src) -> its first row in the joined pool (srcs keeps each alive)
+    index: list[int] = []
+    counts: list[int] = []
+    total = 0
+    for s in seqs:
+        n = 0
+        for r in s.pending_aux:
+            off = offsets.get(id(r.src))
+            if off is None:
+                off = offsets[id(r.src)] = total
+                srcs.append(r.src)
+                total += r.src.shape[0]
+            index.extend(range(off + r.start, off + r.start + r.count))
+            n += r.count
+        counts.append(n)
+        s.pending_aux = []
+    pool = srcs[0] if len(srcs) == 1 else torch.cat(srcs, dim=0)  # [R_total, W]
+    if extra:
+        pool = pool[:, : pool.shape[1] - extra]  # [R_total, A]
+    if index == list(range(total)):
+        return pool, counts  # one step's rows, all of them, in order: no copy
+    return pool.index_select(0, torch.tensor(index, dtype=torch.int64).to(pool.device)), counts  # [T, A]
+
+
 @dataclass(eq=False)  # identity: a request is itself (list membership, removal)
 class Sequence:
     """One request being generated.
 
     KV invariant between steps: the target (and, once caught up, the draft) cache holds positions
     0..num_tokens-2; the last token is the next forward's input. ``pending_aux`` holds the target's
-    aux hidden states of the positions the draft has not consumed yet, as a list of [n_i, A] chunks
-    (joined once, at the draft's catch-up, so steps without speculation never copy them).
+    aux hidden states of the positions the draft has not consumed yet, as references to the rows of the steps
+    that computed them (joined once, at the draft's catch-up, by :func:`gather_aux`, so steps without
+    speculation never copy them).
     """
 
     prompt_token_ids: list[int]
@@ -72,7 +140,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # target KV positions written and valid
     draft_cached: int = 0  # draft KV positions written with target hidden states
-    pending_aux: list[torch.Tensor] = field(default_factory=list)  # [n_i, A] chunks: positions draft_cached..num_cached-1
+    pending_aux: list[AuxRows] = field(default_factory=list)  # positions draft_cached..num_cached-1, in order
     finish_reason: str | None = None
     stop_text_index: int | None = None  # where a stop string cuts the text
     generator: torch.Generator | None = None  # plain sampling draws (T > 0)
@@ -118,21 +186,15 @@ class Sequence:
             self.captured = []  # the recompute captures every position again
         self.status = SequenceStatus.WAITING
 
-    def append_aux(self, aux: torch.Tensor | None, extra: int = 0) -> None:
-        """Queue aux states [n, A] of newly committed positions for the draft.
-
-        ``extra``: trailing columns that are not the draft's (the target's final normed state [n, H] while
-        the engine captures); a captured sequence keeps the whole rows, the draft gets the first A columns."""
+    def append_aux(self, aux: AuxRows | None) -> None:
+        """Queue the aux rows of newly committed positions for the draft (their first A columns are the draft's;
+        while the engine captures, the target's final normed state [H] follows). A captured sequence also keeps
+        a copy of the whole rows."""
         if aux is None:
             return
         if self.captured is not None:
-            self.captured.append(aux.clone())  # a view would keep the whole step's tensor alive
-        self.pending_aux.append(aux[:, : aux.shape[-1] - extra] if extra else aux)
-
-    def take_aux(self) -> torch.Tensor:
-        """All queued aux states [n, A], in position order; the queue is emptied."""
-        chunks, self.pending_aux = self.pending_aux, []
-        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=0)
+            self.captured.append(aux.tensor().clone())  # a view would keep the whole step's tensor alive
+        self.pending_aux.append(aux)
 
     def append_tokens(self, tokens: list[int], eos_id: int | None) -> list[int]:
         """Add accepted tokens up to the first stop condition; returns the tokens actually kept."""

@@ -27,7 +27,7 @@ from eagleray.platform.models.spec_graphs import ChainStepGraphs
 from eagleray.serve.engine.model_runner import DraftRunner, ForwardBatch, TargetRunner, block_table_tensor
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.sampling import filter_logits, scaled_probs
-from eagleray.serve.engine.sequence import Sequence
+from eagleray.serve.engine.sequence import AuxRows, Sequence, gather_aux
 from eagleray.serve.engine.tree import DraftTree
 from eagleray.serve.engine.tree_draft import draft_tree
 from eagleray.serve.engine.verify import Verifier
@@ -85,7 +85,7 @@ class SeqResult:
     """Outcome of verification for one sequence."""
 
     tokens: list[int]  # accepted drafts + one recovered/bonus token
-    aux: torch.Tensor  # [len(tokens), A] target aux states of the positions these tokens follow
+    aux: AuxRows | None  # [len(tokens), A] target aux states of the positions these tokens follow
     num_draft_tokens: int
     num_accepted: int
     src_positions: list[int] | None = None  # tree: cache positions of the accepted path (to compact)
@@ -127,10 +127,7 @@ def draft_catch_up(
     price of having switched, not of the next speculative step)."""
     with ctx.prof.phase("prepare"):
         tokens = [s.tokens[s.draft_cached + 1 : s.num_tokens] for s in seqs]
-        aux = torch.cat([s.take_aux() for s in seqs], dim=0)  # [T, n_aux*H_t]
-        if not ctx.aux_checked:
-            assert_aux_shape(aux, ctx.draft.num_aux, ctx.target.model.hidden_size)
-            ctx.aux_checked = True
+        aux = take_aux(ctx, seqs)[0]  # [T, n_aux*H_t]
         lens = [len(t) for t in tokens]
         use_rows = tables is not None and sum(lens) <= ctx.draft.max_rows
         if steady is not None:
@@ -253,8 +250,7 @@ def target_verify_forward(
     with ctx.prof.phase("target"):
         logits, aux = ctx.target.forward(batch)  # [T, V], [T, A]
     sizes = [len(t) for t in tokens]
-    aux_parts = list(aux.split(sizes)) if aux is not None else [None] * len(seqs)
-    return list(logits.split(sizes)), aux_parts
+    return list(logits.split(sizes)), (AuxRows.split(aux, sizes) if aux is not None else [None] * len(seqs))
 
 
 def target_verify_rows(
@@ -285,7 +281,7 @@ def chain_step(ctx: SpecContext, seqs: list[Sequence], k: int) -> list[SeqResult
     m1 = ctx.clock.mark()
     if ctx.target.rows is not None:
         flat, flat_aux = target_verify_rows(ctx, seqs, draft_tokens, k, tables)  # [B*(k+1), V], [B*(k+1), A]
-        aux = list(flat_aux.view(len(seqs), k + 1, -1)) if flat_aux is not None else [None] * len(seqs)
+        aux = AuxRows.split(flat_aux, [k + 1] * len(seqs)) if flat_aux is not None else [None] * len(seqs)
     else:
         logits, aux = target_verify_forward(ctx, seqs, draft_tokens.tolist())  # .tolist() waits for the draft
         flat = torch.cat(logits)
@@ -299,7 +295,7 @@ def chain_step(ctx: SpecContext, seqs: list[Sequence], k: int) -> list[SeqResult
         )
         tokens, nacc = tokens.tolist(), nacc.tolist()  # the step's one device -> host transfer of results
     ctx.record_times(m0, m1)
-    return [SeqResult(tokens[b][: n + 1], aux[b][: n + 1], k, n) for b, n in enumerate(nacc)]
+    return [SeqResult(tokens[b][: n + 1], None if aux[b] is None else aux[b].head(n + 1), k, n) for b, n in enumerate(nacc)]
 
 
 def graph_chain_step(ctx: SpecContext, seqs: list[Sequence], k: int) -> list[SeqResult]:
@@ -312,15 +308,11 @@ def graph_chain_step(ctx: SpecContext, seqs: list[Sequence], k: int) -> list[Seq
         settle_draft(ctx, lagging)
         ctx.lag_marks = (m0, ctx.clock.mark())
     with ctx.prof.phase("prepare"):
-        aux = []
         for b, s in enumerate(seqs):
             g.put(b, s.tail(s.num_tokens - 1 - s.draft_cached), s.draft_cached, s.last_token, s.num_tokens - 1, s.block_table)
-            aux.append(s.take_aux())  # [n_b, A]
+        bucket = g.load(n, take_aux(ctx, seqs)[0])  # [T, A]: the catch-up rows, sequence by sequence
+        for s in seqs:
             s.draft_cached = s.num_tokens - 1
-        if not ctx.aux_checked:
-            assert_aux_shape(aux[0], ctx.draft.num_aux, ctx.target.model.hidden_size)
-            ctx.aux_checked = True
-        bucket = g.load(n, aux)
     captures = g.graphs.captures
     with ctx.prof.phase("draft"):
         g.draft(bucket, k)
@@ -334,9 +326,19 @@ def graph_chain_step(ctx: SpecContext, seqs: list[Sequence], k: int) -> list[Seq
     out = []
     for b in range(n):
         a = host[n * w + b]
-        part = None if rows is None else rows[b * w : b * w + a + 1]
+        part = None if rows is None else AuxRows(rows, b * w, a + 1)
         out.append(SeqResult(host[b * w : b * w + a + 1], part, k, a))
     return out
+
+
+def take_aux(ctx: SpecContext, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]]:
+    """The aux rows ``seqs`` queued for the draft -> [T, A] (the draft's columns), rows per sequence; checked
+    against the draft's shape at the first speculative step."""
+    aux, counts = gather_aux(seqs, ctx.target.model.hidden_size if ctx.target.capture_final else 0)
+    if not ctx.aux_checked:
+        assert_aux_shape(aux, ctx.draft.num_aux, ctx.target.model.hidden_size)
+        ctx.aux_checked = True
+    return aux, counts
 
 
 def settle_draft(ctx: SpecContext, seqs: list[Sequence]) -> None:
@@ -345,11 +347,14 @@ def settle_draft(ctx: SpecContext, seqs: list[Sequence]) -> None:
     graphs, ``max_rows`` at a time (a row's K/V stays in the cache for the rows after it). Not drafting cost: the price
     of having decoded without the draft."""
     with ctx.prof.phase("settle"):
-        chunks = [s.take_aux() for s in seqs]  # [n_b, A]
-        for s, a in zip(seqs, chunks):
-            s.pending_aux = [a[-1:]]
+        lasts = [s.pending_aux[-1].last() for s in seqs]  # the row the step graphs' catch-up reads
+        aux, counts = take_aux(ctx, seqs)  # [T + B, A]
+        for s, last in zip(seqs, lasts):
+            s.pending_aux = [last]
+        starts = [sum(counts[:b]) for b in range(len(seqs))]
+        keep = [i for st, c in zip(starts, counts) for i in range(st, st + c - 1)]
+        aux = aux[torch.tensor(keep, dtype=torch.int64, device=aux.device)].to(ctx.draft.device)  # [T, A]: all but lasts
         tokens = [s.tokens[s.draft_cached + 1 : s.num_tokens - 1] for s in seqs]
-        aux = torch.cat([a[:-1] for a in chunks], dim=0).to(ctx.draft.device)  # [T, A]
         tables = block_table_tensor([s.block_table for s in seqs], ctx.draft.device)  # [B, MB]
         rows, _ = _catch_up_rows(seqs, tokens, [len(t) for t in tokens], tables, ctx.draft)
         step = ctx.draft.max_rows
@@ -380,5 +385,6 @@ def tree_step(ctx: SpecContext, seqs: list[Sequence], depth: int, topk: int, num
     out = []
     for b, (s, tree, (path, toks)) in enumerate(zip(seqs, trees, verdicts)):
         start = s.num_tokens - 1
-        out.append(SeqResult(toks, aux[b][path], tree.size, len(path) - 1, [start + i for i in path]))
+        rows = None if aux[b] is None else AuxRows.of(aux[b].tensor()[path])  # [len(path), A]: the accepted path's
+        out.append(SeqResult(toks, rows, tree.size, len(path) - 1, [start + i for i in path]))
     return out

@@ -10,7 +10,7 @@ from eagleray.platform.models.row_graphs import StepStage
 from eagleray.serve.engine.model_runner import ForwardBatch, TargetRunner
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.sampling import filter_logits, sample_rows
-from eagleray.serve.engine.sequence import Sequence
+from eagleray.serve.engine.sequence import AuxRows, Sequence
 from eagleray.serve.engine.spec_step import SeqResult
 from eagleray.serve.engine.startup import CpuThreads
 
@@ -59,7 +59,7 @@ class TargetSteps:
         with self.prof.phase("target"), self.threads.for_gemm():
             logits, aux = self.target.forward(batch, batch.last_index)  # [B, V], [T, A]
         with self.prof.phase("sample"):
-            return _results(seqs, logits, aux.split([len(t) for t in tokens]) if aux is not None else None)
+            return _results(seqs, logits, aux, [len(t) for t in tokens])
 
     def decode(self, seqs: list[Sequence]) -> list[SeqResult]:
         """One new token per sequence: rows through the target's graphs (CUDA), else the varlen forward."""
@@ -71,7 +71,7 @@ class TargetSteps:
         with self.prof.phase("target"):
             logits, aux = self.target.forward(batch)  # [B, V], [B, A]
         with self.prof.phase("sample"):
-            return _results(seqs, logits, aux.split(1) if aux is not None else None)
+            return _results(seqs, logits, aux, [1] * len(seqs))
 
     def _decode_rows(self, seqs: list[Sequence]) -> list[SeqResult]:
         """Rows staged by one copy, scored by one graph replay that also takes the greedy tokens; one read-back."""
@@ -83,7 +83,7 @@ class TargetSteps:
         self.measured = self.target.rows.captures == captures  # a new aux layer set captures again
         with self.prof.phase("sample"):
             tokens = greedy.tolist() if all(s.params.greedy for s in seqs) else sample(seqs, logits.float())
-            parts = aux.split(1) if aux is not None else [None] * n
+            parts = [None] * n if aux is None else [AuxRows(aux, b, 1) for b in range(n)]
             return [SeqResult([t], a, 0, 0) for t, a in zip(tokens, parts)]
 
     def _varlen(self, seqs: list[Sequence]) -> ForwardBatch:
@@ -106,7 +106,8 @@ class TargetSteps:
         return bucket
 
 
-def _results(seqs: list[Sequence], logits: torch.Tensor, aux_parts) -> list[SeqResult]:
-    """A token per sequence from logits [B, V], with that sequence's aux rows (None without a draft)."""
-    parts = aux_parts if aux_parts is not None else [None] * len(seqs)
+def _results(seqs: list[Sequence], logits: torch.Tensor, aux: torch.Tensor | None, sizes: list[int]) -> list[SeqResult]:
+    """A token per sequence from logits [B, V], with that sequence's rows of ``aux`` [sum(sizes), A] (None without
+    a draft)."""
+    parts = [None] * len(seqs) if aux is None else AuxRows.split(aux, sizes)
     return [SeqResult([t], a, 0, 0) for t, a in zip(sample(seqs, logits), parts)]
