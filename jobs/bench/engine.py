@@ -40,6 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", default="mtbench", help="prompt source (mtbench, humaneval or a file)")
     p.add_argument("--limit", type=int, default=80, help="prompts per run (8b: --limit-8b)")
     p.add_argument("--limit-8b", type=int, default=16, help="prompts per 8b run at batch <= 8")
+    p.add_argument(
+        "--prompt-ids",
+        default=None,
+        help="8b: a JSON list of token id lists to use instead of tokenizing --prompts (a machine without the GGUF)",
+    )
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (EOS ignored)")
     p.add_argument("--k", type=int, default=4, help="chain draft length")
     p.add_argument("--draft", default="random", help="SmolLM2 draft directory or 'random'")
@@ -156,6 +161,31 @@ def _predicted(r: dict, batch: int, k: int, plain_step_ms: float) -> float | Non
     return round(r["tau"] * plain_step_ms / (costs["verify_ms"] + k * costs["draft_ms"]), 3)
 
 
+def _chat_ids(tcfg: TargetConfig, messages: list) -> list[list[int]]:
+    """``messages`` through SmolLM2's chat template (the ids the 8B-shaped target reads)."""
+    _, _, tok, _ = load_models(tcfg, None)
+    return [
+        list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        for m in messages
+    ]
+
+
+def _prompt_ids(path: str, limit: int) -> list[list[int]]:
+    """--prompt-ids: a JSON list of non-empty token id lists -> the first ``limit``."""
+    import json
+
+    ids = json.loads(Path(path).read_text())
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in ids)
+    ):
+        raise EaglerayError(
+            f"--prompt-ids {path}: not a JSON list of non-empty token id lists\n    fix: write [[1, 2, ...], ...]"
+        )
+    return ids[:limit]
+
+
 def measure(args: argparse.Namespace) -> dict:
     device = pick_device()
     if device.type != "cuda":
@@ -173,13 +203,9 @@ def measure(args: argparse.Namespace) -> dict:
             _runs(name, target, draft, tok, tcfg, messages, args, results)
         elif name == "8b":
             tcfg = TargetConfig(model="smollm2", dtype="bf16", device=device.type, max_model_len=2048)
-            _, _, tok, _ = load_models(tcfg, None)
-            ids = [
-                tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-                for m in messages
-            ]
+            ids = _prompt_ids(args.prompt_ids, args.limit) if args.prompt_ids else _chat_ids(tcfg, messages)
             target, draft = _eight_b(device)
-            _runs(name, target, draft, None, tcfg, [list(i) for i in ids], args, results)
+            _runs(name, target, draft, None, tcfg, ids, args, results)
             del target, draft
             torch.cuda.empty_cache() if device.type == "cuda" else None
         else:
