@@ -39,6 +39,11 @@ class EngineConfig(StrictModel):
         "auto",
         description="How plain decode and chain verification run the target. 'rows': the batch-invariant fused step over fixed-shape row buffers, replayed from CUDA graphs on CUDA (lossless greedy speculation in bf16; on CPU the same step runs eagerly); 'varlen': the eager varlen forward; 'auto': rows on CUDA for one-rank targets without q/k norms, varlen elsewhere.",
     )
+    prefill_rows: int = Field(
+        1024,
+        ge=0,
+        description="With decode_path rows: a prefill step of at most this many prompt tokens runs as rows through the row step's CUDA graphs (replays of up to 256 rows; a short prompt costs about a decode step instead of the eager forward's ~1,700 launches); a longer one runs the eager varlen forward, whose large GEMMs amortize its launches. 0: every prefill eager.",
+    )
     profile_steps: bool = Field(
         False, description="Time every phase of every step (bench spec turns it on; on CUDA it adds a sync per phase)."
     )

@@ -29,7 +29,7 @@ from eagleray.serve.engine.sampling import SamplingParams
 from eagleray.serve.engine.scheduler import Scheduler
 from eagleray.serve.engine.sequence import Sequence
 from eagleray.serve.engine.spec_step import SeqResult, chain_step, tree_step
-from eagleray.serve.engine.startup import CpuThreads, default_num_blocks, use_rows
+from eagleray.serve.engine.startup import PREFILL_REPLAY_ROWS, CpuThreads, default_num_blocks, use_rows
 from eagleray.serve.engine.target_steps import TargetSteps
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,8 @@ class LLMEngine:
         self.blocks = BlockManager(nblocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         rows = config.max_num_seqs * (k_max + 1 if self.tree is None else 1) if self.use_rows else 0
+        if rows and config.prefill_rows:
+            rows = max(rows, min(config.prefill_rows, PREFILL_REPLAY_ROWS))  # prompt rows a replay
         max_blocks = self.blocks.blocks_for(self.max_model_len + self._lookahead(k_max))
         # with graphs one more block, never handed out, takes the padding rows' K/V (the cache's last slot)
         self.target = TargetRunner(target, nblocks + 1 if self.use_rows else nblocks, config.block_size, rows, max_blocks)
@@ -61,7 +63,7 @@ class LLMEngine:
             self.target.rows.capture()  # CUDA: every bucket's graph now (a no-op on CPU)
         self.metrics = EngineMetrics()
         self.prof = StepProfiler(self.device, config.profile_steps)
-        self.steps = TargetSteps(self.target, self.blocks.block_size, self.device, self.prof, self.threads, self.use_rows)
+        self.steps = TargetSteps(self.target, self.blocks.block_size, self.device, self.prof, self.threads, self.use_rows, config)
         if self.use_rows:
             self.steps.capture()  # CUDA: the staged plain step's graph of every bucket (a no-op on CPU)
         self.detok = Detokenizer(tokenizer)

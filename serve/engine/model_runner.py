@@ -109,6 +109,21 @@ class TargetRunner:
         return logits.float(), (None if aux is None else aux.clone())  # aux outlives the next replay
 
     @torch.inference_mode()
+    def prefill_rows(self, rows: DecodeRows, last: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Score prompt ``rows`` (sequence by sequence, in position order) in replays of the largest bucket ->
+        logits [B, V] fp32 of the rows ``last`` (each sequence's last), aux [R, A] of every row or None."""
+        chunk, picked, aux_parts = self.rows.buckets[-1], [], []
+        for start in range(0, rows.num_rows, chunk):
+            logits, aux = self.rows.run(rows.slice(start, start + chunk))  # views valid until the next replay
+            mine = [r - start for r in last if start <= r < start + chunk]
+            if mine:
+                picked.append(logits.index_select(0, torch.tensor(mine, device=logits.device)).float())  # [b, V]
+            if aux is not None:
+                aux_parts.append(aux.clone())  # [chunk rows, A]
+        aux = None if not aux_parts else aux_parts[0] if len(aux_parts) == 1 else torch.cat(aux_parts)
+        return torch.cat(picked) if len(picked) > 1 else picked[0], aux
+
+    @torch.inference_mode()
     def decode_staged(self, staged: torch.Tensor, bucket: int, n: int):
         """A plain decode batch of ``n`` sequences staged on the device (:meth:`DecodeGraphRunner.run_staged`) ->
         logits [n, V] (a static view), greedy tokens [n], aux [n, A] or None (a copy: it outlives the next replay)."""

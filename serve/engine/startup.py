@@ -15,6 +15,8 @@ from eagleray.serve.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
+PREFILL_REPLAY_ROWS = 256  # prompt rows one replay of the row step scores (engine.prefill_rows, capped)
+
 
 def use_rows(config: EngineConfig, target: LlamaModel, device: torch.device) -> bool:
     """Whether decode and verification run the fixed-shape row step (``engine.decode_path``)."""

@@ -3,11 +3,14 @@ ending in one token per sequence sampled with that sequence's parameters."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from eagleray.kernels import cpu_decode
-from eagleray.platform.models.row_graphs import StepStage
-from eagleray.serve.engine.model_runner import ForwardBatch, TargetRunner
+from eagleray.platform.models.row_graphs import DecodeRows, StepStage
+from eagleray.serve.engine.config import EngineConfig
+from eagleray.serve.engine.model_runner import ForwardBatch, TargetRunner, block_table_tensor
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.sampling import filter_logits, sample_rows
 from eagleray.serve.engine.sequence import AuxRows, Sequence
@@ -28,28 +31,44 @@ def sample(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
 
 class TargetSteps:
     def __init__(
-        self, target: TargetRunner, block_size: int, device: torch.device, prof: StepProfiler, threads: CpuThreads, use_rows: bool
+        self,
+        target: TargetRunner,
+        block_size: int,
+        device: torch.device,
+        prof: StepProfiler,
+        threads: CpuThreads,
+        use_rows: bool,
+        config: EngineConfig,
     ):
         self.target, self.block_size, self.device = target, block_size, device
         self.prof, self.threads, self.use_rows = prof, threads, use_rows
+        self.prefill_rows = config.prefill_rows if use_rows else 0
         # rows: last token, its position, the block table (entries past a sequence's blocks are never read)
-        self.stage = StepStage(target.rows.buckets[-1], 2 + target.rows.max_blocks, device) if use_rows else None
+        self.stage = (
+            StepStage(target.rows.bucket_for(config.max_num_seqs), 2 + target.rows.max_blocks, device) if use_rows else None
+        )
         self.measured = True  # False when the last plain step also captured a graph (its time is not the step's cost)
 
     def capture(self) -> None:
-        """Capture the plain step's graph for every bucket now (CUDA; a no-op elsewhere), on rows at the pad block: a
-        capture inside a step would cost that step, and the adaptive policy's t_plain, a capture's time."""
+        """Capture the plain step's graph for every bucket of up to max_num_seqs rows now (CUDA; a no-op elsewhere),
+        on rows at the pad block: a capture inside a step would cost that step, and the adaptive policy's t_plain,
+        a capture's time."""
         runner = self.target.rows
         if runner is None or not runner.use_graphs:
             return
+        top = self.stage.host.shape[0]
         self.stage.host[:, :2] = 0
         self.stage.host[:, 2:] = runner.pad_block
-        self.stage.upload(runner.buckets[-1])
-        for bucket in reversed(runner.buckets):
+        self.stage.upload(top)
+        for bucket in reversed([b for b in runner.buckets if b <= top]):
             runner.run_staged(self.stage.dev, bucket)
         torch.cuda.synchronize()  # the staging copy is done before a step writes the pinned rows again
 
     def prefill(self, seqs: list[Sequence]) -> list[SeqResult]:
+        """Score every uncached prompt token, a token per sequence from its last one: as rows of the row step when
+        they are at most ``engine.prefill_rows``, else the eager varlen forward."""
+        if sum(s.num_tokens - s.num_cached for s in seqs) <= self.prefill_rows:
+            return self._prefill_rows(seqs)
         with self.prof.phase("prepare"), self.threads.for_gemm():
             tokens = [s.tokens[s.num_cached :] for s in seqs]
             positions = [list(range(s.num_cached, s.num_tokens)) for s in seqs]
@@ -60,6 +79,22 @@ class TargetSteps:
             logits, aux = self.target.forward(batch, batch.last_index)  # [B, V], [T, A]
         with self.prof.phase("sample"):
             return _results(seqs, logits, aux, [len(t) for t in tokens])
+
+    def _prefill_rows(self, seqs: list[Sequence]) -> list[SeqResult]:
+        """The prompt tokens as rows (each attends to its sequence's positions up to its own, K/V written by the
+        rows before it in the same replay or by earlier replays), replays of the row step's largest bucket."""
+        with self.prof.phase("prepare"):
+            sizes = [s.num_tokens - s.num_cached for s in seqs]
+            ids = torch.tensor([t for s in seqs for t in s.tokens[s.num_cached :]], dtype=torch.int64)  # [R]
+            pos = torch.cat([torch.arange(s.num_cached, s.num_tokens) for s in seqs])  # [R]
+            row_seq = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(sizes))  # [R]
+            tables = block_table_tensor([s.block_table for s in seqs], self.device)  # [B, MB]
+            rows = DecodeRows.of(ids.to(self.device), pos.to(self.device), tables, self.block_size, row_seq.to(self.device))
+            last = list(itertools.accumulate(sizes, initial=-1))[1:]  # each sequence's last row
+        with self.prof.phase("target"):
+            logits, aux = self.target.prefill_rows(rows, last)  # [B, V], [R, A] | None
+        with self.prof.phase("sample"):
+            return _results(seqs, logits, aux, sizes)
 
     def decode(self, seqs: list[Sequence]) -> list[SeqResult]:
         """One new token per sequence: rows through the target's graphs (CUDA), else the varlen forward."""

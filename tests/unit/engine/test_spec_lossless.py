@@ -68,6 +68,40 @@ def test_row_path_chain_greedy_equals_plain(target, tokenizer, copy_draft, plain
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
+def _count_row_prefills(engine) -> list:
+    calls, real = [], engine.target.prefill_rows
+
+    def counted(rows, last):
+        calls.append(rows.num_rows)
+        return real(rows, last)
+
+    engine.target.prefill_rows = counted
+    return calls
+
+
+@pytest.mark.parametrize("replay_rows", [256, 4])
+def test_row_prefill_scores_prompts_as_rows_and_equals_the_varlen_output(
+    target, tokenizer, copy_draft, plain_outputs, monkeypatch, replay_rows
+):
+    """With the row step, a prefill of at most engine.prefill_rows tokens runs as rows (in replays of the largest
+    bucket: 4 rows force several per prompt), a longer one eagerly; greedy plain and speculative output equal the
+    varlen engine's either way."""
+    import eagleray.serve.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PREFILL_REPLAY_ROWS", replay_rows)
+    plain = make_engine(target, tokenizer, decode_path="rows", max_num_seqs=2)
+    rows = _count_row_prefills(plain)
+    assert [o.token_ids for o in plain.generate(PROMPTS, GREEDY)] == plain_outputs
+    assert rows and plain.target.rows.buckets[-1] == replay_rows  # every prefill ran as rows
+    assert replay_rows > 4 or max(rows) > replay_rows, "a prompt longer than a replay takes several"
+    spec = make_engine(target, tokenizer, copy_draft, k=2, decode_path="rows", max_num_seqs=2)
+    assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == plain_outputs
+    eager = make_engine(target, tokenizer, decode_path="rows", max_num_seqs=2, prefill_rows=3)  # shorter than prompts
+    calls = _count_row_prefills(eager)
+    assert [o.token_ids for o in eager.generate(PROMPTS, GREEDY)] == plain_outputs
+    assert calls == [], "a prefill longer than engine.prefill_rows runs the eager forward"
+
+
 def test_plain_rows_pad_their_bucket_with_rows_at_the_pad_block(target, tokenizer):
     """Rows past the batch (3 sequences run in bucket 4) are staged as a token at the pad block's first slot, never
     as what an earlier, larger batch left there: the graph writes every row's K/V, and a stale row's would land in
@@ -153,7 +187,8 @@ def test_a_long_prompt_settles_the_draft_in_chunks_of_rows(target, tokenizer, co
     calls = _count_graph_steps(monkeypatch)
     prompt = " ".join(PROMPTS * 3)
     plain = make_engine(target, tokenizer, decode_path="rows", max_num_seqs=1).generate([prompt], GREEDY)[0].token_ids
-    engine = make_engine(target, tokenizer, copy_draft, k=1, decode_path="rows", max_num_seqs=1)
+    # prefill_rows 0: the row buffers sized by decoding alone (prompt rows would make them 256)
+    engine = make_engine(target, tokenizer, copy_draft, k=1, decode_path="rows", max_num_seqs=1, prefill_rows=0)
     assert engine.drafts.spec.draft.max_rows == 2
     assert engine.generate([prompt], GREEDY)[0].token_ids == plain
     assert calls and engine.metrics.spec.num_accepted_tokens > 0
