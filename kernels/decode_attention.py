@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from eagleray.kernels.errors import KernelInputError, no_triton
+from eagleray.kernels.launch import pdl_launch
 
 try:  # Triton is optional on CPU machines
     import triton
@@ -50,6 +51,7 @@ def split_plan(max_len: int, batch: int, kv_heads: int, tile: int, split_tokens:
 
 
 if triton is not None:
+    from eagleray.kernels.launch import await_inputs
 
     @triton.jit
     def _decode_split_kernel(
@@ -77,7 +79,9 @@ if triton is not None:
         TILE: tl.constexpr,
         TILES_PER_SPLIT: tl.constexpr,
         HAS_WINDOW: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        await_inputs(PDL)
         b = tl.program_id(0)
         hkv = tl.program_id(1)
         s = tl.program_id(2)
@@ -126,7 +130,9 @@ if triton is not None:
         S: tl.constexpr,
         SP: tl.constexpr,
         D: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        await_inputs(PDL)
         row = tl.program_id(0)
         si = tl.arange(0, SP)
         d = tl.arange(0, D)
@@ -213,6 +219,7 @@ def decode_attention(
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     per_split, splits = split_plan(block_tables.shape[1] * bs, b, hkv, tile, split_tokens)
+    launch = pdl_launch(q.device)
     part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)  # [B, Hq, S, D]
     lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)  # [B, Hq, S]
     _decode_split_kernel[(b, hkv, splits)](
@@ -241,9 +248,10 @@ def decode_attention(
         TILES_PER_SPLIT=per_split,
         HAS_WINDOW=sliding_window is not None,
         num_warps=4,
+        **launch,
     )
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)  # [B, Hq, D]
-    _decode_merge_kernel[(b * hq,)](part, lse, out, d, S=splits, SP=triton.next_power_of_2(splits), D=d, num_warps=1)
+    _decode_merge_kernel[(b * hq,)](part, lse, out, d, S=splits, SP=triton.next_power_of_2(splits), D=d, num_warps=1, **launch)
     return out
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from eagleray.kernels.errors import KernelInputError, no_triton
+from eagleray.kernels.launch import pdl_launch
 from eagleray.kernels.reference_ops import rotary_cos_sin, rotate_half, write_kv
 
 try:
@@ -72,6 +73,7 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T,
 
 if triton is not None:
     from eagleray.kernels.grid import program_range
+    from eagleray.kernels.launch import await_inputs
 
     @triton.jit
     def rotary_halves(a1, a2, pos_ptr, inv_ptr, j, dt):
@@ -95,7 +97,9 @@ if triton is not None:
         N,
         HAS_DELTA: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        await_inputs(PDL)
         row = tl.program_id(0)
         c = tl.arange(0, BLOCK)
         mask = c < N
@@ -126,7 +130,9 @@ if triton is not None:
         HKV,
         D: tl.constexpr,
         HALF: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        await_inputs(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)
         base = qkv_ptr + t * stride_row + h * D
@@ -155,7 +161,9 @@ if triton is not None:
         out_ptr,  # [T, I]
         inter,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        await_inputs(PDL)
         t = tl.program_id(0)
         c, mask = program_range(1, BLOCK, inter)
         g = tl.load(gu_ptr + t * 2 * inter + c, mask=mask, other=0.0)
@@ -201,6 +209,7 @@ def add_rmsnorm(
         HAS_DELTA=delta is not None,
         BLOCK=triton.next_power_of_2(n),
         num_warps=8,
+        **pdl_launch(h.device),
     )
     return out, h_new
 
@@ -232,6 +241,7 @@ def rope_write_kv(qkv: torch.Tensor, kv: KVWrite) -> torch.Tensor:
         D=d,
         HALF=d // 2,
         num_warps=1,
+        **pdl_launch(qkv.device),
     )
     return q
 
@@ -242,5 +252,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     t, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)  # [T, I]
     block = 1024
-    _silu_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4, **pdl_launch(gate_up.device))
     return out

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from eagleray.kernels.errors import KernelInputError, no_triton
+from eagleray.kernels.launch import pdl_launch
 
 try:
     import triton
@@ -122,6 +123,7 @@ def invariant_linear_reference(
 
 if triton is not None:
     from eagleray.kernels.grid import program_range
+    from eagleray.kernels.launch import await_inputs
 
     @triton.jit
     def _partial_kernel(
@@ -146,7 +148,9 @@ if triton is not None:
         BM: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        await_inputs(PDL)
         pid_m = tl.program_id(0)  # fastest: tiles of one weight block run together and share it in L2
         pid_n = tl.program_id(1)
         s = tl.program_id(2)
@@ -205,7 +209,9 @@ if triton is not None:
         HAS_RES: tl.constexpr,
         BM: tl.constexpr,
         BN: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        await_inputs(PDL)
         rm, mmask = program_range(0, BM, M)
         rn, nmask = program_range(1, BN, N)
         omask = mmask[:, None] & nmask[None, :]
@@ -265,6 +271,7 @@ def invariant_linear(
     p = plan(n, k, x.device)
     out = torch.empty(m, n, dtype=weight.dtype, device=x.device)  # [M, N]
     fused = p.splits == 1
+    launch = pdl_launch(x.device)
     part = out if fused else torch.empty(p.splits, m, n, dtype=torch.float32, device=x.device)  # [S, M, N]
     b = bias if bias is not None else out
     r = residual if residual is not None else out
@@ -293,6 +300,7 @@ def invariant_linear(
         BK=p.block_k,
         num_warps=p.warps,
         num_stages=p.stages,
+        **launch,
     )
     if not fused:
         _reduce_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 128))](
@@ -310,5 +318,6 @@ def invariant_linear(
             BM=32,
             BN=128,
             num_warps=4,
+            **launch,
         )
     return out

@@ -81,13 +81,13 @@ def compare_engines(
     token_prompts, plain, t_plain, plain_engine = plain_run(target, tok, cfg, prompts, params)
     result = spec_run(target, draft, tok, cfg, token_prompts, params, plain, t_plain)
     result["plain_profile"] = plain_engine.prof.table()
-    result.update(decode_speedups(result, plain_engine.metrics.plain, batch, dcfg))
+    result.update(decode_speedups(result, plain_engine.metrics.plain, batch))
     return result, (token_prompts, plain)
 
 
-def decode_speedups(result: dict, plain_steps, batch: int, dcfg: DraftConfig) -> dict:
+def decode_speedups(result: dict, plain_steps, batch: int) -> dict:
     """Decode-only speedup (speculative vs plain decode steps, tokens/s) and the cost model's prediction at
-    ``batch``: τ * t_plain(B) / (t_verify(B) + k * t_draft(B)), with t_plain from the plain run's steps of
+    ``batch``: τ * t_plain(B) / (t_verify(B, k) + t_draft(B, k)), with t_plain from the plain run's steps of
     ``batch`` sequences and t_verify, t_draft the spec run's measured costs (its policy, bucket of ``batch``)."""
     measured = None
     if plain_steps.tokens and result["spec_decode_tokens_per_s"]:
@@ -95,9 +95,8 @@ def decode_speedups(result: dict, plain_steps, batch: int, dcfg: DraftConfig) ->
     plain_row = result["plain_profile"].get("plain", {}).get(batch)
     costs = result["policy"]["buckets"].get(bucket(batch))
     predicted = None
-    if plain_row and costs and costs["verify_ms"] is not None and costs["draft_ms"] is not None:
-        k = 1 if dcfg.tree is not None else dcfg.num_speculative_tokens
-        predicted = round(result["tau"] * plain_row["step_ms"] / (costs["verify_ms"] + k * costs["draft_ms"]), 3)
+    if plain_row and costs and costs["spec_ms"] is not None:
+        predicted = round(result["tau"] * plain_row["step_ms"] / costs["spec_ms"], 3)
     spec_row = result["spec_profile"].get("spec", {}).get(batch)
     return {
         "plain_step_ms": plain_row["step_ms"] if plain_row else None,

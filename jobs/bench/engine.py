@@ -16,6 +16,7 @@ decode steps of the run, plain and speculative, against the plain run's: what th
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,8 @@ from eagleray.platform.models.llama import LlamaModel
 from eagleray.platform.prompts import load_prompts
 from eagleray.serve.engine import EngineConfig, SamplingParams, load_models
 from eagleray.serve.measure import plain_run, spec_run
+
+DRAFT_VOCAB_8B = 32000  # the draft vocabulary of the published EAGLE-3 drafts for Llama-3.1-8B
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,13 +58,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _eight_b(device: torch.device):
-    """Llama-3.1-8B shapes with random bf16 weights, and a random EAGLE-3 draft for them (shared embedding)."""
+    """Llama-3.1-8B shapes with random bf16 weights, and a random EAGLE-3 draft of the published 8B drafts' shape
+    (one layer, a 32,000-token draft vocabulary as in EAGLE3-LLaMA3.1-Instruct-8B; shared embedding)."""
     from eagleray.platform.checkpoints.draft_factory import eagle3_config
     from eagleray.platform.checkpoints.target import TargetSpec
 
     target = LlamaModel.from_config(LLAMA_8B, dtype="bf16", device=device, aux_layer_ids=[2, 16, 29])
     spec = TargetSpec(path=Path("<synthetic 8b>"), config=dict(LLAMA_8B))
-    draft = Eagle3Draft(eagle3_config(spec, [2, 16, 29]), device=device, dtype=torch.bfloat16).to(device)
+    cfg = eagle3_config(spec, [2, 16, 29], draft_vocab_size=DRAFT_VOCAB_8B)
+    draft = Eagle3Draft(cfg, device=device, dtype=torch.bfloat16).to(device)
     with torch.no_grad():
         for name, p in draft.named_parameters():
             p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
@@ -75,7 +80,7 @@ def _runs(name: str, target, draft, tok, tcfg: TargetConfig, prompts: list, args
     fixed, adaptive_set = _ints(args.batches), _ints(args.adaptive_batches)
     for b in sorted(set(fixed) | set(adaptive_set)):
         use = prompts if name == "smollm2" or b > 8 else prompts[: args.limit_8b]
-        use = use * max(1, -(-2 * b // len(use)))  # at least two rounds of the batch
+        use = full_rounds(use, b)
         t0 = time.perf_counter()
         run_cfg = EngineConfig(target=tcfg, max_num_seqs=b, profile_steps=args.profile, kv_cache_gib=args.kv_cache_gib)
         token_prompts, plain, t_plain, eng = plain_run(target, tok, run_cfg, use, params)
@@ -104,7 +109,7 @@ def _runs(name: str, target, draft, tok, tcfg: TargetConfig, prompts: list, args
                 "all_decode_tok_s": r["decode_tokens_per_s"],
                 "decode_ratio": round(r["decode_tokens_per_s"] / plain_decode, 3) if plain_decode else None,
                 "step_ms": r["spec_step_ms"] if r["spec_steps"] else None,
-                "predicted_speedup": _predicted(r, b, args.k, plain_step),
+                "predicted_speedup": _predicted(r, b, plain_step),
                 "lossless": r["lossless"],
                 "tau": r["tau"],
                 "acceptance_per_pos": r["acceptance_per_pos"],
@@ -120,6 +125,14 @@ def _runs(name: str, target, draft, tok, tcfg: TargetConfig, prompts: list, args
                 f"step {rec['step_ms']} ms, tau {rec['tau']}, lossless {rec['lossless']}, chosen k {rec['chosen_k']}, "
                 f"predicted {rec['predicted_speedup']}"
             )
+
+
+def full_rounds(prompts: list, batch: int) -> list:
+    """``prompts`` repeated into whole rounds of ``batch`` sequences, at least two: with EOS ignored a plain run's
+    sequences of one round finish at the same step, so every decode step runs at ``batch`` (80 prompts at batch 64
+    would leave a last round of 16, and decode tok/s would mix batch 64 with batch 16)."""
+    per = batch // math.gcd(len(prompts), batch)  # repeats that make one whole number of rounds
+    return prompts * (per * max(1, -(-2 * batch // (per * len(prompts)))))
 
 
 def _ints(text: str) -> list[int]:
@@ -150,15 +163,15 @@ def _record(name, b, mode, k, adaptive, outs, seconds, eng, predicted, lossless)
     }
 
 
-def _predicted(r: dict, batch: int, k: int, plain_step_ms: float) -> float | None:
-    """The cost model at ``batch``: τ t_plain / (t_verify + k t_draft), t_plain from the plain run's decode steps,
-    t_verify and t_draft (per draft token) from the spec run's policy measurements."""
+def _predicted(r: dict, batch: int, plain_step_ms: float) -> float | None:
+    """The cost model at ``batch``: τ t_plain / (t_verify(k) + t_draft(k)), t_plain from the plain run's decode steps,
+    t_verify and t_draft (the whole drafting of k tokens) from the spec run's policy measurements."""
     from eagleray.serve.engine import bucket
 
     costs = r["policy"]["buckets"].get(bucket(batch))
-    if not costs or costs["verify_ms"] is None or costs["draft_ms"] is None or not plain_step_ms:
+    if not costs or costs["spec_ms"] is None or not plain_step_ms:
         return None
-    return round(r["tau"] * plain_step_ms / (costs["verify_ms"] + k * costs["draft_ms"]), 3)
+    return round(r["tau"] * plain_step_ms / costs["spec_ms"], 3)
 
 
 def _chat_ids(tcfg: TargetConfig, messages: list) -> list[list[int]]:

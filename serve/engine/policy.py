@@ -7,15 +7,19 @@
 - :class:`AdaptivePolicy` picks each decode step's draft length k (0 = a plain step) from measured
   costs: for a batch of B sequences, the predicted speedup of a chain of k drafts is
 
-      speedup(B, k) = E(k) * t_plain(B) / (t_verify(B) + k * t_draft(B))
+      speedup(B, k) = E(k) * t_plain(B) / (t_verify(B, k) + t_draft(B, k))
       E(k) = 1 + sum_{i<k} a_i          a_i = P(the first i+1 drafts are accepted), measured per position
 
   with t_plain (a whole plain step), t_verify(B, k) (the rest of a speculative step after drafting: target
   forward + verification of k+1 tokens and the step's host work, so that it compares with t_plain; about flat
-  in k while the step is memory-bound on a GPU, less so on a CPU; measured per k; a k below every measured one
-  on the line from the plain step to the smallest measured k, another unmeasured k takes the nearest measured
-  k's) and t_draft (one draft forward; a catch-up over plain steps' tokens is not counted)
-  measured per batch-size bucket as moving averages. It speculates with the best k when that beats plain by ``margin``, else decodes plain
+  in k while the step is memory-bound on a GPU, less so on a CPU) and t_draft(B, k) (the whole drafting of k
+  tokens: the catch-up forward plus k-1 chain forwards and their launches; a catch-up over plain steps' tokens is
+  not counted), both measured per batch-size bucket and per k as moving averages. Drafting is not k times a
+  per-token cost: a step's fixed part (staging, the catch-up's replay) divided by k made one k=1 forward cost
+  0.24 ms a token against 0.11 at k=4 on the H200, and the policy kept k=1 where k=4 paid 1.28x. An unmeasured
+  k lies on the line between the measured k around it; below every measured k, on the line from k = 0 (a plain
+  step's cost for t_verify, nothing for t_draft) to the smallest measured one; above, the largest's; t_verify
+  between two measured k takes the cheaper (optimistic: the k is tried, then its measurement decides). It speculates with the best k when that beats plain by ``margin``, else decodes plain
   and probes k_max now and then (the interval doubles after every probe that does not pay, up to
   ``max_probe_interval``, and stretches by the bucket's cost ratio of a speculative to a plain step),
   so a draft that starts to pay is noticed and one that does not costs about one step in
@@ -48,6 +52,24 @@ logger = logging.getLogger(__name__)
 PRIOR = 2.0  # the optimistic prior (every draft accepted) counts as this many verified sequences
 EVIDENCE = 16  # verified sequences before acceptance follows the measured rate and may be judged hopeless
 ACCEPT_WINDOW = 64  # after EVIDENCE, a_i is a moving average over about this many verified sequences
+
+
+def _at_k(table: dict[int, float], k: int, at_zero: float | None, between: str = "line") -> float:
+    """A cost measured per k, at ``k``: measured; between two measured k, on the line joining them (``between``
+    "line") or the cheaper of the two ("min": an optimistic guess, so that the k gets tried and measured); below
+    every measured k, on the line from ``at_zero`` (the cost at k = 0; None: the smallest measured k's); above
+    every measured k, the largest's."""
+    if k in table:
+        return table[k]
+    lower = [j for j in table if j < k]
+    upper = [j for j in table if j > k]
+    if not upper:
+        return table[max(lower)]
+    hi = min(upper)
+    if lower and between == "min":
+        return min(table[max(lower)], table[hi])
+    lo, at_lo = (max(lower), table[max(lower)]) if lower else (0, at_zero if at_zero is not None else table[hi])
+    return at_lo + (table[hi] - at_lo) * (k - lo) / (hi - lo)
 
 
 class AcceptanceWatchdog:
@@ -97,7 +119,7 @@ class _Costs:
 
     plain: float | None = None
     verify_by_k: dict[int, float] = field(default_factory=dict)  # target forward + verification, per draft length k
-    draft: float | None = None  # one draft forward (chain) or the whole tree draft
+    draft_by_k: dict[int, float] = field(default_factory=dict)  # the whole drafting of k tokens (or of the tree)
     plain_steps: int = 0
     spec_steps: int = 0
 
@@ -168,11 +190,7 @@ class AdaptivePolicy:
         self._set(0)
         self._since_probe += 1
         # a probe where speculating costs r plain steps loses about r - 1 of them: probe r times less often
-        ratio = (
-            1.0
-            if c.plain is None or not c.verify_by_k or c.draft is None
-            else max(1.0, (self._verify_cost(c, self.k_max) + c.draft * self.k_max) / c.plain)
-        )
+        ratio = 1.0 if not self._measured(c) else max(1.0, self._step_cost(c, self.k_max) / c.plain)
         interval = self.max_probe_interval if self._hopeless() else self._probe_interval  # a draft never accepted: rarely
         if self._since_probe >= interval * ratio:
             self._since_probe = 0
@@ -183,7 +201,7 @@ class AdaptivePolicy:
     def best(self, batch: int) -> tuple[int, float]:
         """(k, predicted speedup) with the largest predicted speedup; (0, 1.0) unless one beats 1 + margin."""
         c = self.costs.get(bucket(batch))
-        if c is None or c.plain is None or not c.verify_by_k or c.draft is None:
+        if c is None or not self._measured(c):
             return 0, 1.0
         ks = range(1, self.k_max + 1) if self.can_lower_k else [self.k_max]
         scored = [(self.predicted_speedup(batch, k), k) for k in ks]
@@ -192,22 +210,23 @@ class AdaptivePolicy:
 
     def predicted_speedup(self, batch: int, k: int) -> float:
         c = self.costs[bucket(batch)]
-        draft = c.draft * (k if self.can_lower_k else 1)
-        return self.expected_tokens(k) * c.plain / (self._verify_cost(c, k) + draft)
+        return self.expected_tokens(k) * c.plain / self._step_cost(c, k)
+
+    @staticmethod
+    def _measured(c: _Costs) -> bool:
+        return c.plain is not None and bool(c.verify_by_k) and bool(c.draft_by_k)
+
+    @classmethod
+    def _step_cost(cls, c: _Costs, k: int) -> float:
+        """t_verify(k) + t_draft(k): the seconds of a speculative step drafting k tokens."""
+        return cls._verify_cost(c, k) + _at_k(c.draft_by_k, k, 0.0)
 
     @staticmethod
     def _verify_cost(c: _Costs, k: int) -> float:
-        """t_verify at k: measured; below every measured k, on the line from the plain step (k = 0) to the smallest
-        measured k (verifying fewer rows is expected cheaper: with only k_max probed, taking its cost for every k kept
-        the shorter chains untried); else the nearest measured k's (the larger on a tie: on a CPU the cost need not
-        grow with k)."""
-        if k in c.verify_by_k:
-            return c.verify_by_k[k]
-        low = min(c.verify_by_k)
-        if k < low and c.plain is not None:
-            return c.plain + (c.verify_by_k[low] - c.plain) * k / low
-        nearest = min(c.verify_by_k, key=lambda j: (abs(j - k), -j))
-        return c.verify_by_k[nearest]
+        """t_verify at k (see :func:`_at_k`), from a plain step's cost at k = 0: verifying fewer rows is expected
+        cheaper (with only k_max probed, taking its cost for every k kept the shorter chains untried); between two
+        measured k the cheaper (on a CPU verifying 2 tokens can cost less than 1: another kernel path)."""
+        return _at_k(c.verify_by_k, k, c.plain, between="min")
 
     def expected_tokens(self, k: int) -> float:
         """E(k) = 1 + sum of a_i over the first k positions (tokens per verification step)."""
@@ -231,7 +250,7 @@ class AdaptivePolicy:
         """A speculative step: its verify and draft time, and each sequence's accepted count (of k drafts)."""
         c = self.costs.setdefault(bucket(batch), _Costs())
         c.verify_by_k[k] = self._ema(c.verify_by_k.get(k), verify_seconds)
-        c.draft = self._ema(c.draft, draft_seconds / (k if self.can_lower_k else 1))
+        c.draft_by_k[k] = self._ema(c.draft_by_k.get(k), draft_seconds)
         c.spec_steps += 1
         rates = [sum(n > i for n in accepted) / len(accepted) for i in range(min(k, self.k_max))] if accepted else []
         for i, rate in enumerate(rates):
@@ -278,15 +297,21 @@ class AdaptivePolicy:
         self._since_tail = 0
 
     def snapshot(self) -> dict:
-        """Per bucket: measured costs (ms), the chosen k and its predicted speedup."""
+        """Per bucket: measured costs (ms; verify, draft and spec = their sum at the chosen k, or k_max when it
+        decodes plain), the chosen k and its predicted speedup."""
         out = {}
         for b, c in sorted(self.costs.items()):
             k, speedup = self.best(b)
+            at = k or self.k_max
+            verify = round(self._verify_cost(c, at) * 1e3, 3) if c.verify_by_k else None
+            draft = round(_at_k(c.draft_by_k, at, 0.0) * 1e3, 3) if c.draft_by_k else None
             out[b] = {
                 "plain_ms": None if c.plain is None else round(c.plain * 1e3, 3),
-                "verify_ms": None if not c.verify_by_k else round(self._verify_cost(c, k or self.k_max) * 1e3, 3),
+                "verify_ms": verify,
                 "verify_ms_by_k": {j: round(v * 1e3, 3) for j, v in sorted(c.verify_by_k.items())},
-                "draft_ms": None if c.draft is None else round(c.draft * 1e3, 3),
+                "draft_ms": draft,
+                "draft_ms_by_k": {j: round(v * 1e3, 3) for j, v in sorted(c.draft_by_k.items())},
+                "spec_ms": None if verify is None or draft is None else round(verify + draft, 3),
                 "k": k,
                 "predicted_speedup": round(speedup, 4),
             }

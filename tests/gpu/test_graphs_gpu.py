@@ -111,3 +111,35 @@ def test_fused_step_on_8b_shapes_matches_engine_path():
     rel = float((got - ref).norm() / ref.norm())
     print(f"8B-shaped step: logits relative error {rel:.2e}, argmax {got.argmax(-1).tolist()} vs {ref.argmax(-1).tolist()}")
     assert rel < 2e-2
+
+
+def test_pdl_leaves_the_invariant_graph_step_bitwise_unchanged(monkeypatch):
+    """The step captured with programmatic dependent launch (EAGLERAY_PDL=on) gives the same bits as without it
+    (off): every PDL kernel waits for the kernels before it before its first load or store."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability >= 9")
+    dev = torch.device("cuda")
+    model = LlamaModel.from_config(CFG, dtype=torch.bfloat16, device=dev, aux_layer_ids=[1, 3], std=0.05)
+    tables = _tables(dev)
+    kvs, runners = [], []
+    for mode in ("off", "on"):
+        monkeypatch.setenv("EAGLERAY_PDL", mode)
+        kv = model.make_kv_cache(41, BLOCK)
+        kv.k.normal_(0, 1), kv.v.normal_(0, 1)
+        if kvs:
+            kv.k.copy_(kvs[0].k), kv.v.copy_(kvs[0].v)
+        runner = DecodeGraphRunner(model, kv, 8, fused=True, invariant=True)
+        runner.capture()  # the launches (with or without PDL) are recorded now
+        kvs.append(kv)
+        runners.append(runner)
+    tok, lens = torch.randint(0, 512, (len(LENS),), device=dev), list(LENS)
+    with torch.inference_mode():
+        for _ in range(4):
+            p = torch.tensor(lens, device=dev)
+            slots = tables.gather(1, (p // BLOCK)[:, None].long()).squeeze(1).long() * BLOCK + p % BLOCK
+            rows = DecodeRows(tok, p, tables, (p + 1).int(), slots)
+            off_logits, off_aux = (t.clone() for t in runners[0].run(rows))
+            on_logits, on_aux = runners[1].run(rows)
+            assert torch.equal(off_logits, on_logits) and torch.equal(off_aux, on_aux)
+            tok, lens = off_logits.argmax(-1), [n + 1 for n in lens]
+    assert torch.equal(kvs[0].k, kvs[1].k) and torch.equal(kvs[0].v, kvs[1].v)

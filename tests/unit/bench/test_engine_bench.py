@@ -1,4 +1,5 @@
-"""`bench engine --prompt-ids`: token prompts for the 8B-shaped target on a machine without the tokenizer."""
+"""`bench engine`: --prompt-ids (token prompts for the 8B-shaped target on a machine without the tokenizer) and the
+prompt rounds (whole rounds of the batch, so a plain run decodes at the batch size throughout)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 
 import pytest
 
-from eagleray.jobs.bench.engine import _prompt_ids
+from eagleray.jobs.bench.engine import _prompt_ids, full_rounds
 from eagleray.platform.errors import EaglerayError
 
 
@@ -22,3 +23,11 @@ def test_prompt_ids_refuses_what_is_not_token_lists(tmp_path, bad):
     path.write_text(json.dumps(bad))
     with pytest.raises(EaglerayError, match="--prompt-ids"):
         _prompt_ids(str(path), 80)
+
+
+@pytest.mark.parametrize("n,batch,total", [(80, 1, 80), (80, 32, 160), (80, 64, 320), (80, 128, 640), (16, 8, 16), (3, 4, 12)])
+def test_full_rounds_are_whole_rounds_of_the_batch_and_at_least_two(n, batch, total):
+    prompts = [[i] for i in range(n)]
+    out = full_rounds(prompts, batch)
+    assert len(out) == total and len(out) % batch == 0 and len(out) >= 2 * batch
+    assert out[:n] == prompts  # the prompts in order, repeated

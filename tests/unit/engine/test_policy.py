@@ -311,3 +311,35 @@ def test_a_plain_step_that_captured_a_graph_is_no_measurement(target, tokenizer,
     costs = engine.policy.costs[1]
     assert len(calls) == 7 and costs.plain_steps == 6  # 7 plain steps after the prefill, the first not measured
     assert costs.plain < 0.05
+
+
+def test_drafting_is_costed_per_k_not_as_k_times_one_forward():
+    """Drafting k tokens costs a fixed part (staging, the catch-up's replay) plus a part per token: on the H200 at
+    batch 1 (SmolLM2, the champion) k=1 drafted in 0.24 ms and k=4 in 0.46 ms. Costed as k times the last step's
+    cost per token, k=4 looked 2.1 ms and the policy kept k=1 (0.97x wall) where k=4 paid 1.28x. Measured per k,
+    a longer chain is chosen (k=2 is predicted best here: its drafting lies between k=1's and k=4's)."""
+    accepted = [0] * 36 + [1] * 44 + [2] * 12 + [3] * 3 + [4] * 5  # a_i = 0.64, 0.20, 0.08, 0.05
+    policy = AdaptivePolicy(k_max=4, probe_interval=8)
+    for _ in range(3):
+        policy.observe_plain(100, 0.001304)
+        policy.observe_spec(100, 4, 0.001126, 0.000456, accepted)
+    for _ in range(3):  # then k=1 steps: one draft forward costs nearly half of four
+        policy.observe_spec(100, 1, 0.001151, 0.000242, [min(n, 1) for n in accepted])
+    assert policy.accept == pytest.approx([0.64, 0.20, 0.08, 0.05])
+    assert policy.best(100)[0] == 2
+    assert policy.predicted_speedup(100, 4) > policy.predicted_speedup(100, 1)
+    assert policy.predicted_speedup(100, 4) == pytest.approx(1.97 * 1.304 / (1.126 + 0.456))
+    snap = policy.snapshot()["buckets"][128]
+    assert snap["draft_ms_by_k"] == {1: 0.242, 4: 0.456} and snap["spec_ms"] == pytest.approx(1.126 + 0.313)  # at k=2
+
+
+def test_an_unmeasured_k_lies_between_the_measured_ones():
+    """k=2 and 3 between measured k=1 and 4: drafting on the line joining them (a fixed part and a part per token),
+    verifying at the cheaper of the two (optimistic until measured); below k=1, from a plain step and no drafting."""
+    policy = AdaptivePolicy(k_max=4)
+    policy.observe_plain(1, 0.0010)
+    policy.observe_spec(1, 4, 0.0016, 0.0008, [0])
+    policy.observe_spec(1, 2, 0.0013, 0.0004, [0])
+    c = policy.costs[1]
+    assert policy._step_cost(c, 3) == pytest.approx(0.0013 + 0.0006)
+    assert policy._step_cost(c, 1) == pytest.approx(0.00115 + 0.0002)
