@@ -63,6 +63,8 @@ def spec_run(
         "plain_steps_in_spec_run": engine.metrics.plain.steps,
         "spec_decode_tokens_per_s": round(engine.metrics.speculative.tokens_per_s, 3),
         "spec_step_ms": round(1e3 * engine.metrics.speculative.seconds / max(engine.metrics.speculative.steps, 1), 4),
+        "spec_whole_step_ms": round(engine.metrics.speculative.whole_step_ms, 4),
+        "spec_tokens_per_step": round(engine.metrics.speculative.tokens / max(engine.metrics.speculative.steps, 1), 4),
         "decode_tokens_per_s": round(_decode_rate(engine.metrics), 3),  # plain and speculative steps together
     }
 

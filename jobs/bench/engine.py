@@ -85,7 +85,7 @@ def _runs(name: str, target, draft, tok, tcfg: TargetConfig, prompts: list, args
         run_cfg = EngineConfig(target=tcfg, max_num_seqs=b, profile_steps=args.profile, kv_cache_gib=args.kv_cache_gib)
         token_prompts, plain, t_plain, eng = plain_run(target, tok, run_cfg, use, params)
         rec = _record(name, b, "plain", 0, False, plain, t_plain, eng, None, None)
-        plain_step, plain_decode = rec["step_ms"], rec["decode_tok_s"]
+        plain_whole, plain_decode = rec["whole_step_ms"], rec["decode_tok_s"]
         rec["profile"] = eng.prof.table() if args.profile else None
         _keep(out, rec, args)
         log(
@@ -109,7 +109,9 @@ def _runs(name: str, target, draft, tok, tcfg: TargetConfig, prompts: list, args
                 "all_decode_tok_s": r["decode_tokens_per_s"],
                 "decode_ratio": round(r["decode_tokens_per_s"] / plain_decode, 3) if plain_decode else None,
                 "step_ms": r["spec_step_ms"] if r["spec_steps"] else None,
-                "predicted_speedup": _predicted(r, b, plain_step),
+                "predicted_speedup": _predicted(r, b, plain_whole),
+                "whole_step_ms": r["spec_whole_step_ms"] if r["spec_steps"] else None,
+                "measured_speedup": _measured(r, b, plain_whole),
                 "lossless": r["lossless"],
                 "tau": r["tau"],
                 "acceptance_per_pos": r["acceptance_per_pos"],
@@ -156,6 +158,7 @@ def _record(name, b, mode, k, adaptive, outs, seconds, eng, predicted, lossless)
         "tok_s": round(n / seconds, 2),
         "decode_tok_s": round(plain.tokens_per_s, 2),
         "step_ms": round(1e3 * plain.seconds / max(plain.steps, 1), 4),
+        "whole_step_ms": round(plain.whole_step_ms, 4),
         "predicted_speedup": predicted,
         "lossless": lossless,
         "tokens": n,
@@ -163,9 +166,17 @@ def _record(name, b, mode, k, adaptive, outs, seconds, eng, predicted, lossless)
     }
 
 
+def _measured(r: dict, batch: int, plain_whole_ms: float) -> float | None:
+    """What the prediction is checked against: tokens per whole step (scheduling and outputs included) of the spec
+    run's speculative steps over the plain run's (``batch`` sequences a plain step)."""
+    if not r["spec_steps"] or not plain_whole_ms or not r["spec_whole_step_ms"]:
+        return None
+    return round((r["spec_tokens_per_step"] / r["spec_whole_step_ms"]) / (batch / plain_whole_ms), 3)
+
+
 def _predicted(r: dict, batch: int, plain_step_ms: float) -> float | None:
-    """The cost model at ``batch``: τ t_plain / (t_verify(k) + t_draft(k)), t_plain from the plain run's decode steps,
-    t_verify and t_draft (the whole drafting of k tokens) from the spec run's policy measurements."""
+    """The cost model at ``batch``: τ t_plain / (t_verify(k) + t_draft(k)), t_plain from the plain run's whole decode
+    steps, t_verify and t_draft (the whole drafting of k tokens) from the spec run's policy measurements."""
     from eagleray.serve.engine import bucket
 
     costs = r["policy"]["buckets"].get(bucket(batch))
@@ -241,14 +252,17 @@ ENGINE_COLUMNS = [
     ("tok/s", ">11"),
     ("decode tok/s", ">14"),
     ("step ms", ">9"),
+    ("whole ms", ">9"),
     ("pred", ">7"),
+    ("meas", ">7"),
     ("lossless", ">9"),
 ]
 RECORD_KEYS = ("model", "batch", "mode", "k", "adaptive", "tok_s", "decode_tok_s", "step_ms", "predicted_speedup", "lossless")
+TABLE_KEYS = RECORD_KEYS[:-2] + ("whole_step_ms", "predicted_speedup", "measured_speedup", "lossless")
 
 
 def print_table(result: dict) -> None:
-    print_rows(ENGINE_COLUMNS, ([r[key] for key in RECORD_KEYS] for r in result["records"]))
+    print_rows(ENGINE_COLUMNS, ([r.get(key) for key in TABLE_KEYS] for r in result["records"]))
 
 
 def run(args: argparse.Namespace | list[str] | None = None) -> dict:

@@ -17,16 +17,24 @@ VLLM_NAMES = (
 
 @dataclass
 class StepTimes:
-    """Decode throughput by step kind (prefill excluded)."""
+    """Decode throughput by step kind (prefill excluded). ``seconds``: the model's work (from staging to the tokens on
+    the host); ``whole_seconds``: whole steps, scheduling and the outputs' host work included (what a step of this
+    kind costs the engine: at 64 sequences on the H200 the host work after a plain step took as long as the step)."""
 
     steps: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    whole_seconds: float = 0.0
 
-    def add(self, tokens: int, seconds: float) -> None:
+    def add(self, tokens: int, seconds: float, whole_seconds: float | None = None) -> None:
         self.steps += 1
         self.tokens += tokens
         self.seconds += seconds
+        self.whole_seconds += seconds if whole_seconds is None else whole_seconds
+
+    @property
+    def whole_step_ms(self) -> float:
+        return 1e3 * self.whole_seconds / self.steps if self.steps else 0.0
 
     @property
     def tokens_per_s(self) -> float:

@@ -65,10 +65,19 @@ class TargetSteps:
         torch.cuda.synchronize()  # the staging copy is done before a step writes the pinned rows again
 
     def prefill(self, seqs: list[Sequence]) -> list[SeqResult]:
-        """Score every uncached prompt token, a token per sequence from its last one: as rows of the row step when
-        they are at most ``engine.prefill_rows``, else the eager varlen forward."""
-        if sum(s.num_tokens - s.num_cached for s in seqs) <= self.prefill_rows:
-            return self._prefill_rows(seqs)
+        """Score every uncached prompt token, a token per sequence from its last one. A sequence with at most
+        ``engine.prefill_rows`` of them runs as rows of the row step (all such sequences of the step together: a
+        row's result does not depend on the rows beside it); a longer one runs the eager varlen forward by itself
+        (its forward has the same shapes whatever it was scheduled with). So the path, and the bits of the KV cache
+        and of the first token, depend on the sequence alone: a speculative engine's sequences join one by one
+        where a plain engine prefills eight or 32 at once, and a path chosen by the step's total made their
+        outputs differ (bf16, H200)."""
+        short = [s for s in seqs if s.num_tokens - s.num_cached <= self.prefill_rows]
+        done = dict(zip(map(id, short), self._prefill_rows(short))) if short else {}
+        return [done[id(s)] if id(s) in done else self._prefill_eager([s])[0] for s in seqs]
+
+    def _prefill_eager(self, seqs: list[Sequence]) -> list[SeqResult]:
+        """The eager varlen forward over the sequences' uncached tokens."""
         with self.prof.phase("prepare"), self.threads.for_gemm():
             tokens = [s.tokens[s.num_cached :] for s in seqs]
             positions = [list(range(s.num_cached, s.num_tokens)) for s in seqs]

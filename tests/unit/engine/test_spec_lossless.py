@@ -102,6 +102,43 @@ def test_row_prefill_scores_prompts_as_rows_and_equals_the_varlen_output(
     assert calls == [], "a prefill longer than engine.prefill_rows runs the eager forward"
 
 
+def _spy_prefills(engine) -> list:
+    """Record each prefill path's call as (path, [uncached tokens of each sequence])."""
+    calls, steps = [], engine.steps
+    for name in ("_prefill_rows", "_prefill_eager"):
+        real = getattr(steps, name)
+
+        def spied(seqs, real=real, name=name):
+            calls.append((name, [s.num_tokens - s.num_cached for s in seqs]))
+            return real(seqs)
+
+        setattr(steps, name, spied)
+    return calls
+
+
+def test_the_prefill_path_depends_on_the_sequence_not_on_its_step(target, tokenizer, copy_draft, plain_outputs):
+    """A speculative engine's sequences join one by one where a plain engine prefills several at once; a path chosen
+    by the step's total (rows up to engine.prefill_rows, else eager) prefilled the same prompt on different paths in
+    the two engines, and bf16 outputs on the H200 differed at batch 8-128. Each sequence picks its own: the prompts
+    that fit run as rows together, a longer one eagerly by itself, in any company."""
+    probe = make_engine(target, tokenizer, decode_path="rows", max_num_seqs=4)
+    sizes = _spy_prefills(probe)
+    probe.generate(PROMPTS, GREEDY)
+    lengths = sorted(n for _, ns in sizes for n in ns)
+    limit = lengths[-2]  # every prompt but the longest fits
+    assert lengths[-1] > limit and sum(lengths) > limit, "the test needs one longer prompt and a total over the limit"
+    plain = make_engine(target, tokenizer, decode_path="rows", max_num_seqs=4, prefill_rows=limit)
+    calls = _spy_prefills(plain)
+    assert [o.token_ids for o in plain.generate(PROMPTS, GREEDY)] == plain_outputs
+    assert [ns for path, ns in calls if path == "_prefill_eager"] == [[lengths[-1]]], calls  # alone
+    assert sorted(n for path, ns in calls if path == "_prefill_rows" for n in ns) == lengths[:-1], calls
+    assert max(len(ns) for path, ns in calls if path == "_prefill_rows") > 1, "the short prompts share a step"
+    spec = make_engine(target, tokenizer, copy_draft, k=2, decode_path="rows", max_num_seqs=1, prefill_rows=limit)
+    calls = _spy_prefills(spec)  # one sequence a step: the same path per prompt as the plain engine's
+    assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == plain_outputs
+    assert sorted(calls) == sorted([("_prefill_rows", [n]) for n in lengths[:-1]] + [("_prefill_eager", [lengths[-1]])])
+
+
 def test_plain_rows_pad_their_bucket_with_rows_at_the_pad_block(target, tokenizer):
     """Rows past the batch (3 sequences run in bucket 4) are staged as a token at the pad block's first slot, never
     as what an earlier, larger batch left there: the graph writes every row's K/V, and a stale row's would land in
