@@ -21,12 +21,6 @@ flight to stream the weight; at many rows (prefill sizes) it is slower than cuBL
 uses it only for decode and verification, where rows are few.
 
     y = invariant_linear(x, weight, bias, residual=h)   # x [M, K], weight [N, K] -> [M, N]
-    a = invariant_glu(x, gate_up)                       # gate_up [2I, K] -> silu(x Wg^T) * (x Wu^T) [M, I]
-
-:func:`invariant_glu` is the MLP's gate/up product with SiLU * up in its epilogue (one launch instead of two): each
-program computes a gate tile and the up tile of the same columns with the gate_up plan's tiles and K loop, rounds
-both to the weight's dtype and applies :func:`~eagleray.kernels.decode_ops.silu_mul`'s arithmetic, so its result is
-``silu_mul(invariant_linear(x, gate_up))``'s. Only for plans without a K split (:func:`glu_fused`).
 
 Folding the decode step's element-wise ops into the products (RMSNorm, silu * up on load) was measured
 slower on the H200 (BENCHMARKS.md): the loop's loads then feed element-wise ops before ``tl.dot`` and
@@ -225,113 +219,6 @@ if triton is not None:
         for s in tl.static_range(S):  # split order: the fixed summation order
             acc += tl.load(part_ptr + (s * M + rm[:, None]) * N + rn[None, :], mask=omask, other=0.0)
         _epilogue(acc, rm, rn, N, omask, b_ptr, res_ptr, out_ptr, stride_r, stride_o, HAS_BIAS, HAS_RES)
-
-
-def invariant_glu_reference(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(g) * u of the rounded products g, u = (x [M, K] @ gate_up [2I, K].T).chunk(2) -> [M, I] (fp32 SiLU, rounded
-    to the weight's dtype before and after the product, as the decode step's silu_mul)."""
-    g, u = invariant_linear_reference(x, gate_up, bias).chunk(2, dim=-1)  # [M, I] each
-    a = torch.nn.functional.silu(g.to(torch.float32)).to(g.dtype)
-    return (a.to(torch.float32) * u.to(torch.float32)).to(g.dtype)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _glu_kernel(
-        x_ptr,  # [M, K] (row stride stride_x)
-        w_ptr,  # [2I, K] gate rows then up rows (row stride stride_w)
-        b_ptr,  # [2I] or unused
-        out_ptr,  # [M, I] (row stride stride_o)
-        M,
-        INTER,
-        K,
-        stride_x,
-        stride_w,
-        stride_o,
-        IEEE: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        BM: tl.constexpr,
-        BN: tl.constexpr,
-        BK: tl.constexpr,
-        PDL: tl.constexpr,
-    ):
-        await_inputs(PDL)
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        rm = pid_m * BM + tl.arange(0, BM)  # [BM]
-        rn = pid_n * BN + tl.arange(0, BN)  # [BN] columns of the gate, and of the up at INTER + rn
-        mmask, nmask = rm < M, rn < INTER
-        acc_g = tl.zeros([BM, BN], tl.float32)
-        acc_u = tl.zeros([BM, BN], tl.float32)
-        for k0 in range(0, K, BK):
-            rk = k0 + tl.arange(0, BK)  # [BK]
-            kmask = rk < K
-            a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-            wmask = nmask[:, None] & kmask[None, :]
-            wg = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
-            wu = tl.load(
-                w_ptr + (INTER + rn[:, None]) * stride_w + rk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first"
-            )  # [BN, BK] each
-            if IEEE:
-                acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision="ieee")  # [BM, BN]
-                acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision="ieee")
-            else:
-                acc_g = tl.dot(a, tl.trans(wg), acc_g)
-                acc_u = tl.dot(a, tl.trans(wu), acc_u)
-        if HAS_BIAS:
-            acc_g += tl.load(b_ptr + rn, mask=nmask, other=0.0)[None, :].to(tl.float32)
-            acc_u += tl.load(b_ptr + INTER + rn, mask=nmask, other=0.0)[None, :].to(tl.float32)
-        dt = out_ptr.dtype.element_ty
-        g = acc_g.to(dt).to(tl.float32)
-        u = acc_u.to(dt).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # silu_mul's arithmetic
-        omask = mmask[:, None] & nmask[None, :]
-        tl.store(out_ptr + rm[:, None] * stride_o + rn[None, :], (act * u).to(dt), mask=omask)
-
-
-def glu_fused(weight: torch.Tensor) -> bool:
-    """Whether :func:`invariant_glu` takes ``weight`` [2I, K]: its plan has no K split (a function of the shape and
-    the device alone, so every row count takes the same path)."""
-    return plan(weight.shape[0], weight.shape[1], weight.device).splits == 1
-
-
-def invariant_glu(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(x Wg^T) * (x Wu^T) for gate_up [2I, K] = [Wg; Wu] -> [M, I]; equals
-    ``silu_mul(invariant_linear(x, gate_up, bias))`` (see the module docstring); rows do not depend on M."""
-    _check(x, gate_up, bias, None)
-    if gate_up.shape[0] % 2 or not glu_fused(gate_up):
-        raise KernelInputError(
-            "invariant_glu: gate_up",
-            "[2I, K] whose plan has no K split",
-            f"{tuple(gate_up.shape)}, plan {plan(gate_up.shape[0], gate_up.shape[1], gate_up.device)}",
-            "use silu_mul(invariant_linear(x, gate_up)) where glu_fused(gate_up) is False",
-        )
-    m, k = x.shape
-    inter = gate_up.shape[0] // 2
-    p = plan(gate_up.shape[0], k, x.device)
-    out = torch.empty(m, inter, dtype=gate_up.dtype, device=x.device)  # [M, I]
-    _glu_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(inter, p.block_n))](
-        x,
-        gate_up,
-        bias if bias is not None else out,
-        out,
-        m,
-        inter,
-        k,
-        x.stride(0),
-        gate_up.stride(0),
-        out.stride(0),
-        IEEE=gate_up.dtype == torch.float32,
-        HAS_BIAS=bias is not None,
-        BM=BLOCK_M,
-        BN=p.block_n,
-        BK=p.block_k,
-        num_warps=p.warps,
-        num_stages=p.stages,
-        **pdl_launch(x.device),
-    )
-    return out
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None) -> None:

@@ -11,8 +11,7 @@ Two step implementations, both equal to the model's own forward:
 - the *generic* step: ``model(ids, positions, DecodeMetadata, kv)`` (every supported architecture);
 - :class:`FusedDecodeStep`: the same layers in ~10 launches each - q/k/v and gate/up as one GEMM
   each (the parameters become views of one fused tensor), fused residual-add + RMSNorm, fused
-  rotary + KV write, the split-K decode attention kernel, fused SiLU * up (in the gate/up product's epilogue on the
-  batch-invariant path). Not for Qwen3 (q/k norm).
+  rotary + KV write, the split-K decode attention kernel, fused SiLU * up. Not for Qwen3 (q/k norm).
 
 Padding rows (a batch of 3 runs in bucket 4) write their K/V to ``pad_slot``, by default the last
 slot of the cache: the block manager must never hand out the cache's last block while a runner
@@ -41,7 +40,7 @@ from eagleray.kernels.decode_ops import (
     silu_mul,
     silu_mul_reference,
 )
-from eagleray.kernels.invariant_linear import glu_fused, invariant_glu, invariant_linear
+from eagleray.kernels.invariant_linear import invariant_linear
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.attention import KVCache
 from eagleray.platform.models.decode_metadata import DecodeMetadata
@@ -134,7 +133,7 @@ class FusedDecodeStep:
             o = meta.attend_cached(q, kv.k[i], kv.v[i], self.scale, self.window)  # [B, Hq, D]
             delta = self._proj(layer.self_attn.o_proj, o.reshape(b, -1))  # [B, H]
             x, h = self.add_rmsnorm(h, delta, layer.post_attention_layernorm.weight, self.eps)
-            delta = self._proj(layer.mlp.down_proj, self._glu(x, *self.gate_up[i]))  # [B, H]
+            delta = self._proj(layer.mlp.down_proj, self.silu_mul(self._linear(x, *self.gate_up[i])))  # [B, H]
         x, h = self.add_rmsnorm(h, delta, m.norm.weight, self.eps)
         if m.arch.num_layers in wanted:
             aux.append(h)
@@ -152,13 +151,6 @@ class FusedDecodeStep:
         if self.use_triton:
             return invariant_linear(x.contiguous(), weight, bias)
         return cpu_decode.dispatch(x.contiguous(), weight, bias)
-
-    def _glu(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """silu(gate) * up of the MLP's fused gate/up product [B, 2I] -> [B, I]: one launch where the batch-invariant
-        Triton product takes it (a plan without a K split), else the product and silu_mul."""
-        if self.invariant and self.use_triton and glu_fused(weight):
-            return invariant_glu(x.contiguous(), weight, bias)
-        return self.silu_mul(self._linear(x, weight, bias))
 
     def _proj(self, linear, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, linear.weight, linear.bias) if self.invariant else linear(x)

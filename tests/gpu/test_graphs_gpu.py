@@ -89,27 +89,6 @@ def test_triton_decode_attention_bf16_matches_torch(head_dim, group, length):
     assert rel < 1e-2
 
 
-@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 4)])
-def test_fused_merge_equals_the_merge_kernel_bitwise_in_bf16(head_dim, group):
-    """The merge folded into the split kernel (the last program of each sequence and KV head merges, after an
-    acq_rel counter) gives the merge kernel's bits every time: 40 launches of 64 rows and 8 splits each, lengths from
-    1 to 2,000 tokens (a race would read a split's partials before they land)."""
-    from eagleray.kernels.decode_attention import decode_attention, split_counters
-
-    dev, hkv, bs, rows = torch.device("cuda"), 8, 16, 64
-    k_cache, v_cache = (torch.randn(rows * 128, bs, hkv, head_dim, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    tables = torch.randperm(rows * 128, device=dev).view(rows, 128).to(torch.int32)
-    for i in range(40):
-        q = torch.randn(rows, hkv * group, head_dim, device=dev, dtype=torch.bfloat16)
-        lens = torch.randint(1, 2001, (rows,), device=dev, dtype=torch.int32)
-        args = (q, k_cache, v_cache, tables, lens, head_dim**-0.5)
-        two = decode_attention(*args, split_tokens=256, fused_merge=False)
-        one = decode_attention(*args, split_tokens=256)
-        assert torch.equal(one, two), f"launch {i}"
-    torch.cuda.synchronize()
-    assert not split_counters(dev, rows * hkv).any()
-
-
 def test_fused_step_on_8b_shapes_matches_engine_path():
     """Two layers with Llama-3.1-8B shapes, bf16: one decode step, fused graph vs paged eager."""
     from eagleray.jobs.bench.common import LLAMA_8B

@@ -32,19 +32,6 @@ def test_kernel_matches_reference(window, split_tokens):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("window", [None, 5])
-def test_fused_merge_equals_the_merge_kernel_and_leaves_its_counters_at_zero(window):
-    """The last split program of each (sequence, KV head) merges the splits (one launch): the merge kernel's bits,
-    call after call (the merging program zeroes its counter for the next launch)."""
-    q, k_cache, v_cache, tables, lens = _case(3)
-    args = (q, k_cache, v_cache, tables, lens, 0.25, window)
-    two = decode_attention(*args, tile=4, split_tokens=8, fused_merge=False)
-    for _ in range(3):
-        assert torch.equal(decode_attention(*args, tile=4, split_tokens=8), two)
-        assert not module.split_counters(q.device, B * HKV).any()
-    torch.testing.assert_close(two, decode_attention_reference(*args), atol=1e-5, rtol=1e-5)
-
-
 def test_fixed_split_tokens_make_the_plan_independent_of_the_batch():
     assert split_plan(1024, 1, 8, 64, split_tokens=256) == split_plan(1024, 64, 8, 64, split_tokens=256) == (4, 4)
     assert split_plan(1024, 1, 8, 64) != split_plan(1024, 64, 8, 64)  # without it the split follows the batch
