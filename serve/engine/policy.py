@@ -14,7 +14,9 @@
   forward + verification of k+1 tokens and the step's host work, so that it compares with t_plain; about flat
   in k while the step is memory-bound on a GPU, less so on a CPU) and t_draft(B, k) (the whole drafting of k
   tokens: the catch-up forward plus k-1 chain forwards and their launches; a catch-up over plain steps' tokens is
-  not counted), both measured per batch-size bucket and per k as moving averages. Drafting is not k times a
+  not counted), both measured per batch-size bucket and per k as the median of the last ``RECENT`` steps (one
+  whole step that took 59 ms, where plain steps take 1.2, made a moving average predict 30x for an untrained draft
+  on the H200, and it speculated at 0.69x). Drafting is not k times a
   per-token cost: a step's fixed part (staging, the catch-up's replay) divided by k made one k=1 forward cost
   0.24 ms a token against 0.11 at k=4 on the H200, and the policy kept k=1 where k=4 paid 1.28x. An unmeasured
   k lies on the line between the measured k around it; below every measured k, on the line from k = 0 (a plain
@@ -41,6 +43,7 @@
 from __future__ import annotations
 
 import logging
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -52,6 +55,7 @@ logger = logging.getLogger(__name__)
 PRIOR = 2.0  # the optimistic prior (every draft accepted) counts as this many verified sequences
 EVIDENCE = 16  # verified sequences before acceptance follows the measured rate and may be judged hopeless
 ACCEPT_WINDOW = 64  # after EVIDENCE, a_i is a moving average over about this many verified sequences
+RECENT = 9  # a cost is the median of this many latest steps
 
 
 def _at_k(table: dict[int, float], k: int, at_zero: float | None, between: str = "line") -> float:
@@ -122,6 +126,13 @@ class _Costs:
     draft_by_k: dict[int, float] = field(default_factory=dict)  # the whole drafting of k tokens (or of the tree)
     plain_steps: int = 0
     spec_steps: int = 0
+    recent: dict[tuple, deque] = field(default_factory=dict)  # the latest seconds of each cost above
+
+    def update(self, key: tuple, seconds: float) -> float:
+        """Record a step's ``seconds`` for the cost ``key`` -> the median of its latest ``RECENT``."""
+        window = self.recent.setdefault(key, deque(maxlen=RECENT))
+        window.append(seconds)
+        return statistics.median(window)
 
 
 class AdaptivePolicy:
@@ -134,14 +145,12 @@ class AdaptivePolicy:
         probe_interval: int = 32,
         margin: float = 0.03,
         can_lower_k: bool = True,
-        ema: float = 0.2,
         max_probe_interval: int = 1024,
     ):
         self.k_max = k_max
         self.adaptive = adaptive
         self.margin = margin
         self.can_lower_k = can_lower_k
-        self.alpha = ema
         self.min_probe_interval = probe_interval
         self.max_probe_interval = max(max_probe_interval, probe_interval)
         self.disabled = False  # forced off (watchdog action): no probes
@@ -243,14 +252,14 @@ class AdaptivePolicy:
     # ------------------------------------------------------------------ observe
     def observe_plain(self, batch: int, seconds: float) -> None:
         c = self.costs.setdefault(bucket(batch), _Costs())
-        c.plain = self._ema(c.plain, seconds)
+        c.plain = c.update(("plain",), seconds)
         c.plain_steps += 1
 
     def observe_spec(self, batch: int, k: int, verify_seconds: float, draft_seconds: float, accepted: list[int]) -> None:
         """A speculative step: its verify and draft time, and each sequence's accepted count (of k drafts)."""
         c = self.costs.setdefault(bucket(batch), _Costs())
-        c.verify_by_k[k] = self._ema(c.verify_by_k.get(k), verify_seconds)
-        c.draft_by_k[k] = self._ema(c.draft_by_k.get(k), draft_seconds)
+        c.verify_by_k[k] = c.update(("verify", k), verify_seconds)
+        c.draft_by_k[k] = c.update(("draft", k), draft_seconds)
         c.spec_steps += 1
         rates = [sum(n > i for n in accepted) / len(accepted) for i in range(min(k, self.k_max))] if accepted else []
         for i, rate in enumerate(rates):
@@ -273,9 +282,6 @@ class AdaptivePolicy:
             self.accept[i] = self._hits[i] / self._seen[i]
         else:
             self.accept[i] = (self._hits[i] + PRIOR) / (self._seen[i] + PRIOR)
-
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.alpha) * old + self.alpha * new
 
     # ------------------------------------------------------------------ overrides
     def disable(self, reason: str) -> None:

@@ -370,3 +370,16 @@ def test_an_unmeasured_k_lies_between_the_measured_ones():
     c = policy.costs[1]
     assert policy._step_cost(c, 3) == pytest.approx(0.0013 + 0.0006)
     assert policy._step_cost(c, 1) == pytest.approx(0.00115 + 0.0002)
+
+
+def test_one_slow_step_does_not_make_an_untrained_draft_look_worth_it():
+    """A whole step can take 50x its usual time (a pause of the host): on the H200 one plain step of 59 ms (plain steps
+    take 1.2) made a moving average predict 30x for a draft that accepts nothing, and the engine speculated at 0.69x.
+    Costs are medians of the latest steps: the slow step is outvoted."""
+    policy = AdaptivePolicy(k_max=4, probe_interval=8)
+    for seconds in (0.0012, 0.059, 0.0012, 0.0013):
+        policy.observe_plain(8, seconds)
+    for _ in range(3):
+        policy.observe_spec(8, 4, 0.0014, 0.0006, [0] * 8)
+    assert policy.costs[8].plain == pytest.approx(0.00125)
+    assert policy.best(8) == (0, 1.0)
