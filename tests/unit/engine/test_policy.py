@@ -272,9 +272,7 @@ def test_the_policy_costs_whole_steps_with_their_output_work(target, tokenizer, 
         return emit(self, seq, toks)
 
     monkeypatch.setattr(LLMEngine, "_emit", slow)
-    engine = make_engine(
-        target, tokenizer, random_draft, k=2, decode_path="rows", max_num_seqs=1, policy={"adaptive": True}
-    )
+    engine = make_engine(target, tokenizer, random_draft, k=2, decode_path="rows", max_num_seqs=1, policy={"adaptive": True})
     engine.generate(PROMPTS[:1], SamplingParams(max_tokens=40, ignore_eos=True))  # untrained: speculates, then plain
     costs, m = engine.policy.costs[1], engine.metrics
     assert costs.spec_steps > 0 and min(costs.verify_by_k.values()) >= 0.02
