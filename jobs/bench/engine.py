@@ -109,7 +109,7 @@ def _runs(name: str, target, draft, tok, tcfg: TargetConfig, prompts: list, args
                 "all_decode_tok_s": r["decode_tokens_per_s"],
                 "decode_ratio": round(r["decode_tokens_per_s"] / plain_decode, 3) if plain_decode else None,
                 "step_ms": r["spec_step_ms"] if r["spec_steps"] else None,
-                "predicted_speedup": _predicted(r, b, plain_whole),
+                "predicted_speedup": _predicted(r, b, plain_whole, None if adaptive else args.k),
                 "whole_step_ms": r["spec_whole_step_ms"] if r["spec_steps"] else None,
                 "measured_speedup": _measured(r, b, plain_whole),
                 "lossless": r["lossless"],
@@ -174,15 +174,21 @@ def _measured(r: dict, batch: int, plain_whole_ms: float) -> float | None:
     return round((r["spec_tokens_per_step"] / r["spec_whole_step_ms"]) / (batch / plain_whole_ms), 3)
 
 
-def _predicted(r: dict, batch: int, plain_step_ms: float) -> float | None:
+def _predicted(r: dict, batch: int, plain_step_ms: float, k: int | None) -> float | None:
     """The cost model at ``batch``: τ t_plain / (t_verify(k) + t_draft(k)), t_plain from the plain run's whole decode
-    steps, t_verify and t_draft (the whole drafting of k tokens) from the spec run's policy measurements."""
+    steps, t_verify and t_draft (the whole drafting of k tokens) from the spec run's policy measurements: at ``k``
+    (a fixed-k run), or at the k the policy chose (``None``, an adaptive run)."""
     from eagleray.serve.engine import bucket
 
     costs = r["policy"]["buckets"].get(bucket(batch))
-    if not costs or costs["spec_ms"] is None or not plain_step_ms:
+    if not costs or not plain_step_ms:
         return None
-    return round(r["tau"] * plain_step_ms / costs["spec_ms"], 3)
+    if k is None:
+        spec_ms = costs["spec_ms"]
+    else:
+        verify, draft = costs["verify_ms_by_k"].get(k), costs["draft_ms_by_k"].get(k)
+        spec_ms = None if verify is None or draft is None else verify + draft
+    return None if spec_ms is None else round(r["tau"] * plain_step_ms / spec_ms, 3)
 
 
 def _chat_ids(tcfg: TargetConfig, messages: list) -> list[list[int]]:

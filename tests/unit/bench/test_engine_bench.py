@@ -31,3 +31,14 @@ def test_full_rounds_are_whole_rounds_of_the_batch_and_at_least_two(n, batch, to
     out = full_rounds(prompts, batch)
     assert len(out) == total and len(out) % batch == 0 and len(out) >= 2 * batch
     assert out[:n] == prompts  # the prompts in order, repeated
+
+
+def test_a_fixed_k_run_is_predicted_at_its_own_k():
+    """A fixed-k run measured only k=4: its prediction uses k=4's costs, not the k the policy would choose (whose
+    costs may be interpolated guesses); an adaptive run's uses the chosen k's."""
+    from eagleray.jobs.bench.engine import _predicted
+
+    run = {"tau": 2.0, "policy": {"buckets": {8: {"spec_ms": 1.0, "verify_ms_by_k": {4: 1.5}, "draft_ms_by_k": {4: 0.5}}}}}
+    assert _predicted(run, 8, 1.0, 4) == pytest.approx(1.0)  # 2 x 1.0 / (1.5 + 0.5)
+    assert _predicted(run, 8, 1.0, None) == pytest.approx(2.0)  # at the chosen k: 2 x 1.0 / 1.0
+    assert _predicted(run, 8, 1.0, 3) is None  # k=3 never measured
