@@ -187,7 +187,7 @@ def _predicted(r: dict, batch: int, plain_step_ms: float, k: int | None) -> floa
         spec_ms = costs["spec_ms"]
     else:
         verify, draft = costs["verify_ms_by_k"].get(k), costs["draft_ms_by_k"].get(k)
-        spec_ms = None if verify is None or draft is None else verify + draft
+        spec_ms = None if verify is None or draft is None else verify + draft + costs.get("join_ms", 0.0)
     return None if spec_ms is None else round(r["tau"] * plain_step_ms / spec_ms, 3)
 
 

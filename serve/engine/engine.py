@@ -238,7 +238,9 @@ class LLMEngine:
         with self.prof.phase("commit"):
             kept = [self._commit(seq, res) for seq, res in zip(batch.seqs, results)]
         with self.prof.phase("output"):
-            outputs = [self._emit(seq, toks) for seq, toks in zip(batch.seqs, kept)]
+            shown = [seq for seq in batch.seqs if seq.params.detokenize]
+            texts = dict(zip(map(id, shown), self.detok.update_many(shown)))  # one batched decode a step
+            outputs = [self._emit(seq, toks, texts.get(id(seq), ("", ""))) for seq, toks in zip(batch.seqs, kept)]
         self._account(batch, k, sum(map(len, kept)), seconds, time.perf_counter() - started)
         return outputs
 
@@ -259,7 +261,7 @@ class LLMEngine:
             # verifying costs the rest of the step (target, verification, the step's host work), as t_plain is a
             # whole plain step: device time alone would make speculation look cheaper than it is
             verify = max(whole - spec.draft_seconds - spec.lag_seconds, 0.0)
-            self.policy.observe_spec(n, k, verify, spec.draft_seconds, self._last_accepted)
+            self.policy.observe_spec(n, k, verify, spec.draft_seconds, self._last_accepted, spec.join_seconds)
         self.prof.end_step(kind, n)
         self.metrics.current_k = self.policy.k if self.policy.speculating else 0
         self.metrics.speculation_enabled = self.drafts.spec is not None and self.policy.speculating
@@ -295,9 +297,10 @@ class LLMEngine:
         self.blocks.truncate(seq, seq.num_tokens)
         return kept
 
-    def _emit(self, seq: Sequence, kept: list[int]) -> RequestOutput:
-        """Detokenize, finish the request if it stopped, build its output and call its callback."""
-        text, delta_text = self.detok.update(seq) if seq.params.detokenize else ("", "")
+    def _emit(self, seq: Sequence, kept: list[int], texts: tuple[str, str]) -> RequestOutput:
+        """Finish the request if it stopped (``texts``: its text and delta, a stop string found), build its output
+        and call its callback."""
+        text, delta_text = texts
         if seq.finish_reason is None and seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:

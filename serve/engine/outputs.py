@@ -60,19 +60,36 @@ class Detokenizer:
 
     def update(self, seq: Sequence) -> tuple[str, str]:
         """Returns (full_text, delta_text); finishes ``seq`` with reason 'stop' at a stop string."""
+        return self.update_many([seq])[0]
+
+    def update_many(self, seqs: list[Sequence]) -> list[tuple[str, str]]:
+        """:meth:`update` for every sequence of a step, their windows decoded in one call of the tokenizer's
+        backend (a short decode costs ~9 us of Python and Rust overhead a call, ~2 us in a batch: at 128 sequences
+        a step on the H200 spent more time building outputs than running the model)."""
         if self.tokenizer is None:
-            return "", ""
-        st = self._state.setdefault(seq.seq_id, _DetokState())
-        old = st.text
-        if st.stopped:
-            return old, ""
-        ids = seq.output_token_ids
-        window = self._decode(ids[st.anchor :])
-        if len(window) > len(st.seen) and (not window.endswith("\ufffd") or seq.finish_reason):
-            st.text, st.seen = old + window[len(st.seen) :], window
-            if len(ids) - st.anchor > self.REANCHOR:
-                st.anchor = len(ids) - self.CONTEXT
-                st.seen = self._decode(ids[st.anchor :])
+            return [("", "")] * len(seqs)
+        states = [self._state.setdefault(seq.seq_id, _DetokState()) for seq in seqs]
+        olds = [st.text for st in states]
+        live = [i for i, st in enumerate(states) if not st.stopped]
+        windows = self._decode_many([seqs[i].output_token_ids[states[i].anchor :] for i in live])
+        moved = []
+        for i, window in zip(live, windows):
+            seq, st = seqs[i], states[i]
+            ids = seq.output_token_ids
+            if len(window) > len(st.seen) and (not window.endswith("\ufffd") or seq.finish_reason):
+                st.text, st.seen = st.text + window[len(st.seen) :], window
+                if len(ids) - st.anchor > self.REANCHOR:
+                    st.anchor = len(ids) - self.CONTEXT
+                    moved.append(i)
+        for i, seen in zip(moved, self._decode_many([seqs[i].output_token_ids[states[i].anchor :] for i in moved])):
+            states[i].seen = seen
+        decoded = set(live)
+        return [
+            self._stops(seq, st, old) if i in decoded else (old, "") for i, (seq, st, old) in enumerate(zip(seqs, states, olds))
+        ]
+
+    def _stops(self, seq: Sequence, st: _DetokState, old: str) -> tuple[str, str]:
+        """(text, delta) of a sequence whose window was decoded; finishes it with reason 'stop' at a stop string."""
         text = st.text
         if seq.params.stop and seq.stop_text_index is None:
             longest = max(len(s) for s in seq.params.stop)
@@ -89,6 +106,14 @@ class Detokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+
+    def _decode_many(self, windows: list[list[int]]) -> list[str]:
+        """Each window's text: one batch call of a fast tokenizer's Rust backend (the same decode, without the
+        clean-up of tokenization spaces it does not ask for), else one ``decode`` a window."""
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        if hasattr(backend, "decode_batch") and not getattr(self.tokenizer, "clean_up_tokenization_spaces", True):
+            return backend.decode_batch(windows, skip_special_tokens=True)
+        return [self._decode(w) for w in windows]
 
     def forget(self, seq: Sequence) -> None:
         self._state.pop(seq.seq_id, None)
@@ -114,7 +139,7 @@ def make_output(seq: Sequence, delta: list[int], text: str, delta_text: str) -> 
     }
     return RequestOutput(
         seq.request_id,
-        list(seq.prompt_token_ids),
+        seq.prompt_token_ids,  # never changed after the request arrives: shared, not copied every step
         list(seq.output_token_ids),
         text,
         list(delta),

@@ -7,14 +7,18 @@
 - :class:`AdaptivePolicy` picks each decode step's draft length k (0 = a plain step) from measured
   costs: for a batch of B sequences, the predicted speedup of a chain of k drafts is
 
-      speedup(B, k) = E(k) * t_plain(B) / (t_verify(B, k) + t_draft(B, k))
+      speedup(B, k) = E(k) * t_plain(B) / (t_verify(B, k) + t_draft(B, k) + t_join(B))
       E(k) = 1 + sum_{i<k} a_i          a_i = P(the first i+1 drafts are accepted), measured per position
 
   with t_plain (a whole plain step), t_verify(B, k) (the rest of a speculative step after drafting: target
   forward + verification of k+1 tokens and the step's host work, so that it compares with t_plain; about flat
   in k while the step is memory-bound on a GPU, less so on a CPU) and t_draft(B, k) (the whole drafting of k
   tokens: the catch-up forward plus k-1 chain forwards and their launches; a catch-up over plain steps' tokens is
-  not counted), both measured per batch-size bucket and per k as the median of the last ``RECENT`` steps (one
+  not counted), and t_join(B) (the draft's catch-up over the prompts of sequences that joined since the last
+  speculative step - the draft's prefill, a cost of speculating at all - averaged over the last ``JOIN_WINDOW``
+  speculative steps: bursty, one step in several pays it; on the H200 it made SmolLM2's speculative steps at 32-64
+  sequences 25-30% dearer than the policy predicted). t_verify and t_draft are measured per batch-size bucket and
+  per k as the median of the last ``RECENT`` steps (one
   whole step that took 59 ms, where plain steps take 1.2, made a moving average predict 30x for an untrained draft
   on the H200, and it speculated at 0.69x). Drafting is not k times a
   per-token cost: a step's fixed part (staging, the catch-up's replay) divided by k made one k=1 forward cost
@@ -56,6 +60,7 @@ PRIOR = 2.0  # the optimistic prior (every draft accepted) counts as this many v
 EVIDENCE = 16  # verified sequences before acceptance follows the measured rate and may be judged hopeless
 ACCEPT_WINDOW = 64  # after EVIDENCE, a_i is a moving average over about this many verified sequences
 RECENT = 9  # a cost is the median of this many latest steps
+JOIN_WINDOW = 32  # t_join is the mean over this many latest speculative steps
 
 
 def _at_k(table: dict[int, float], k: int, at_zero: float | None, between: str = "line") -> float:
@@ -127,6 +132,11 @@ class _Costs:
     plain_steps: int = 0
     spec_steps: int = 0
     recent: dict[tuple, deque] = field(default_factory=dict)  # the latest seconds of each cost above
+    joins: deque = field(default_factory=lambda: deque(maxlen=JOIN_WINDOW))  # catch-up over joined prompts, a step
+
+    @property
+    def join(self) -> float:
+        return statistics.fmean(self.joins) if self.joins else 0.0
 
     def update(self, key: tuple, seconds: float) -> float:
         """Record a step's ``seconds`` for the cost ``key`` -> the median of its latest ``RECENT``."""
@@ -227,8 +237,8 @@ class AdaptivePolicy:
 
     @classmethod
     def _step_cost(cls, c: _Costs, k: int) -> float:
-        """t_verify(k) + t_draft(k): the seconds of a speculative step drafting k tokens."""
-        return cls._verify_cost(c, k) + _at_k(c.draft_by_k, k, 0.0)
+        """t_verify(k) + t_draft(k) + t_join: the seconds of a speculative step drafting k tokens."""
+        return cls._verify_cost(c, k) + _at_k(c.draft_by_k, k, 0.0) + c.join
 
     @staticmethod
     def _verify_cost(c: _Costs, k: int) -> float:
@@ -255,16 +265,22 @@ class AdaptivePolicy:
         c.plain = c.update(("plain",), seconds)
         c.plain_steps += 1
 
-    def observe_spec(self, batch: int, k: int, verify_seconds: float, draft_seconds: float, accepted: list[int]) -> None:
-        """A speculative step: its verify and draft time, and each sequence's accepted count (of k drafts)."""
+    def observe_spec(
+        self, batch: int, k: int, verify_seconds: float, draft_seconds: float, accepted: list[int], join_seconds: float = 0.0
+    ) -> None:
+        """A speculative step: its verify and draft time, each sequence's accepted count (of k drafts), and the
+        draft's catch-up over the prompts of sequences that joined since the last one."""
         c = self.costs.setdefault(bucket(batch), _Costs())
+        c.joins.append(join_seconds)
         c.verify_by_k[k] = c.update(("verify", k), verify_seconds)
         c.draft_by_k[k] = c.update(("draft", k), draft_seconds)
         c.spec_steps += 1
         rates = [sum(n > i for n in accepted) / len(accepted) for i in range(min(k, self.k_max))] if accepted else []
         for i, rate in enumerate(rates):
             self._observe_accept(i, rate, len(accepted))
-        step_pays = c.plain is not None and (1 + sum(rates)) * c.plain / (verify_seconds + draft_seconds) > 1 + self.margin
+        step_pays = (
+            c.plain is not None and (1 + sum(rates)) * c.plain / (verify_seconds + draft_seconds + c.join) > 1 + self.margin
+        )
         if step_pays or self.best(batch)[0] > 0:
             self._probe_interval = self.min_probe_interval  # it pays (again): keep measuring it
             if step_pays:
@@ -311,13 +327,15 @@ class AdaptivePolicy:
             at = k or self.k_max
             verify = round(self._verify_cost(c, at) * 1e3, 3) if c.verify_by_k else None
             draft = round(_at_k(c.draft_by_k, at, 0.0) * 1e3, 3) if c.draft_by_k else None
+            join = round(c.join * 1e3, 3)
             out[b] = {
                 "plain_ms": None if c.plain is None else round(c.plain * 1e3, 3),
                 "verify_ms": verify,
                 "verify_ms_by_k": {j: round(v * 1e3, 3) for j, v in sorted(c.verify_by_k.items())},
                 "draft_ms": draft,
                 "draft_ms_by_k": {j: round(v * 1e3, 3) for j, v in sorted(c.draft_by_k.items())},
-                "spec_ms": None if verify is None or draft is None else round(verify + draft, 3),
+                "join_ms": join,
+                "spec_ms": None if verify is None or draft is None else round(verify + draft + join, 3),
                 "k": k,
                 "predicted_speedup": round(speedup, 4),
             }

@@ -63,6 +63,8 @@ class SpecContext:
     aux_checked: bool = False
     draft_seconds: float = 0.0  # the last step's drafting (catch-up + chain or tree), for the adaptive policy
     lag_seconds: float = 0.0  # the last step's catch-up over plain steps' positions (kept out of drafting)
+    join_seconds: float = 0.0  # the share of lag_seconds spent on prompt positions: the draft's prefill of new sequences
+    lag_prompt_share: float = 0.0  # of the rows of the last long catch-up, the share that were prompt positions
     clock: StepClock | None = None
     lag_marks: tuple | None = None  # a catch-up over more than a step's positions (after plain steps), not drafting cost
     graphs: ChainStepGraphs | None = None  # CUDA rows: greedy chain steps as two graphs per (batch bucket, k)
@@ -76,6 +78,7 @@ class SpecContext:
         step as its verify cost."""
         lag = self.clock.seconds(*self.lag_marks) if self.lag_marks is not None else 0.0
         self.lag_marks, self.lag_seconds = None, lag
+        self.join_seconds, self.lag_prompt_share = lag * self.lag_prompt_share, 0.0
         self.draft_seconds = max(self.clock.seconds(m0, m1) - lag, 0.0)
         self.measured = measured
 
@@ -135,6 +138,7 @@ def draft_catch_up(
         else:
             lagging = max(lens) > ctx.draft.max_rows // max(len(seqs), 1) if tables is not None else max(lens) > 64
         start = ctx.clock.mark() if lagging else None
+        ctx.lag_prompt_share = prompt_share(seqs) if lagging else 0.0
         if use_rows:
             rows, last = _catch_up_rows(seqs, tokens, lens, tables, ctx.draft)
         else:
@@ -152,6 +156,15 @@ def draft_catch_up(
     if lagging:
         ctx.lag_marks = (start, ctx.clock.mark())
     return logits, hidden
+
+
+def prompt_share(seqs: list[Sequence]) -> float:
+    """Of the positions the draft has not seen in ``seqs``, the share that are prompt positions: a catch-up over them
+    is the draft's prefill of sequences that joined (a cost of speculating at all, which the adaptive policy counts),
+    the rest the price of plain steps taken meanwhile (which it does not)."""
+    rows = sum(s.num_tokens - 1 - s.draft_cached for s in seqs)
+    prompt = sum(max(0, min(len(s.prompt_token_ids), s.num_tokens - 1) - s.draft_cached) for s in seqs)
+    return prompt / rows if rows > 0 else 0.0
 
 
 def _catch_up_rows(
@@ -305,6 +318,7 @@ def graph_chain_step(ctx: SpecContext, seqs: list[Sequence], k: int) -> list[Seq
     m0 = ctx.clock.mark()
     lagging = [s for s in seqs if s.num_tokens - 1 - s.draft_cached > g.columns]
     if lagging:
+        ctx.lag_prompt_share = prompt_share(lagging)
         settle_draft(ctx, lagging)
         ctx.lag_marks = (m0, ctx.clock.mark())
     with ctx.prof.phase("prepare"):
