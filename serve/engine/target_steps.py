@@ -71,7 +71,10 @@ class TargetSteps:
         (its forward has the same shapes whatever it was scheduled with). So the path, and the bits of the KV cache
         and of the first token, depend on the sequence alone: a speculative engine's sequences join one by one
         where a plain engine prefills eight or 32 at once, and a path chosen by the step's total made their
-        outputs differ (bf16, H200)."""
+        outputs differ (bf16, H200). Without the row step (``prefill_rows`` 0: the varlen engine, whose decode is not
+        batch-invariant either) the step's sequences run one eager forward together."""
+        if not self.prefill_rows:
+            return self._prefill_eager(seqs)
         short = [s for s in seqs if s.num_tokens - s.num_cached <= self.prefill_rows]
         done = dict(zip(map(id, short), self._prefill_rows(short))) if short else {}
         return [done[id(s)] if id(s) in done else self._prefill_eager([s])[0] for s in seqs]

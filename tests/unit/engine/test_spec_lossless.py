@@ -137,6 +137,10 @@ def test_the_prefill_path_depends_on_the_sequence_not_on_its_step(target, tokeni
     calls = _spy_prefills(spec)  # one sequence a step: the same path per prompt as the plain engine's
     assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == plain_outputs
     assert sorted(calls) == sorted([("_prefill_rows", [n]) for n in lengths[:-1]] + [("_prefill_eager", [lengths[-1]])])
+    varlen = make_engine(target, tokenizer, max_num_seqs=4)  # no row step: one eager forward for the step, as before
+    calls = _spy_prefills(varlen)
+    assert [o.token_ids for o in varlen.generate(PROMPTS, GREEDY)] == plain_outputs
+    assert calls == [("_prefill_eager", sizes[0][1])], "the varlen engine prefills a step's sequences together"
 
 
 def test_plain_rows_pad_their_bucket_with_rows_at_the_pad_block(target, tokenizer):
