@@ -42,7 +42,8 @@ def pdl_mode() -> str:
     return mode
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET``; tests on CPU)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -56,12 +57,12 @@ def pdl_enabled(device: torch.device) -> bool:
     mode = pdl_mode()
     if mode == "off":
         return False
-    ok = triton is not None and not _interpreting() and _supported(device)
+    ok = triton is not None and not interpreting() and _supported(device)
     if mode == "on" and not ok:
         raise KernelInputError(
             PDL_ENV,
             "a CUDA device of compute capability >= 9 (Hopper or later), compiled kernels",
-            f"device {device}{' under the Triton interpreter' if _interpreting() else ''}",
+            f"device {device}{' under the Triton interpreter' if interpreting() else ''}",
             f"export {PDL_ENV}=auto, which uses PDL only where it is supported",
         )
     return ok

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from eagleray.kernels.errors import VerifyInputError
 from eagleray.kernels.grid import program_range
+from eagleray.kernels.launch import interpreting
 from eagleray.kernels.rng import ACCEPT_IDX, U_SCALE, rng_base, rng_bits
 
 LOG2E = 1.4426950408889634
@@ -60,7 +61,7 @@ DEFAULT_CONFIG = LaunchConfig()
 def pick_config(config: "LaunchConfig | None", bsz: int, vocab: int) -> LaunchConfig:
     if config is not None:
         return config
-    return LaunchConfig.for_interpreter(bsz, vocab) if _interpreting() else DEFAULT_CONFIG
+    return LaunchConfig.for_interpreter(bsz, vocab) if interpreting() else DEFAULT_CONFIG
 
 
 @triton.jit
@@ -320,7 +321,7 @@ def check_common(target_logits, draft_tokens, temperature, seed) -> tuple[int, i
     dev = target_logits.device
     floats = (torch.float32, torch.bfloat16, torch.float16)
     check_tensor("target_logits", target_logits, (bsz, rows, vocab), floats, dev, False)
-    if dev.type != "cuda" and not _interpreting():
+    if dev.type != "cuda" and not interpreting():
         _fail(
             "target_logits",
             "a CUDA tensor",
@@ -333,12 +334,6 @@ def check_common(target_logits, draft_tokens, temperature, seed) -> tuple[int, i
     check_tensor("temperature", temperature, (bsz,), (torch.float32,), dev, True)
     check_tensor("seed", seed, (bsz,), (torch.int64,), dev, True)
     return bsz, rows, vocab
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 __all__ = [

@@ -15,7 +15,7 @@ from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.models.spec_graphs import ChainStepGraphs
 from eagleray.serve.engine.model_runner import DraftRunner, TargetRunner, row_buckets
 from eagleray.serve.engine.profile import StepProfiler
-from eagleray.serve.engine.spec_step import SpecContext
+from eagleray.serve.engine.spec_context import SpecContext
 from eagleray.serve.engine.verify import Verifier
 
 

@@ -28,7 +28,8 @@ from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.sampling import SamplingParams
 from eagleray.serve.engine.scheduler import Scheduler
 from eagleray.serve.engine.sequence import Sequence
-from eagleray.serve.engine.spec_step import SeqResult, chain_step, tree_step
+from eagleray.serve.engine.spec_context import SeqResult
+from eagleray.serve.engine.spec_step import chain_step, tree_step
 from eagleray.serve.engine.startup import PREFILL_REPLAY_ROWS, CpuThreads, default_num_blocks, use_rows
 from eagleray.serve.engine.target_steps import TargetSteps
 

@@ -9,177 +9,24 @@ Chain, in the spirit of gpt-fast's ``speculative_decode``::
 
 Positions: a sequence of N tokens has target KV for 0..N-2. The draft's position i pairs token
 i+1 with the target's aux state at i, so "catching up" the draft over the newly committed positions
-also yields the logits of d_1. Draft KV written beyond N-2 while drafting is scratch; the next
-catch-up overwrites it with states computed from the target's hidden states.
+also yields the logits of d_1 (:mod:`~eagleray.serve.engine.draft_catch_up`). Draft KV written beyond N-2 while
+drafting is scratch; the next catch-up overwrites it with states computed from the target's hidden states. The
+step's context and results: :mod:`~eagleray.serve.engine.spec_context`.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-
 import torch
 
 from eagleray.kernels import cpu_decode
-from eagleray.platform.checkpoints.guard import assert_aux_shape
 from eagleray.platform.models.row_graphs import DecodeRows
-from eagleray.platform.models.spec_graphs import ChainStepGraphs
-from eagleray.serve.engine.model_runner import DraftRunner, ForwardBatch, TargetRunner, block_table_tensor
-from eagleray.serve.engine.profile import StepProfiler
+from eagleray.serve.engine.draft_catch_up import draft_catch_up, prompt_share, settle_draft, take_aux
+from eagleray.serve.engine.model_runner import ForwardBatch, block_table_tensor
 from eagleray.serve.engine.sampling import filter_logits, scaled_probs
-from eagleray.serve.engine.sequence import AuxRows, Sequence, gather_aux
+from eagleray.serve.engine.sequence import AuxRows, Sequence
+from eagleray.serve.engine.spec_context import RowParams, SeqResult, SpecContext
 from eagleray.serve.engine.tree import DraftTree
 from eagleray.serve.engine.tree_draft import draft_tree
-from eagleray.serve.engine.verify import Verifier
-
-
-class StepClock:
-    """Marks in the step's stream: CUDA events on CUDA (read after the step's one synchronisation, so GPU
-    time lands in the phase that queued it), ``perf_counter`` elsewhere."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, start, end) -> float:
-        if not self.cuda:
-            return end - start
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-
-
-@dataclass
-class SpecContext:
-    target: TargetRunner
-    draft: DraftRunner
-    verifier: Verifier
-    prof: StepProfiler
-    aux_checked: bool = False
-    draft_seconds: float = 0.0  # the last step's drafting (catch-up + chain or tree), for the adaptive policy
-    lag_seconds: float = 0.0  # the last step's catch-up over plain steps' positions (kept out of drafting)
-    join_seconds: float = 0.0  # the share of lag_seconds spent on prompt positions: the draft's prefill of new sequences
-    lag_prompt_share: float = 0.0  # of the rows of the last long catch-up, the share that were prompt positions
-    clock: StepClock | None = None
-    lag_marks: tuple | None = None  # a catch-up over more than a step's positions (after plain steps), not drafting cost
-    graphs: ChainStepGraphs | None = None  # CUDA rows: greedy chain steps as two graphs per (batch bucket, k)
-    measured: bool = True  # False when the last step also captured a graph (its times are not the step's cost)
-
-    def __post_init__(self):
-        self.clock = self.clock or StepClock(self.target.device)
-
-    def record_times(self, m0, m1, measured: bool = True) -> None:
-        """Draft seconds (m0..m1, less a long catch-up) of the step just done; the engine takes the rest of the
-        step as its verify cost."""
-        lag = self.clock.seconds(*self.lag_marks) if self.lag_marks is not None else 0.0
-        self.lag_marks, self.lag_seconds = None, lag
-        self.join_seconds, self.lag_prompt_share = lag * self.lag_prompt_share, 0.0
-        self.draft_seconds = max(self.clock.seconds(m0, m1) - lag, 0.0)
-        self.measured = measured
-
-
-@dataclass
-class SeqResult:
-    """Outcome of verification for one sequence."""
-
-    tokens: list[int]  # accepted drafts + one recovered/bonus token
-    aux: AuxRows | None  # [len(tokens), A] target aux states of the positions these tokens follow
-    num_draft_tokens: int
-    num_accepted: int
-    src_positions: list[int] | None = None  # tree: cache positions of the accepted path (to compact)
-
-
-@dataclass
-class RowParams:
-    temperature: torch.Tensor  # [B] f32
-    top_k: torch.Tensor  # [B] int64
-    top_p: torch.Tensor  # [B] f32
-    seed: torch.Tensor  # [B] int64, varies per step
-
-    @classmethod
-    def of(cls, seqs: list[Sequence], device) -> "RowParams":
-        seeds = [(s.seed * 1_000_003 + s.step * 7919 + len(s.output_token_ids)) % (1 << 62) for s in seqs]
-        ints = torch.tensor([[s.params.top_k for s in seqs], seeds], dtype=torch.int64).to(device)  # [2, B]: one copy
-        floats = torch.tensor([[s.params.temperature for s in seqs], [s.params.top_p for s in seqs]], dtype=torch.float32).to(
-            device
-        )  # [2, B]
-        return cls(floats[0], ints[0], floats[1], ints[1])
-
-
-def _draft_batch(
-    seqs: list[Sequence], tokens: list[list[int]], starts: list[int], runner, device, tree_masks=None, context_lens=None
-) -> ForwardBatch:
-    positions = [list(range(s, s + len(t))) for s, t in zip(starts, tokens)]
-    ctx = context_lens if context_lens is not None else starts
-    return ForwardBatch.build(tokens, positions, ctx, [s.block_table for s in seqs], runner.block_size, device, tree_masks)
-
-
-def draft_catch_up(
-    ctx: SpecContext, seqs: list[Sequence], tables: torch.Tensor | None = None, steady: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Feed the draft every committed position it has not seen -> draft logits [B, Vd], hidden [B, H] at N-2.
-
-    ``tables`` [B, MB]: the block tables on the draft's device, for the row step (short catch-ups). ``steady``:
-    the most positions a catch-up holds between speculative steps (the previous step's drafts + 1); a longer one
-    follows plain steps, and its time is kept out of the drafting cost the adaptive policy measures (it is the
-    price of having switched, not of the next speculative step)."""
-    with ctx.prof.phase("prepare"):
-        tokens = [s.tokens[s.draft_cached + 1 : s.num_tokens] for s in seqs]
-        aux = take_aux(ctx, seqs)[0]  # [T, n_aux*H_t]
-        lens = [len(t) for t in tokens]
-        use_rows = tables is not None and sum(lens) <= ctx.draft.max_rows
-        if steady is not None:
-            lagging = max(lens) > steady
-        else:
-            lagging = max(lens) > ctx.draft.max_rows // max(len(seqs), 1) if tables is not None else max(lens) > 64
-        start = ctx.clock.mark() if lagging else None
-        ctx.lag_prompt_share = prompt_share(seqs) if lagging else 0.0
-        if use_rows:
-            rows, last = _catch_up_rows(seqs, tokens, lens, tables, ctx.draft)
-        else:
-            batch = _draft_batch(seqs, tokens, [s.draft_cached for s in seqs], ctx.draft, ctx.draft.device)
-            last = batch.last_index
-    with ctx.prof.phase("draft"):
-        if use_rows:
-            logits, hidden = ctx.draft.decode(rows, aux.to(ctx.draft.device), from_aux=True)  # [T, Vd], [T, H]
-            logits, hidden = logits[last], hidden[last]  # [B, Vd], [B, H]
-        else:
-            normed, hidden = ctx.draft.forward(batch, aux.to(ctx.draft.device), from_aux=True)  # [T, H] each
-            logits, hidden = ctx.draft.logits(normed[last]), hidden[last]  # [B, Vd], [B, H]
-    for s in seqs:
-        s.draft_cached = s.num_tokens - 1
-    if lagging:
-        ctx.lag_marks = (start, ctx.clock.mark())
-    return logits, hidden
-
-
-def prompt_share(seqs: list[Sequence]) -> float:
-    """Of the positions the draft has not seen in ``seqs``, the share that are prompt positions: a catch-up over them
-    is the draft's prefill of sequences that joined (a cost of speculating at all, which the adaptive policy counts),
-    the rest the price of plain steps taken meanwhile (which it does not)."""
-    rows = sum(s.num_tokens - 1 - s.draft_cached for s in seqs)
-    prompt = sum(max(0, min(len(s.prompt_token_ids), s.num_tokens - 1) - s.draft_cached) for s in seqs)
-    return prompt / rows if rows > 0 else 0.0
-
-
-def _catch_up_rows(
-    seqs: list[Sequence], tokens: list[list[int]], lens: list[int], tables: torch.Tensor, runner: DraftRunner
-) -> tuple[DecodeRows, torch.Tensor]:
-    """Catch-up as rows: row (b, i) is token tokens[b][i] at position draft_cached_b + i -> rows, last row of each b."""
-    dev = tables.device
-    host = torch.tensor(
-        [t for seq in tokens for t in seq] + [s.draft_cached + i for s, n in zip(seqs, lens) for i in range(n)] + lens,
-        dtype=torch.int64,
-    ).to(dev)  # one host -> device copy: ids [T], positions [T], lens [B]
-    t = sum(lens)
-    ids, pos, counts = host[:t], host[t : 2 * t], host[2 * t :]
-    row_seq = torch.repeat_interleave(torch.arange(len(seqs), device=dev), counts, output_size=t)  # [T]
-    return DecodeRows.of(ids, pos, tables, runner.block_size, row_seq), counts.cumsum(0) - 1
 
 
 def sample_draft(logits: torch.Tensor, rows: RowParams, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -343,39 +190,6 @@ def graph_chain_step(ctx: SpecContext, seqs: list[Sequence], k: int) -> list[Seq
         part = None if rows is None else AuxRows(rows, b * w, a + 1)
         out.append(SeqResult(host[b * w : b * w + a + 1], part, k, a))
     return out
-
-
-def take_aux(ctx: SpecContext, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]]:
-    """The aux rows ``seqs`` queued for the draft -> [T, A] (the draft's columns), rows per sequence; checked
-    against the draft's shape at the first speculative step."""
-    aux, counts = gather_aux(seqs, ctx.target.model.hidden_size if ctx.target.capture_final else 0)
-    if not ctx.aux_checked:
-        assert_aux_shape(aux, ctx.draft.num_aux, ctx.target.model.hidden_size)
-        ctx.aux_checked = True
-    return aux, counts
-
-
-def settle_draft(ctx: SpecContext, seqs: list[Sequence]) -> None:
-    """Feed the draft all but the last of the positions it has not seen (after a prefill, plain steps or a longer
-    chain), so that the step graphs' catch-up holds one row for these sequences: as catch-up rows through the draft's
-    graphs, ``max_rows`` at a time (a row's K/V stays in the cache for the rows after it). Not drafting cost: the price
-    of having decoded without the draft."""
-    with ctx.prof.phase("settle"):
-        lasts = [s.pending_aux[-1].last() for s in seqs]  # the row the step graphs' catch-up reads
-        aux, counts = take_aux(ctx, seqs)  # [T + B, A]
-        for s, last in zip(seqs, lasts):
-            s.pending_aux = [last]
-        starts = [sum(counts[:b]) for b in range(len(seqs))]
-        keep = [i for st, c in zip(starts, counts) for i in range(st, st + c - 1)]
-        aux = aux[torch.tensor(keep, dtype=torch.int64, device=aux.device)].to(ctx.draft.device)  # [T, A]: all but lasts
-        tokens = [s.tokens[s.draft_cached + 1 : s.num_tokens - 1] for s in seqs]
-        tables = block_table_tensor([s.block_table for s in seqs], ctx.draft.device)  # [B, MB]
-        rows, _ = _catch_up_rows(seqs, tokens, [len(t) for t in tokens], tables, ctx.draft)
-        step = ctx.draft.max_rows
-        for i in range(0, rows.num_rows, step):  # writes the draft's K/V of those positions
-            ctx.draft.decode(rows.slice(i, i + step), aux[i : i + step], from_aux=True)
-    for s in seqs:
-        s.draft_cached = s.num_tokens - 2
 
 
 def tree_step(ctx: SpecContext, seqs: list[Sequence], depth: int, topk: int, num_nodes: int) -> list[SeqResult]:

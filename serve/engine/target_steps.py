@@ -14,7 +14,7 @@ from eagleray.serve.engine.model_runner import ForwardBatch, TargetRunner, block
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.sampling import filter_logits, sample_rows
 from eagleray.serve.engine.sequence import AuxRows, Sequence
-from eagleray.serve.engine.spec_step import SeqResult
+from eagleray.serve.engine.spec_context import SeqResult
 from eagleray.serve.engine.startup import CpuThreads
 
 

@@ -212,7 +212,7 @@ def test_a_catch_up_after_plain_steps_is_kept_out_of_the_drafting_cost(target, t
     """The draft catches up on the tokens of plain steps at the next speculative step; that is the price of having
     switched, not of speculating, and counting it as drafting cost kept the policy plain (CPU, batch 1: 113 of 948
     steps speculative, 1.01x; 620 and 1.17-1.19x once excluded)."""
-    from eagleray.serve.engine.spec_step import SpecContext
+    from eagleray.serve.engine.spec_context import SpecContext
 
     lagged = []
     record = SpecContext.record_times
@@ -403,8 +403,8 @@ def test_the_drafts_prefill_of_joining_sequences_counts_in_the_speculative_cost(
 def test_the_prompt_share_of_a_catch_up(target, tokenizer, copy_draft):
     """Of the positions the draft has not seen, the prompt's are its prefill (counted), the rest plain steps'
     (not); a speculative step right after a prefill records its catch-up as a join."""
+    from eagleray.serve.engine.draft_catch_up import prompt_share
     from eagleray.serve.engine.sequence import Sequence
-    from eagleray.serve.engine.spec_step import prompt_share
 
     a = Sequence(list(range(10)), SamplingParams(max_tokens=8))
     a.output_token_ids = [1, 2, 3, 4, 5]  # 15 tokens, the draft saw none: 14 positions, 10 of them the prompt's
