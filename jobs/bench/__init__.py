@@ -10,7 +10,9 @@ and 8B shapes, jobs/bench/engine.py). `scaling` (drafts trained on different amo
 data size as a table, JSON, PNG and an MLflow run, jobs/bench/scaling.py). `adapt_shift` (code traffic through the
 Serve app with capture on, the adaptation loop, the hot-swap: τ before/after, capture overhead, jobs/bench/adapt_shift.py).
 `cpu-linear` (the native CPU linear vs torch's matmul on SmolLM2's weights per row count, jobs/bench/cpu_linear.py). `serve` (the Serve app vs
-`vllm serve` under vLLM's load generator, jobs/bench/serve_load.py).
+`vllm serve` under vLLM's load generator, jobs/bench/serve_load.py). `serve-loop` (the Serve engine replica's step loop
+under concurrent streaming clients, plain vs a draft, without Ray or HTTP: for machines without Ray Serve,
+jobs/bench/serve_loop.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ SUITES = {
     "adapt_shift": "eagleray.jobs.bench.adapt_shift",
     "cpu-linear": "eagleray.jobs.bench.cpu_linear",
     "serve": "eagleray.jobs.bench.serve_load",
+    "serve-loop": "eagleray.jobs.bench.serve_loop",
 }
 
 
