@@ -5,8 +5,8 @@ and its PyTorch reference, for CUDA graphs.
   blocks by block table (fixed width ``max_blocks``) and runs SDPA with a length mask. Any device; the CPU path.
 - :func:`decode_attention`: a split-K paged decode kernel (flash-decoding) that reads only the valid
   tokens of each sequence: grid (B, Hkv, splits), each program takes the Hq/Hkv query heads of one
-  KV head over a range of TILE-token tiles, and the last of them to finish merges the splits by their
-  log-sum-exp (``fused_merge``; else a second kernel does). GPU (or the Triton interpreter in tests). With ``split_tokens`` the splits have a fixed
+  KV head over a range of TILE-token tiles, then a second kernel merges the splits by their
+  log-sum-exp. GPU (or the Triton interpreter in tests). With ``split_tokens`` the splits have a fixed
   length, so a row's result does not depend on the batch (:func:`split_plan`).
 
 The caches are one layer's [num_blocks, block_size, Hkv, D]; ``block_tables`` [B, max_blocks] int32
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from eagleray.kernels.errors import KernelInputError, no_triton
-from eagleray.kernels.launch import pdl_launch, switch
+from eagleray.kernels.launch import pdl_launch
 
 try:  # Triton is optional on CPU machines
     import triton
@@ -29,7 +29,6 @@ try:  # Triton is optional on CPU machines
 except ImportError:  # pragma: no cover - exercised only where Triton is absent
     triton = None
 
-MERGE_ENV = "EAGLERAY_FUSED_MERGE"
 SPLIT_TARGET_PROGRAMS = 256  # aim for about two programs per SM of an H100/H200
 
 
@@ -63,8 +62,6 @@ if triton is not None:
         len_ptr,  # [B] int32
         o_ptr,  # [B, Hq, S, D] fp32 partial outputs
         lse_ptr,  # [B, Hq, S] fp32 partial log-sum-exp
-        out_ptr,  # [B, Hq, D] the merged output (MERGE)
-        cnt_ptr,  # [B * Hkv] int32 split programs done, zero at rest (MERGE)
         scale,
         window,
         HQ,
@@ -82,8 +79,6 @@ if triton is not None:
         TILE: tl.constexpr,
         TILES_PER_SPLIT: tl.constexpr,
         HAS_WINDOW: tl.constexpr,
-        MERGE: tl.constexpr,
-        SP: tl.constexpr,
         PDL: tl.constexpr,
     ):
         await_inputs(PDL)
@@ -125,33 +120,6 @@ if triton is not None:
         row = (b * HQ + heads) * S + s  # [GP]
         tl.store(o_ptr + row[:, None] * D + d[None, :], acc / safe[:, None], mask=gmask[:, None])
         tl.store(lse_ptr + row, tl.where(l_sum > 0, m + tl.log(safe), float("-inf")), mask=gmask)
-        if MERGE:  # the last of the S programs of (b, hkv) merges their partials: no merge launch
-            tl.debug_barrier()  # every thread's partial stores are issued before the release below
-            done = tl.atomic_add(cnt_ptr + b * tl.num_programs(1) + hkv, 1, sem="acq_rel")
-            if done == S - 1:
-                tl.debug_barrier()
-                for gi in tl.static_range(G):
-                    _merge_row(o_ptr, lse_ptr, out_ptr, b * HQ + hkv * G + gi, D, S, SP, D, True)
-                tl.atomic_xchg(cnt_ptr + b * tl.num_programs(1) + hkv, 0, sem="relaxed")  # zero for the next launch
-
-    @triton.jit
-    def _merge_row(
-        o_ptr, lse_ptr, out_ptr, row, stride_out, S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, L2: tl.constexpr
-    ):
-        """Merge the S partials of one (sequence, head) ``row`` by their log-sum-exp, in split order -> out [D]
-        (``L2``: read them from L2, past this SM's L1, which may hold an earlier step's lines)."""
-        si = tl.arange(0, SP)
-        d = tl.arange(0, D)
-        smask = si < S
-        cache: tl.constexpr = ".cg" if L2 else ""
-        lse = tl.load(lse_ptr + row * S + si, mask=smask, other=float("-inf"), cache_modifier=cache)  # [SP]
-        w = tl.exp(lse - tl.max(lse, 0))
-        w = tl.where(smask, w, 0.0)
-        o = tl.load(
-            o_ptr + (row * S + si[:, None]) * D + d[None, :], mask=smask[:, None], other=0.0, cache_modifier=cache
-        )  # [SP, D]
-        out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)  # [D]
-        tl.store(out_ptr + row * stride_out + d, out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
     def _decode_merge_kernel(
@@ -165,7 +133,16 @@ if triton is not None:
         PDL: tl.constexpr,
     ):
         await_inputs(PDL)
-        _merge_row(o_ptr, lse_ptr, out_ptr, tl.program_id(0), stride_out, S, SP, D, False)
+        row = tl.program_id(0)
+        si = tl.arange(0, SP)
+        d = tl.arange(0, D)
+        smask = si < S
+        lse = tl.load(lse_ptr + row * S + si, mask=smask, other=float("-inf"))  # [SP]
+        w = tl.exp(lse - tl.max(lse, 0))
+        w = tl.where(smask, w, 0.0)
+        o = tl.load(o_ptr + (row * S + si[:, None]) * D + d[None, :], mask=smask[:, None], other=0.0)  # [SP, D]
+        out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)  # [D]
+        tl.store(out_ptr + row * stride_out + d, out.to(out_ptr.dtype.element_ty))
 
 
 def _check(
@@ -212,14 +189,10 @@ def decode_attention(
     tile: int = 64,
     split_tokens: int | None = None,
     reference: bool = False,
-    fused_merge: bool | None = None,
 ) -> torch.Tensor:
     """Paged decode attention: q [B, Hq, D] -> [B, Hq, D]; no host sync.
 
     The split-K Triton kernel reads only valid tokens (``tile``, ``split_tokens``: its plan, :func:`split_plan`).
-    ``fused_merge``: the last split program of a (sequence, KV head) merges the splits (one launch; its counter
-    in :func:`split_counters`), else a merge kernel does (two launches); the same arithmetic in another warp
-    layout (equal to the merge kernel within rounding, not bitwise). Default: ``EAGLERAY_FUSED_MERGE`` (on|off, on).
     ``reference=True`` (:data:`decode_attention_reference`): gather by block table + masked SDPA, on any device."""
     if reference:
         b, max_blocks = block_tables.shape
@@ -242,7 +215,6 @@ def decode_attention(
         )  # [B, Hq, 1, D]
         return o.squeeze(2)
     _check(q, k_cache, v_cache, block_tables, seq_lens)
-    fused_merge = switch(MERGE_ENV) if fused_merge is None else fused_merge
     b, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -250,8 +222,6 @@ def decode_attention(
     launch = pdl_launch(q.device)
     part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)  # [B, Hq, S, D]
     lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)  # [B, Hq, S]
-    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)  # [B, Hq, D]
-    sp = triton.next_power_of_2(splits)
     _decode_split_kernel[(b, hkv, splits)](
         q,
         k_cache,
@@ -260,8 +230,6 @@ def decode_attention(
         seq_lens,
         part,
         lse,
-        out,
-        split_counters(q.device, b * hkv) if fused_merge else lse,
         float(scale),
         int(sliding_window or 0),
         hq,
@@ -279,37 +247,12 @@ def decode_attention(
         TILE=tile,
         TILES_PER_SPLIT=per_split,
         HAS_WINDOW=sliding_window is not None,
-        MERGE=fused_merge,
-        SP=sp,
         num_warps=4,
         **launch,
     )
-    if not fused_merge:
-        _decode_merge_kernel[(b * hq,)](part, lse, out, d, S=splits, SP=sp, D=d, num_warps=1, **launch)
+    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)  # [B, Hq, D]
+    _decode_merge_kernel[(b * hq,)](part, lse, out, d, S=splits, SP=triton.next_power_of_2(splits), D=d, num_warps=1, **launch)
     return out
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_OUTGROWN: list[torch.Tensor] = []  # buffers replaced by a larger one: graphs captured with them still use them
-MIN_COUNTERS = 65536  # (sequence, KV head) pairs: 8,192 rows of 8 KV heads (256 KB) before the buffer grows
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """The fused merge's counters on ``device`` (at least ``n``, int32, zero at rest: the merging program zeroes its
-    own). One buffer a device, made or grown outside CUDA graph capture (a graph's warm-up run makes it first)."""
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise KernelInputError(
-                "decode_attention: split counters",
-                f"a counter buffer of >= {n} made before capture",
-                "none or a smaller one while capturing a CUDA graph",
-                "run the step once eagerly (warm-up) before capturing it",
-            )
-        if have is not None:
-            _OUTGROWN.append(have)
-        _COUNTERS[device] = have = torch.zeros(max(n, MIN_COUNTERS), dtype=torch.int32, device=device)
-    return have
 
 
 decode_attention_reference = functools.partial(decode_attention, reference=True)  # gather + masked SDPA, any device

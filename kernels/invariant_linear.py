@@ -37,10 +37,8 @@ from pathlib import Path
 
 import torch
 
-from eagleray.kernels.decode_ops import KVWrite
 from eagleray.kernels.errors import KernelInputError, no_triton
 from eagleray.kernels.launch import pdl_launch
-from eagleray.kernels.pair_epilogues import EPI_GLU, EPI_NONE, EPI_ROPE
 
 try:
     import triton
@@ -126,7 +124,6 @@ def invariant_linear_reference(
 if triton is not None:
     from eagleray.kernels.grid import program_range
     from eagleray.kernels.launch import await_inputs
-    from eagleray.kernels.pair_epilogues import pair_source, pair_store
 
     @triton.jit
     def _partial_kernel(
@@ -144,16 +141,6 @@ if triton is not None:
         stride_r,
         stride_o,
         K_PER_SPLIT,
-        half,
-        pos_ptr,
-        inv_ptr,
-        slot_ptr,
-        k_ptr,
-        v_ptr,
-        stride_slot,
-        HQ,
-        HKV,  # the pair epilogue's (pair_epilogues.pair_store)
-        EPI: tl.constexpr,
         FUSED: tl.constexpr,
         IEEE: tl.constexpr,
         HAS_BIAS: tl.constexpr,
@@ -168,13 +155,7 @@ if triton is not None:
         pid_n = tl.program_id(1)
         s = tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)  # [BM]
-        rn = pid_n * BN + tl.arange(0, BN)  # [BN] output columns
-        src = rn  # [BN] the weight row of each
-        if FUSED and EPI != 0:  # tile column 2i + e: pair pid_n * BN/2 + i, its first (e 0) or second (1) column
-            j = tl.arange(0, BN)
-            pairs = pid_n * (BN // 2) + j // 2
-            src = pair_source(pairs, j % 2, half, EPI)
-            rn = src  # masks and bias by weight row; the tile's columns stay in pair order
+        rn = pid_n * BN + tl.arange(0, BN)  # [BN]
         mmask, nmask = rm < M, rn < N
         acc = tl.zeros([BM, BN], tl.float32)
         k_lo = s * K_PER_SPLIT
@@ -184,7 +165,7 @@ if triton is not None:
             kmask = rk < k_hi
             a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BM, BK]
             w = tl.load(
-                w_ptr + src[:, None] * stride_w + rk[None, :],
+                w_ptr + rn[:, None] * stride_w + rk[None, :],
                 mask=nmask[:, None] & kmask[None, :],
                 other=0.0,
                 eviction_policy="evict_first",
@@ -194,34 +175,7 @@ if triton is not None:
             else:
                 acc = tl.dot(a, tl.trans(w), acc)  # [BM, BN]
         omask = mmask[:, None] & nmask[None, :]
-        if FUSED and EPI != 0:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rn, mask=nmask, other=0.0)[None, :].to(tl.float32)
-            y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the linear's rounding, then the pair op's
-            a, b = tl.split(tl.reshape(y, [BM, BN // 2, 2]))  # [BM, BN/2] each: first and second columns
-            p = pid_n * (BN // 2) + tl.arange(0, BN // 2)
-            pmask = p < N // 2
-            pair_store(
-                a,
-                b,
-                rm,
-                p,
-                mmask,
-                pmask,
-                out_ptr,
-                stride_o,
-                half,
-                pos_ptr,
-                inv_ptr,
-                slot_ptr,
-                k_ptr,
-                v_ptr,
-                stride_slot,
-                HQ,
-                HKV,
-                EPI,
-            )
-        elif FUSED:
+        if FUSED:
             _epilogue(acc, rm, rn, N, omask, b_ptr, res_ptr, out_ptr, stride_r, stride_o, HAS_BIAS, HAS_RES)
         else:
             tl.store(part_ptr + (s * M + rm[:, None]) * N + rn[None, :], acc, mask=omask)
@@ -265,68 +219,6 @@ if triton is not None:
         for s in tl.static_range(S):  # split order: the fixed summation order
             acc += tl.load(part_ptr + (s * M + rm[:, None]) * N + rn[None, :], mask=omask, other=0.0)
         _epilogue(acc, rm, rn, N, omask, b_ptr, res_ptr, out_ptr, stride_r, stride_o, HAS_BIAS, HAS_RES)
-
-    @triton.jit
-    def _pair_reduce_kernel(
-        part_ptr,  # [S, M, N] fp32
-        b_ptr,  # [N]
-        out_ptr,
-        M,
-        N,
-        stride_o,
-        half,
-        pos_ptr,
-        inv_ptr,
-        slot_ptr,
-        k_ptr,
-        v_ptr,
-        stride_slot,
-        HQ,
-        HKV,  # see pair_epilogues.pair_store
-        EPI: tl.constexpr,
-        S: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        BM: tl.constexpr,
-        BP: tl.constexpr,
-        PDL: tl.constexpr,
-    ):
-        """The split sums of both columns of ``BP`` pairs, in split order, then the pair epilogue."""
-        await_inputs(PDL)
-        rm, mmask = program_range(0, BM, M)
-        p, pmask = program_range(1, BP, N // 2)
-        first, second = pair_source(p, 0, half, EPI), pair_source(p, 1, half, EPI)  # [BP] each
-        mask = mmask[:, None] & pmask[None, :]
-        a = tl.zeros([BM, BP], tl.float32)
-        b = tl.zeros([BM, BP], tl.float32)
-        for s in tl.static_range(S):  # split order: the fixed summation order
-            row = part_ptr + (s * M + rm[:, None]) * N
-            a += tl.load(row + first[None, :], mask=mask, other=0.0)
-            b += tl.load(row + second[None, :], mask=mask, other=0.0)
-        if HAS_BIAS:
-            a += tl.load(b_ptr + first, mask=pmask, other=0.0)[None, :].to(tl.float32)
-            b += tl.load(b_ptr + second, mask=pmask, other=0.0)[None, :].to(tl.float32)
-        dt = out_ptr.dtype.element_ty
-        a, b = a.to(dt).to(tl.float32), b.to(dt).to(tl.float32)
-        pair_store(
-            a,
-            b,
-            rm,
-            p,
-            mmask,
-            pmask,
-            out_ptr,
-            stride_o,
-            half,
-            pos_ptr,
-            inv_ptr,
-            slot_ptr,
-            k_ptr,
-            v_ptr,
-            stride_slot,
-            HQ,
-            HKV,
-            EPI,
-        )
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None) -> None:
@@ -374,57 +266,15 @@ def invariant_linear(
     """x [M, K] @ weight [N, K].T (+ bias) -> weight.dtype (+ residual [M, N]) -> [M, N]; row results do not
     depend on M (see the module docstring)."""
     _check(x, weight, bias, residual)
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=weight.dtype, device=x.device)  # [M, N]
-    _launch(x, weight, bias, residual, out, EPI_NONE, None)
-    return out
-
-
-def invariant_linear_glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T) of a fused gate/up weight [2I, K] (gate rows first) -> [M, I], in one launch
-    (two with a K split): the batch-invariant products, rounded, then SiLU*up as ``decode_ops.silu_mul``."""
-    _check(x, weight, bias, None)
-    if weight.shape[0] % 2:
-        raise KernelInputError(
-            "invariant_linear_glu: weight",
-            "[2I, K]: gate rows then up rows",
-            str(tuple(weight.shape)),
-            "pass the fused gate_up weight",
-        )
-    out = torch.empty(x.shape[0], weight.shape[0] // 2, dtype=weight.dtype, device=x.device)  # [M, I]
-    _launch(x, weight, bias, None, out, EPI_GLU, (weight.shape[0] // 2, None))
-    return out
-
-
-def invariant_linear_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kv: KVWrite) -> torch.Tensor:
-    """The fused q/k/v product x @ weight.T (weight [(Hq+2Hkv)*D, K]) with rotary on q and k and k, v written at
-    ``kv.slots`` -> q [M, Hq, D], in one launch (two with a K split); equals invariant_linear then
-    ``decode_ops.rope_write_kv``."""
-    _check(x, weight, bias, None)
-    d = kv.k_cache.shape[-1]
-    if d % 2 or weight.shape[0] != (kv.hq + 2 * kv.hkv) * d:
-        raise KernelInputError(
-            "invariant_linear_rope: weight",
-            f"[(Hq+2Hkv)*D, K] = [{(kv.hq + 2 * kv.hkv) * d}, K] with D even",
-            str(tuple(weight.shape)),
-            "pass this layer's fused qkv weight (hq, hkv and the cache's head_dim must match it)",
-        )
-    q = torch.empty(x.shape[0], kv.hq * d, dtype=weight.dtype, device=x.device)  # [M, Hq*D]
-    _launch(x, weight, bias, None, q, EPI_ROPE, (d // 2, kv))
-    return q.view(x.shape[0], kv.hq, d)
-
-
-def _launch(x, weight, bias, residual, out, epi: int, pair: tuple[int, KVWrite | None] | None) -> None:
-    """The product kernel (and the split reduction) writing ``out``; ``pair`` = (half, kv) for a pair epilogue."""
     m, k = x.shape
     n = weight.shape[0]
     p = plan(n, k, x.device)
+    out = torch.empty(m, n, dtype=weight.dtype, device=x.device)  # [M, N]
     fused = p.splits == 1
     launch = pdl_launch(x.device)
     part = out if fused else torch.empty(p.splits, m, n, dtype=torch.float32, device=x.device)  # [S, M, N]
     b = bias if bias is not None else out
     r = residual if residual is not None else out
-    half, kv = pair if pair is not None else (1, None)
-    rope = _rope_args(kv, out)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, p.block_n), p.splits)
     _partial_kernel[grid](
         x,
@@ -441,9 +291,6 @@ def _launch(x, weight, bias, residual, out, epi: int, pair: tuple[int, KVWrite |
         r.stride(0),
         out.stride(0),
         p.k_per_split,
-        half,
-        *rope,
-        EPI=epi,
         FUSED=fused,
         IEEE=weight.dtype == torch.float32,
         HAS_BIAS=bias is not None,
@@ -455,48 +302,22 @@ def _launch(x, weight, bias, residual, out, epi: int, pair: tuple[int, KVWrite |
         num_stages=p.stages,
         **launch,
     )
-    if fused:
-        return
-    if epi != EPI_NONE:
-        _pair_reduce_kernel[(triton.cdiv(m, 32), triton.cdiv(n // 2, 64))](
+    if not fused:
+        _reduce_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 128))](
             part,
             b,
+            r,
             out,
             m,
             n,
+            r.stride(0),
             out.stride(0),
-            half,
-            *rope,
-            EPI=epi,
             S=p.splits,
             HAS_BIAS=bias is not None,
+            HAS_RES=residual is not None,
             BM=32,
-            BP=64,
+            BN=128,
             num_warps=4,
             **launch,
         )
-        return
-    _reduce_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 128))](
-        part,
-        b,
-        r,
-        out,
-        m,
-        n,
-        r.stride(0),
-        out.stride(0),
-        S=p.splits,
-        HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None,
-        BM=32,
-        BN=128,
-        num_warps=4,
-        **launch,
-    )
-
-
-def _rope_args(kv: KVWrite | None, out: torch.Tensor) -> tuple:
-    """(pos, inv_freq, slots, k_cache, v_cache, slot stride, Hq, Hkv) for the rotary epilogue; placeholders without."""
-    if kv is None:
-        return (out, out, out, out, out, 0, 0, 0)
-    return (kv.positions, kv.inv_freq, kv.slots, kv.k_cache, kv.v_cache, kv.k_cache.stride(1), kv.hq, kv.hkv)
+    return out

@@ -42,15 +42,6 @@ def pdl_mode() -> str:
     return mode
 
 
-def switch(env: str, default: str = "on") -> bool:
-    """An on/off setting of the decode step's kernels (``EAGLERAY_PAIR_EPILOGUES``, ``EAGLERAY_FUSED_MERGE``: the
-    A/B of a fusion), checked."""
-    mode = os.environ.get(env, default).strip().lower() or default
-    if mode not in ("on", "off"):
-        raise KernelInputError(env, "on or off", repr(mode), f"export {env}={default} (or unset it)")
-    return mode == "on"
-
-
 def interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET``; tests on CPU)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

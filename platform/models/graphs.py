@@ -12,8 +12,6 @@ Two step implementations, both equal to the model's own forward:
 - :class:`FusedDecodeStep`: the same layers in ~10 launches each - q/k/v and gate/up as one GEMM
   each (the parameters become views of one fused tensor), fused residual-add + RMSNorm, fused
   rotary + KV write, the split-K decode attention kernel, fused SiLU * up. Not for Qwen3 (q/k norm).
-  Batch-invariant on GPU, rotary + KV write and SiLU * up run in the epilogues of the q/k/v and gate/up
-  products (:mod:`eagleray.kernels.pair_epilogues`): 8 launches a layer.
 
 Padding rows (a batch of 3 runs in bucket 4) write their K/V to ``pad_slot``, by default the last
 slot of the cache: the block manager must never hand out the cache's last block while a runner
@@ -42,8 +40,7 @@ from eagleray.kernels.decode_ops import (
     silu_mul,
     silu_mul_reference,
 )
-from eagleray.kernels.invariant_linear import invariant_linear, invariant_linear_glu, invariant_linear_rope
-from eagleray.kernels.pair_epilogues import pair_epilogues_enabled
+from eagleray.kernels.invariant_linear import invariant_linear
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.attention import KVCache
 from eagleray.platform.models.decode_metadata import DecodeMetadata
@@ -102,8 +99,6 @@ class FusedDecodeStep:
         self.add_rmsnorm, self.rope_write_kv, self.silu_mul = (
             kernels if use_triton else (add_rmsnorm_reference, rope_write_kv_reference, silu_mul_reference)
         )
-        # the batch-invariant products on GPU: SiLU*up and rotary + KV write in their epilogues (pair_epilogues)
-        self.pairs = use_triton and invariant and pair_epilogues_enabled()
         # batch 1: Triton GEMVs with the element-wise ops folded in (one rank only: no all-reduce there)
         self.use_gemv = (use_triton if use_gemv is None else use_gemv) and model.tp.world == 1 and not invariant
         fused = getattr(model, "_decode_fused", None)  # fuse once per model; later steps share it
@@ -133,11 +128,12 @@ class FusedDecodeStep:
             x, h = self.add_rmsnorm(h, delta, layer.input_layernorm.weight, self.eps)  # [B, H] x2
             if i in wanted:
                 aux.append(h)
-            q = self._qkv_rope(i, x, self._kv_write(i, positions, meta, kv))  # [B, Hq, D]; k, v to the cache
+            qkv = self._linear(x, *self.qkv[i])  # [B, (Hq+2Hkv)*D]
+            q = self.rope_write_kv(qkv, self._kv_write(i, positions, meta, kv))  # [B, Hq, D]
             o = meta.attend_cached(q, kv.k[i], kv.v[i], self.scale, self.window)  # [B, Hq, D]
             delta = self._proj(layer.self_attn.o_proj, o.reshape(b, -1))  # [B, H]
             x, h = self.add_rmsnorm(h, delta, layer.post_attention_layernorm.weight, self.eps)
-            delta = self._proj(layer.mlp.down_proj, self._glu(i, x))  # [B, H]
+            delta = self._proj(layer.mlp.down_proj, self.silu_mul(self._linear(x, *self.gate_up[i])))  # [B, H]
         x, h = self.add_rmsnorm(h, delta, m.norm.weight, self.eps)
         if m.arch.num_layers in wanted:
             aux.append(h)
@@ -147,18 +143,6 @@ class FusedDecodeStep:
     def _kv_write(self, i: int, positions: torch.Tensor, meta: DecodeMetadata, kv: KVCache) -> KVWrite:
         """Layer ``i``'s new k and v: rotated at ``positions`` [B], stored in its cache at the rows' slots."""
         return KVWrite(positions, self.inv_freq, kv.k[i], kv.v[i], meta.slot_mapping, self.hq, self.hkv)
-
-    def _qkv_rope(self, i: int, x: torch.Tensor, write: KVWrite) -> torch.Tensor:
-        """Layer ``i``'s q [B, Hq, D] (rotary applied); its k and v written to the cache."""
-        if self.pairs:
-            return invariant_linear_rope(x.contiguous(), *self.qkv[i], write)
-        return self.rope_write_kv(self._linear(x, *self.qkv[i]), write)  # [B, (Hq+2Hkv)*D] -> [B, Hq, D]
-
-    def _glu(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """Layer ``i``'s silu(x @ gate.T) * (x @ up.T) -> [B, I]."""
-        if self.pairs:
-            return invariant_linear_glu(x.contiguous(), *self.gate_up[i])
-        return self.silu_mul(self._linear(x, *self.gate_up[i]))  # [B, 2I] -> [B, I]
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, K] @ weight [N, K].T: batch-invariant when asked (Triton on GPU, the native kernel on CPU)."""

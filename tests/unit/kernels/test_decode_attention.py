@@ -32,19 +32,6 @@ def test_kernel_matches_reference(window, split_tokens):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("window", [None, 5])
-def test_fused_merge_equals_the_merge_kernel_and_leaves_its_counters_at_zero(window):
-    """The last split program of each (sequence, KV head) merges the splits (one launch): the merge kernel's bits,
-    call after call (the merging program zeroes its counter for the next launch)."""
-    q, k_cache, v_cache, tables, lens = _case(3)
-    args = (q, k_cache, v_cache, tables, lens, 0.25, window)
-    two = decode_attention(*args, tile=4, split_tokens=8, fused_merge=False)
-    for _ in range(3):
-        assert torch.equal(decode_attention(*args, tile=4, split_tokens=8), two)
-        assert not module.split_counters(q.device, B * HKV).any()
-    torch.testing.assert_close(two, decode_attention_reference(*args), atol=1e-5, rtol=1e-5)
-
-
 def test_fixed_split_tokens_make_the_plan_independent_of_the_batch():
     assert split_plan(1024, 1, 8, 64, split_tokens=256) == split_plan(1024, 64, 8, 64, split_tokens=256) == (4, 4)
     assert split_plan(1024, 1, 8, 64) != split_plan(1024, 64, 8, 64)  # without it the split follows the batch
@@ -71,11 +58,3 @@ def test_without_triton_the_wrapper_names_the_reference(monkeypatch):
     monkeypatch.setattr(module, "triton", None)
     with pytest.raises(KernelInputError, match="use decode_attention_reference"):
         decode_attention(*_case(), 0.25)
-
-
-def test_outgrown_split_counters_stay_alive_for_the_graphs_that_captured_them():
-    dev = torch.device("cpu")
-    first = module.split_counters(dev, 1)
-    bigger = module.split_counters(dev, first.numel() + 1)
-    assert bigger.numel() > first.numel() and any(t is first for t in module._OUTGROWN)
-    assert module.split_counters(dev, 1) is bigger

@@ -39,15 +39,3 @@ def test_pdl_auto_turns_on_for_a_supported_device(monkeypatch):
     assert launch.pdl_launch(CPU) == {"PDL": True, "launch_pdl": True}
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter has no PDL: off even on a supported device
     assert launch.pdl_launch(CPU) == {"PDL": False}
-
-
-@pytest.mark.parametrize("value,expected", [("on", True), ("OFF", False), ("", True)])
-def test_switch_reads_on_and_off(monkeypatch, value, expected):
-    monkeypatch.setenv("EAGLERAY_FUSED_MERGE", value)
-    assert launch.switch("EAGLERAY_FUSED_MERGE") is expected
-
-
-def test_switch_refuses_other_values_by_name(monkeypatch):
-    monkeypatch.setenv("EAGLERAY_PAIR_EPILOGUES", "maybe")
-    with pytest.raises(KernelInputError, match="EAGLERAY_PAIR_EPILOGUES"):
-        launch.switch("EAGLERAY_PAIR_EPILOGUES")
