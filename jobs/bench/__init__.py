@@ -12,7 +12,8 @@ Serve app with capture on, the adaptation loop, the hot-swap: τ before/after, c
 `cpu-linear` (the native CPU linear vs torch's matmul on SmolLM2's weights per row count, jobs/bench/cpu_linear.py). `serve` (the Serve app vs
 `vllm serve` under vLLM's load generator, jobs/bench/serve_load.py). `serve-loop` (the Serve engine replica's step loop
 under concurrent streaming clients, plain vs a draft, without Ray or HTTP: for machines without Ray Serve,
-jobs/bench/serve_loop.py).
+jobs/bench/serve_loop.py). `step-kernels` (a decode step's time kernel by kernel in its CUDA graph, GPU,
+jobs/bench/step_kernels.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ SUITES = {
     "cpu-linear": "eagleray.jobs.bench.cpu_linear",
     "serve": "eagleray.jobs.bench.serve_load",
     "serve-loop": "eagleray.jobs.bench.serve_loop",
+    "step-kernels": "eagleray.jobs.bench.step_kernels",
 }
 
 

@@ -417,3 +417,23 @@ def test_the_prompt_share_of_a_catch_up(target, tokenizer, copy_draft):
     engine.generate(PROMPTS[-1:], SamplingParams(max_tokens=6, ignore_eos=True))
     joins = engine.policy.costs[1].joins
     assert joins[0] > 0 and all(j == 0 for j in list(joins)[1:])  # the first step caught up the prompt, no other
+
+
+def test_a_plain_decision_is_kept_a_few_steps_and_rescored_after_a_speculative_step(monkeypatch):
+    """While no k pays, every k is scored once per REDECIDE plain choices (not every step); a speculative step's new
+    costs and acceptance make the next choice score again at once (else a draft that became good waits)."""
+    from eagleray.serve.engine import policy as mod
+
+    p = AdaptivePolicy(4, probe_interval=10_000, max_probe_interval=10_000)
+    for _ in range(mod.EVIDENCE):  # nothing accepted: no k pays
+        p.observe_spec(1, 4, 0.020, 0.004, [0], 0.0)
+        p.observe_plain(1, 0.010)
+    scored = []
+    real = AdaptivePolicy.best
+    monkeypatch.setattr(AdaptivePolicy, "best", lambda self, b: scored.append(b) or real(self, b))
+    assert [p.choose(1) for _ in range(mod.REDECIDE + 1)] == [0] * (mod.REDECIDE + 1)
+    assert len(scored) == 2  # once per REDECIDE plain choices: the first and the last
+    for _ in range(mod.EVIDENCE):  # at batch 8 (where verifying costs too much to pay) the draft accepts everything
+        p.observe_spec(8, 4, 0.200, 0.010, [4] * 8, 0.0)
+    assert p.best(8)[0] == 0 and p.best(1)[0] > 0
+    assert p.choose(1) > 0  # acceptance changed: batch 1's kept plain decision is stale
