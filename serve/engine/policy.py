@@ -14,10 +14,14 @@
   forward + verification of k+1 tokens and the step's host work, so that it compares with t_plain; about flat
   in k while the step is memory-bound on a GPU, less so on a CPU) and t_draft(B, k) (the whole drafting of k
   tokens: the catch-up forward plus k-1 chain forwards and their launches; a catch-up over plain steps' tokens is
-  not counted), and t_join(B) (the draft's catch-up over the prompts of sequences that joined since the last
-  speculative step - the draft's prefill, a cost of speculating at all - averaged over the last ``JOIN_WINDOW``
-  speculative steps: bursty, one step in several pays it; on the H200 it made SmolLM2's speculative steps at 32-64
-  sequences 25-30% dearer than the policy predicted). t_verify and t_draft are measured per batch-size bucket and
+  not counted), and t_join(B, k) (the draft's catch-up over the prompts of sequences that joined - the draft's
+  prefill, a cost of speculating at all; on the H200 it made SmolLM2's speculative steps at 32-64 sequences 25-30%
+  dearer than the policy predicted). A speculative step catches up every sequence that joined since the last one,
+  so its join time is a cost per token emitted meanwhile (sequences join as others finish, after a number of
+  tokens): t_join(B, k) = (join seconds / tokens emitted, plain and speculative steps, over the last
+  ``JOIN_WINDOW`` speculative steps) * B * E(k). Averaged over speculative steps instead, the catch-up a rare
+  probe pays for a thousand plain steps' joins counted as the cost of every speculative step (10.6 ms at 64
+  SmolLM2 sequences on the H200, where a plain step costs 3.2), and the policy never speculated again. t_verify and t_draft are measured per batch-size bucket and
   per k as the median of the last ``RECENT`` steps (one
   whole step that took 59 ms, where plain steps take 1.2, made a moving average predict 30x for an untrained draft
   on the H200, and it speculated at 0.69x). Drafting is not k times a
@@ -59,7 +63,7 @@ PRIOR = 2.0  # the optimistic prior (every draft accepted) counts as this many v
 EVIDENCE = 16  # verified sequences before acceptance follows the measured rate and may be judged hopeless
 ACCEPT_WINDOW = 64  # after EVIDENCE, a_i is a moving average over about this many verified sequences
 RECENT = 9  # a cost is the median of this many latest steps
-JOIN_WINDOW = 32  # t_join is the mean over this many latest speculative steps
+JOIN_WINDOW = 32  # t_join's rate is over the tokens emitted since this many speculative steps ago
 REDECIDE = 8  # plain choices between two scorings of every k while none pays (a speculative step rescores at once)
 
 
@@ -139,14 +143,17 @@ class _Costs:
     plain_steps: int = 0
     spec_steps: int = 0
     recent: dict[tuple, deque] = field(default_factory=dict)  # the latest seconds of each cost above
-    joins: deque = field(default_factory=lambda: deque(maxlen=JOIN_WINDOW))  # catch-up over joined prompts, a step
+    joins: deque = field(default_factory=lambda: deque(maxlen=JOIN_WINDOW))  # (catch-up seconds, tokens emitted)
+    emitted: int = 0  # tokens emitted by decode steps since the last speculative step (its joins' share)
     decision: tuple[int, float] | None = None  # the last (k, predicted speedup) of best(), kept while k = 0
     decided_at: int = -1  # AdaptivePolicy._observed when it was made
     decision_age: int = 0  # choices since
 
     @property
-    def join(self) -> float:
-        return sum(self.joins) / len(self.joins) if self.joins else 0.0
+    def join_per_token(self) -> float:
+        """The draft's catch-up over joined prompts, seconds per token emitted."""
+        tokens = sum(t for _, t in self.joins)
+        return sum(s for s, _ in self.joins) / tokens if tokens else 0.0
 
     def update(self, key: tuple, seconds: float) -> float:
         """Record a step's ``seconds`` for the cost ``key`` -> the median of its latest ``RECENT``."""
@@ -197,7 +204,7 @@ class AdaptivePolicy:
         if c.spec_steps < 2 and not self._hopeless():
             return self.k_max  # measure this bucket's speculation costs (and acceptance) first
         if c.plain_steps < 2 or c.spec_steps < 2:
-            return self._plain_or_probe(c)
+            return self._plain_or_probe(c, batch)
         k, speedup = self._decide(c, batch)
         self.last_prediction = {"batch": batch, "k": k, "predicted_speedup": round(speedup, 4)}
         if k > 0:
@@ -208,7 +215,7 @@ class AdaptivePolicy:
                 return self.k_max
             self._set(k)
             return k
-        return self._plain_or_probe(c)
+        return self._plain_or_probe(c, batch)
 
     def _decide(self, c: _Costs, batch: int) -> tuple[int, float]:
         """:meth:`best`, kept while it says plain until ``REDECIDE`` plain steps pass or a speculative step is
@@ -232,12 +239,12 @@ class AdaptivePolicy:
         so E(k_max) bounds the speedup. A new bucket then starts plain (and probes) instead of measuring."""
         return self._seen[0] >= EVIDENCE and self.expected_tokens(self.k_max) < 1 + self.margin
 
-    def _plain_or_probe(self, c: _Costs) -> int:
+    def _plain_or_probe(self, c: _Costs, batch: int) -> int:
         """A plain step, or a probe of k_max once the (cost-scaled, doubling) probe interval has passed."""
         self._set(0)
         self._since_probe += 1
         # a probe where speculating costs r plain steps loses about r - 1 of them: probe r times less often
-        ratio = 1.0 if not self._measured(c) else max(1.0, self._step_cost(c, self.k_max) / c.plain)
+        ratio = 1.0 if not self._measured(c) else max(1.0, self._step_cost(c, self.k_max, batch) / c.plain)
         interval = self.max_probe_interval if self._hopeless() else self._probe_interval  # a draft never accepted: rarely
         if self._since_probe >= interval * ratio:
             self._since_probe = 0
@@ -257,16 +264,19 @@ class AdaptivePolicy:
 
     def predicted_speedup(self, batch: int, k: int) -> float:
         c = self.costs[bucket(batch)]
-        return self.expected_tokens(k) * c.plain / self._step_cost(c, k)
+        return self.expected_tokens(k) * c.plain / self._step_cost(c, k, batch)
 
     @staticmethod
     def _measured(c: _Costs) -> bool:
         return c.plain is not None and bool(c.verify_by_k) and bool(c.draft_by_k)
 
-    @classmethod
-    def _step_cost(cls, c: _Costs, k: int) -> float:
-        """t_verify(k) + t_draft(k) + t_join: the seconds of a speculative step drafting k tokens."""
-        return cls._verify_cost(c, k) + _at_k(c.draft_by_k, k, 0.0) + c.join
+    def _step_cost(self, c: _Costs, k: int, batch: int) -> float:
+        """t_verify(k) + t_draft(k) + t_join(k): the seconds of a speculative step of ``batch`` sequences drafting k."""
+        return self._verify_cost(c, k) + _at_k(c.draft_by_k, k, 0.0) + self._join_cost(c, k, batch)
+
+    def _join_cost(self, c: _Costs, k: int, batch: int) -> float:
+        """t_join: the catch-up over joined prompts that a step emitting batch * E(k) tokens pays, on average."""
+        return c.join_per_token * batch * self.expected_tokens(k)
 
     @staticmethod
     def _verify_cost(c: _Costs, k: int) -> float:
@@ -292,6 +302,7 @@ class AdaptivePolicy:
         c = self._bucket(batch)
         c.plain = c.update(("plain",), seconds)
         c.plain_steps += 1
+        c.emitted += batch
 
     def observe_spec(
         self, batch: int, k: int, verify_seconds: float, draft_seconds: float, accepted: list[int], join_seconds: float = 0.0
@@ -300,7 +311,8 @@ class AdaptivePolicy:
         draft's catch-up over the prompts of sequences that joined since the last one."""
         c = self._bucket(batch)
         self._observed += 1
-        c.joins.append(join_seconds)
+        c.joins.append((join_seconds, c.emitted + len(accepted) + sum(accepted)))
+        c.emitted = 0
         c.verify_by_k[k] = c.update(("verify", k), verify_seconds)
         c.draft_by_k[k] = c.update(("draft", k), draft_seconds)
         c.spec_steps += 1
@@ -308,7 +320,8 @@ class AdaptivePolicy:
         for i, rate in enumerate(rates):
             self._observe_accept(i, rate, len(accepted))
         step_pays = (
-            c.plain is not None and (1 + sum(rates)) * c.plain / (verify_seconds + draft_seconds + c.join) > 1 + self.margin
+            c.plain is not None
+            and (1 + sum(rates)) * c.plain / (verify_seconds + draft_seconds + self._join_cost(c, k, batch)) > 1 + self.margin
         )
         if step_pays or self.best(batch)[0] > 0:
             self._probe_interval = self.min_probe_interval  # it pays (again): keep measuring it
@@ -356,7 +369,7 @@ class AdaptivePolicy:
             at = k or self.k_max
             verify = round(self._verify_cost(c, at) * 1e3, 3) if c.verify_by_k else None
             draft = round(_at_k(c.draft_by_k, at, 0.0) * 1e3, 3) if c.draft_by_k else None
-            join = round(c.join * 1e3, 3)
+            join = round(self._join_cost(c, at, b) * 1e3, 3)
             out[b] = {
                 "plain_ms": None if c.plain is None else round(c.plain * 1e3, 3),
                 "verify_ms": verify,
