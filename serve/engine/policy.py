@@ -21,10 +21,10 @@
   tokens): t_join(B, k) = (join seconds / tokens emitted, plain and speculative steps, over the last
   ``JOIN_WINDOW`` speculative steps) * B * E(k). Averaged over speculative steps instead, the catch-up a rare
   probe pays for a thousand plain steps' joins counted as the cost of every speculative step (10.6 ms at 64
-  SmolLM2 sequences on the H200, where a plain step costs 3.2), and the policy never speculated again. t_verify and t_draft are measured per batch-size bucket and
-  per k as the median of the last ``RECENT`` steps (one
-  whole step that took 59 ms, where plain steps take 1.2, made a moving average predict 30x for an untrained draft
-  on the H200, and it speculated at 0.69x). Drafting is not k times a
+  SmolLM2 sequences on the H200, where a plain step costs 3.2), and the policy never speculated again.
+  t_verify and t_draft are measured per batch-size bucket and per k as the median of the last ``RECENT`` steps
+  (one whole step that took 59 ms, where plain steps take 1.2, made a moving average predict 30x for an untrained
+  draft on the H200, and it speculated at 0.69x). Drafting is not k times a
   per-token cost: a step's fixed part (staging, the catch-up's replay) divided by k made one k=1 forward cost
   0.24 ms a token against 0.11 at k=4 on the H200, and the policy kept k=1 where k=4 paid 1.28x. An unmeasured
   k lies on the line between the measured k around it; below every measured k, on the line from k = 0 (a plain
