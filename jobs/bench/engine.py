@@ -9,7 +9,8 @@ ignored (equal work). Each record: ``model, batch, mode (plain|spec), k, adaptiv
 (generated tokens / wall seconds, prefill included), ``decode_tok_s`` and ``step_ms`` (decode
 steps only, from the engine's step metrics; for spec records the speculative steps), ``decode_ratio`` (all
 decode steps of the run, plain and speculative, against the plain run's: what the adaptive policy is judged by), ``predicted_speedup`` (the policy's cost model),
-``lossless`` (spec outputs equal plain outputs token for token). Engines run with the row step
+``lossless`` (spec outputs equal plain outputs token for token). ``--repeats N``: the runs of a batch size alternate N
+times, each record is the median run (``tok_s_runs``: every run's tok/s). Engines run with the row step
 (``engine.decode_path``: CUDA graphs of the batch-invariant fused step) unless ``--decode-path``.
 """
 
@@ -54,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-path", default="auto", choices=["auto", "rows", "varlen"], help="engine.decode_path")
     p.add_argument("--kv-cache-gib", type=float, default=24.0, help="engine.kv_cache_gib of every run")
     p.add_argument("--profile", action="store_true", help="per-phase step profile (a sync per phase on CUDA)")
+    p.add_argument("--repeats", type=int, default=1, help="plain and speculative runs alternate this often (medians)")
     p.add_argument("--json", default=None, help="write the results here")
 
 
@@ -75,59 +77,92 @@ def _eight_b(device: torch.device):
 
 
 def _runs(name: str, target, draft, tok, tcfg: TargetConfig, prompts: list, args, out: list[dict]) -> None:
-    """Append the records of one model to ``out`` (and rewrite ``--json`` after each: a cut run keeps its records)."""
+    """Append the records of one model to ``out`` (and rewrite ``--json`` after each batch size: a cut run keeps its
+    records). With ``--repeats`` N the plain and speculative runs of a batch size alternate N times and each record is
+    the run with the median tok/s (``tok_s_runs``: all of them; ``speedup`` and ``decode_ratio`` against the plain
+    runs' medians): wall time at 32-128 sequences moved by +-10% between runs of the same work on the H200."""
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     fixed, adaptive_set = _ints(args.batches), _ints(args.adaptive_batches)
     for b in sorted(set(fixed) | set(adaptive_set)):
         use = prompts if name == "smollm2" or b > 8 else prompts[: args.limit_8b]
         use = full_rounds(use, b)
-        t0 = time.perf_counter()
-        run_cfg = EngineConfig(target=tcfg, max_num_seqs=b, profile_steps=args.profile, kv_cache_gib=args.kv_cache_gib)
-        token_prompts, plain, t_plain, eng = plain_run(target, tok, run_cfg, use, params)
-        rec = _record(name, b, "plain", 0, False, plain, t_plain, eng, None, None)
-        plain_whole, plain_decode = rec["whole_step_ms"], rec["decode_tok_s"]
-        rec["profile"] = eng.prof.table() if args.profile else None
-        _keep(out, rec, args)
-        log(
-            f"{name} b{b} plain: {rec['tok_s']} tok/s, decode {rec['decode_tok_s']} tok/s, step {rec['step_ms']} ms "
-            f"({time.perf_counter() - t0:.0f} s)"
-        )
         modes = ([False] if b in fixed else []) + ([True] if b in adaptive_set else [])
-        for adaptive in modes:
-            dcfg = DraftConfig(source="random", num_speculative_tokens=args.k, policy=PolicyConfig(adaptive=adaptive))
-            r = spec_run(target, draft, tok, run_cfg.model_copy(update={"draft": dcfg}), token_prompts, params, plain, t_plain)
-            rec = {
-                "model": name,
-                "batch": b,
-                "mode": "spec",
-                "k": args.k,
-                "adaptive": adaptive,
-                "tok_s": r["spec"]["tokens_per_s"],
-                "plain_tok_s": r["plain"]["tokens_per_s"],
-                "speedup": r["speedup"],
-                "decode_tok_s": r["spec_decode_tokens_per_s"],
-                "all_decode_tok_s": r["decode_tokens_per_s"],
-                "decode_ratio": round(r["decode_tokens_per_s"] / plain_decode, 3) if plain_decode else None,
-                "step_ms": r["spec_step_ms"] if r["spec_steps"] else None,
-                "predicted_speedup": _predicted(r, b, plain_whole, None if adaptive else args.k),
-                "whole_step_ms": r["spec_whole_step_ms"] if r["spec_steps"] else None,
-                "prefill_s": r["prefill_s"],
-                "measured_speedup": _measured(r, b, plain_whole),
-                "lossless": r["lossless"],
-                "tau": r["tau"],
-                "acceptance_per_pos": r["acceptance_per_pos"],
-                "chosen_k": {str(bk): c["k"] for bk, c in r["policy"]["buckets"].items()},
-                "spec_steps": r["spec_steps"],
-                "plain_steps": r["plain_steps_in_spec_run"],
-                "policy": r["policy"],
-                "profile": r["spec_profile"] if args.profile else None,
-            }
+        rounds = [_round(name, b, modes, target, draft, tok, tcfg, use, params, args) for _ in range(args.repeats)]
+        for rec in _medians(rounds):
             _keep(out, rec, args)
-            log(
-                f"{name} b{b} spec k={args.k} adaptive={adaptive}: {rec['tok_s']} tok/s ({rec['speedup']}x), "
-                f"step {rec['step_ms']} ms, tau {rec['tau']}, lossless {rec['lossless']}, chosen k {rec['chosen_k']}, "
-                f"predicted {rec['predicted_speedup']}"
-            )
+
+
+def _round(name, b, modes, target, draft, tok, tcfg, use, params, args) -> list[dict]:
+    """One plain run of ``b`` sequences, then a speculative run per mode (adaptive off / on) -> their records."""
+    t0 = time.perf_counter()
+    run_cfg = EngineConfig(target=tcfg, max_num_seqs=b, profile_steps=args.profile, kv_cache_gib=args.kv_cache_gib)
+    token_prompts, plain, t_plain, eng = plain_run(target, tok, run_cfg, use, params)
+    rec = _record(name, b, "plain", 0, False, plain, t_plain, eng, None, None)
+    plain_whole, plain_decode = rec["whole_step_ms"], rec["decode_tok_s"]
+    rec["profile"] = eng.prof.table() if args.profile else None
+    records = [rec]
+    log(
+        f"{name} b{b} plain: {rec['tok_s']} tok/s, decode {rec['decode_tok_s']} tok/s, step {rec['step_ms']} ms ({time.perf_counter() - t0:.0f} s)"
+    )
+    for adaptive in modes:
+        dcfg = DraftConfig(source="random", num_speculative_tokens=args.k, policy=PolicyConfig(adaptive=adaptive))
+        r = spec_run(target, draft, tok, run_cfg.model_copy(update={"draft": dcfg}), token_prompts, params, plain, t_plain)
+        rec = {
+            "model": name,
+            "batch": b,
+            "mode": "spec",
+            "k": args.k,
+            "adaptive": adaptive,
+            "tok_s": r["spec"]["tokens_per_s"],
+            "plain_tok_s": r["plain"]["tokens_per_s"],
+            "speedup": r["speedup"],
+            "decode_tok_s": r["spec_decode_tokens_per_s"],
+            "all_decode_tok_s": r["decode_tokens_per_s"],
+            "decode_ratio": round(r["decode_tokens_per_s"] / plain_decode, 3) if plain_decode else None,
+            "step_ms": r["spec_step_ms"] if r["spec_steps"] else None,
+            "predicted_speedup": _predicted(r, b, plain_whole, None if adaptive else args.k),
+            "whole_step_ms": r["spec_whole_step_ms"] if r["spec_steps"] else None,
+            "prefill_s": r["prefill_s"],
+            "measured_speedup": _measured(r, b, plain_whole),
+            "lossless": r["lossless"],
+            "tau": r["tau"],
+            "acceptance_per_pos": r["acceptance_per_pos"],
+            "chosen_k": {str(bk): c["k"] for bk, c in r["policy"]["buckets"].items()},
+            "spec_steps": r["spec_steps"],
+            "plain_steps": r["plain_steps_in_spec_run"],
+            "policy": r["policy"],
+            "profile": r["spec_profile"] if args.profile else None,
+        }
+        records.append(rec)
+        log(
+            f"{name} b{b} spec k={args.k} adaptive={adaptive}: {rec['tok_s']} tok/s ({rec['speedup']}x), "
+            f"step {rec['step_ms']} ms, tau {rec['tau']}, lossless {rec['lossless']}, chosen k {rec['chosen_k']}, "
+            f"predicted {rec['predicted_speedup']}"
+        )
+    return records
+
+
+def _medians(rounds: list[list[dict]]) -> list[dict]:
+    """Per run kind (plain, spec, spec adaptive), the round whose tok/s is the median (the lower of the middle two),
+    with every round's tok/s; speculative records' ratios against the plain rounds' medians; lossless in every round."""
+    plain = _median_run([r[0] for r in rounds])
+    out = [plain]
+    for i in range(1, len(rounds[0])):
+        runs = [r[i] for r in rounds]
+        rec = _median_run(runs)
+        rec["plain_tok_s"] = plain["tok_s"]
+        rec["speedup"] = round(rec["tok_s"] / plain["tok_s"], 3)
+        rec["decode_ratio"] = round(rec["all_decode_tok_s"] / plain["decode_tok_s"], 3) if plain["decode_tok_s"] else None
+        rec["lossless"] = None if any(r["lossless"] is None for r in runs) else all(r["lossless"] for r in runs)
+        out.append(rec)
+    return out
+
+
+def _median_run(runs: list[dict]) -> dict:
+    ranked = sorted(runs, key=lambda r: r["tok_s"])
+    rec = dict(ranked[(len(ranked) - 1) // 2])
+    rec["tok_s_runs"] = [r["tok_s"] for r in runs]
+    return rec
 
 
 def full_rounds(prompts: list, batch: int) -> list:
@@ -219,6 +254,8 @@ def _prompt_ids(path: str, limit: int) -> list[list[int]]:
 
 
 def measure(args: argparse.Namespace) -> dict:
+    if args.repeats < 1:
+        raise EaglerayError(f"--repeats {args.repeats}: at least one run of each kind\n    fix: --repeats 1 (or 3 for medians)")
     device = pick_device()
     if device.type != "cuda":
         log("bench engine: no CUDA device; running on CPU (slow, for checking the suite)")

@@ -42,3 +42,29 @@ def test_a_fixed_k_run_is_predicted_at_its_own_k():
     assert _predicted(run, 8, 1.0, 4) == pytest.approx(1.0)  # 2 x 1.0 / (1.5 + 0.5)
     assert _predicted(run, 8, 1.0, None) == pytest.approx(2.0)  # at the chosen k: 2 x 1.0 / 1.0
     assert _predicted(run, 8, 1.0, 3) is None  # k=3 never measured
+
+
+def test_repeated_runs_report_the_median_run_and_ratios_against_the_plain_median():
+    from eagleray.jobs.bench.engine import _medians
+
+    def plain(t):
+        return {"mode": "plain", "tok_s": t, "decode_tok_s": 2 * t, "lossless": None}
+
+    def spec(t, ok=True):
+        return {"mode": "spec", "tok_s": t, "all_decode_tok_s": 3 * t, "lossless": ok, "speedup": 0.0}
+
+    rounds = [[plain(100), spec(90)], [plain(80), spec(120, ok=False)], [plain(120), spec(100)]]
+    p, s = _medians(rounds)
+    assert p["tok_s"] == 100 and p["tok_s_runs"] == [100, 80, 120]
+    assert s["tok_s"] == 100 and s["tok_s_runs"] == [90, 120, 100]
+    assert s["plain_tok_s"] == 100 and s["speedup"] == 1.0 and s["decode_ratio"] == 1.5
+    assert s["lossless"] is False  # one round's outputs differed: not lossless
+    two = _medians([[plain(80), spec(90)], [plain(120), spec(100)]])
+    assert two[0]["tok_s"] == 80  # an even count: the lower of the middle two
+
+
+def test_repeats_below_one_are_refused_by_name():
+    from eagleray.jobs.bench.engine import run
+
+    with pytest.raises(EaglerayError, match="--repeats 0"):
+        run(["--repeats", "0"])
