@@ -51,6 +51,7 @@
 from __future__ import annotations
 
 import logging
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -121,13 +122,6 @@ class AcceptanceWatchdog:
         self.fired = False
 
 
-def _median(values) -> float:
-    """The median of a few floats (``statistics.median``'s value at a tenth of its cost: it runs every step)."""
-    s = sorted(values)
-    m = len(s) // 2
-    return s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2
-
-
 def bucket(batch: int) -> int:
     """Batch-size bucket of the cost tables: the next power of two."""
     return 1 << max(batch - 1, 0).bit_length()
@@ -146,7 +140,6 @@ class _Costs:
     joins: deque = field(default_factory=lambda: deque(maxlen=JOIN_WINDOW))  # (catch-up seconds, tokens emitted)
     emitted: int = 0  # tokens emitted by decode steps since the last speculative step (its joins' share)
     decision: tuple[int, float] | None = None  # the last (k, predicted speedup) of best(), kept while k = 0
-    decided_at: int = -1  # AdaptivePolicy._observed when it was made
     decision_age: int = 0  # choices since
 
     @property
@@ -159,7 +152,7 @@ class _Costs:
         """Record a step's ``seconds`` for the cost ``key`` -> the median of its latest ``RECENT``."""
         window = self.recent.setdefault(key, deque(maxlen=RECENT))
         window.append(seconds)
-        return _median(window)
+        return statistics.median(window)
 
 
 class AdaptivePolicy:
@@ -191,7 +184,6 @@ class AdaptivePolicy:
         self._since_probe = 0
         self._since_tail = 0  # speculative steps at k < k_max since the last one at k_max
         self.last_prediction: dict = {}
-        self._observed = 0  # speculative steps observed: a plain decision made before the last one is stale
 
     # ------------------------------------------------------------------ decide
     def choose(self, batch: int = 1) -> int:
@@ -219,9 +211,9 @@ class AdaptivePolicy:
 
     def _decide(self, c: _Costs, batch: int) -> tuple[int, float]:
         """:meth:`best`, kept while it says plain until ``REDECIDE`` plain steps pass or a speculative step is
-        observed (new costs, new acceptance): scoring every k is ~20 us of Python, 2% of a 1 ms plain step."""
-        if c.decision is None or c.decision[0] > 0 or c.decided_at != self._observed or c.decision_age >= REDECIDE:
-            c.decision, c.decided_at, c.decision_age = self.best(batch), self._observed, 0
+        observed (new costs, new acceptance): scoring every k took longer than the rest of a plain step's choosing."""
+        if c.decision is None or c.decision[0] > 0 or c.decision_age >= REDECIDE:
+            c.decision, c.decision_age = self.best(batch), 0
         c.decision_age += 1
         return c.decision
 
@@ -310,7 +302,8 @@ class AdaptivePolicy:
         """A speculative step: its verify and draft time, each sequence's accepted count (of k drafts), and the
         draft's catch-up over the prompts of sequences that joined since the last one."""
         c = self._bucket(batch)
-        self._observed += 1
+        for other in self.costs.values():  # new costs and acceptance: every kept plain decision is stale
+            other.decision = None
         c.joins.append((join_seconds, c.emitted + len(accepted) + sum(accepted)))
         c.emitted = 0
         c.verify_by_k[k] = c.update(("verify", k), verify_seconds)
