@@ -116,6 +116,13 @@ def _answer(err: APIError) -> JSONResponse:
 _ENGINE_GONE: tuple[type[BaseException], ...] = ()
 
 
+class StreamCut(RuntimeError):
+    """The engine's stream ended before its finished delta: the replica went away mid-request.
+
+    Ray can end the stream of a killed replica without raising; the client must still hear of it.
+    """
+
+
 def _engine_gone() -> tuple[type[BaseException], ...]:
     """Ray's errors for a replica that died or is restarting (the request may be retried)."""
     global _ENGINE_GONE
@@ -131,7 +138,8 @@ def engine_failure(err: BaseException, request_id: str) -> APIError:
     """An exception from the engine handle (or anything unexpected) as a clean error; the details go to the log."""
     if isinstance(err, APIError):
         return err
-    if isinstance(err, _engine_gone()) or isinstance(getattr(err, "cause", None), _engine_gone()):
+    gone = (*_engine_gone(), StreamCut)
+    if isinstance(err, gone) or isinstance(getattr(err, "cause", None), gone):
         logger.warning("request %s: the engine replica is unavailable (%s); answered 503", request_id, type(err).__name__)
         if _probe is not None:
             _probe.gone = type(err).__name__  # until the engine answers a status call again
@@ -172,6 +180,20 @@ async def _validation_error(_: Request, err: RequestValidationError) -> JSONResp
 @app.exception_handler(Exception)
 async def _unexpected(request: Request, err: Exception) -> JSONResponse:
     return _answer(engine_failure(err, f"req-{uuid.uuid4().hex[:16]}"))
+
+
+async def engine_deltas(gen: AsyncIterator[dict[str, Any]]) -> AsyncIterator[Delta]:
+    """The engine's deltas after its head item: an error item raises its APIError, and a stream that
+    ends before a finished delta raises :class:`StreamCut` (never a silently cut answer)."""
+    finished = False
+    async for item in gen:
+        if item["kind"] == "error":
+            raise APIError.from_dict(item)
+        d = Delta.from_dict({k: v for k, v in item.items() if k != "kind"})
+        finished = d.finished
+        yield d
+    if not finished:
+        raise StreamCut("the engine stream ended before its last token")
 
 
 class HealthProbe:
@@ -263,10 +285,8 @@ class OpenAIIngress:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         try:
-            async for item in gen:
-                if item["kind"] == "error":
-                    raise APIError.from_dict(item)
-                builder.add(Delta.from_dict({k: v for k, v in item.items() if k != "kind"}))
+            async for d in engine_deltas(gen):
+                builder.add(d)
         except Exception as err:  # noqa: BLE001 - answered clean (503/500); logged with its traceback and request id
             raise engine_failure(err, builder.id) from None
         return JSONResponse(builder.final())
@@ -274,10 +294,7 @@ class OpenAIIngress:
     async def _sse(self, gen: Any, builder: ResponseBuilder, include_usage: bool) -> AsyncIterator[str]:
         first, finished = True, False
         try:
-            async for item in gen:
-                if item["kind"] == "error":
-                    raise APIError.from_dict(item)
-                d = Delta.from_dict({k: v for k, v in item.items() if k != "kind"})
+            async for d in engine_deltas(gen):
                 builder.add(d)
                 yield sse(builder.chunk(d, first=first))
                 first, finished = False, d.finished

@@ -95,10 +95,16 @@ def get(url, path, headers=AUTH, timeout=30):
     return r
 
 
-def sse_events(url, path, body, headers=AUTH, timeout=120) -> tuple[int, list]:
-    """(status, parsed events) of a streamed request; error events are checked by :func:`clean`."""
+def sse_events(url, path, body, headers=AUTH, timeout=120, on_first=None) -> tuple[int, list]:
+    """(status, parsed events) of a streamed request; error events are checked by :func:`clean`.
+    ``on_first()`` is called when the first bytes of the answer arrive."""
     with httpx.stream("POST", url + path, json=body, headers=headers, timeout=timeout) as r:
-        raw = r.read().decode()
+        parts = []
+        for part in r.iter_bytes():
+            if not parts and on_first is not None:
+                on_first()
+            parts.append(part)
+        raw = b"".join(parts).decode()
     if r.status_code != 200:
         clean(raw)
         return r.status_code, [json.loads(raw)]
@@ -490,9 +496,21 @@ def test_error_bodies_were_checked():
     assert len(ERROR_BODIES) >= 40, len(ERROR_BODIES)
 
 
+def _health_states(url: str, stop: threading.Event, states: list) -> None:
+    """/health's status every 0.2 s until ``stop``, then until it answers ok again (3 minutes at most)."""
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        r = get(url, "/health", timeout=10)
+        states.append(r.json().get("status"))
+        if stop.is_set() and r.status_code == 200:
+            return
+        time.sleep(0.2)
+
+
 def test_engine_replica_killed_mid_stream_gives_a_clean_retryable_error(server):
-    """SIGKILL of the engine replica: in-flight streams get a clean 503-style error event, /health says restarting,
-    Serve restarts the replica and the next request succeeds. Last in the module: it restarts the engine."""
+    """SIGKILL of the engine replica: in-flight streams get a clean 503-style error event (never a silently cut
+    answer), /health says restarting meanwhile, Serve restarts the replica and the next request succeeds.
+    Last in the module: it restarts the engine."""
     import ray
 
     url, _ = server
@@ -501,21 +519,24 @@ def test_engine_replica_killed_mid_stream_gives_a_clean_retryable_error(server):
     replica = ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
     pids = [ray.get(replica.__ray_call__.remote(lambda self: os.getpid()))]
     body = {**COMP, "prompt": "stream me", "max_tokens": 110, "ignore_eos": True, "stream": True}
-    with ThreadPoolExecutor(12) as pool:  # 12 streams of 110 tokens, 8 sequences per step: they outlast the kill
-        streams = [pool.submit(sse_events, url, "/v1/completions", body) for _ in range(12)]
-        time.sleep(0.5)
-        os.kill(pids[0], signal.SIGKILL)
+    stop, states, started = threading.Event(), [], threading.Semaphore(0)
+    with ThreadPoolExecutor(13) as pool:  # 12 streams of 110 tokens, 8 sequences per step
+        streams = [pool.submit(sse_events, url, "/v1/completions", body, on_first=started.release) for _ in range(12)]
+        assert all(started.acquire(timeout=120) for _ in range(8)), "the first 8 streams did not start"
+        os.kill(pids[0], signal.SIGKILL)  # as soon as 8 are streaming: they have ~100 tokens to go, 4 wait to start
+        health = pool.submit(_health_states, url, stop, states)  # from the kill until the replica is back
         outs = [f.result() for f in streams]
+        stop.set()
+        health.result()
+    for code, events in outs:  # a 503 before the first token, or a stream ending with its last token or an error
+        if code == 503:
+            assert events[0]["error"]["code"] == "engine_unavailable", events
+            continue
+        assert code == 200 and events[-1] == "[DONE]", (code, events[-3:])
+        assert "error" in events[-2] or events[-2]["choices"][0]["finish_reason"] == "length", events[-2]
     errors = [e["error"] for _, events in outs for e in events if isinstance(e, dict) and "error" in e]
-    print(f"\nkilled mid-stream: {[(code, len(ev)) for code, ev in outs]}; errors {errors[:2]}")
+    print(f"\nkilled mid-stream: {[(code, len(ev)) for code, ev in outs]}; errors {errors[:2]}; health {states}")
     assert errors and all(e["code"] == "engine_unavailable" and e["type"] == "server_error" for e in errors), errors
-    deadline, states = time.monotonic() + 180, []
-    while time.monotonic() < deadline:
-        r = get(url, "/health", timeout=10)
-        states.append(r.json().get("status"))
-        if r.status_code == 200:
-            break
-        time.sleep(0.5)
     assert "restarting" in states and states[-1] == "ok", states
     ok = post(url, "/v1/chat/completions", CHAT, timeout=120)
     assert ok.status_code == 200, ok.text
