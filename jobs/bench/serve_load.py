@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -86,9 +87,97 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+ENGINE_KEYS = ("prefill_steps", "plain_decode_steps", "spec_decode_steps", "busy_seconds")
+
+
+def _engine_counters(url: str) -> dict:
+    """The eagleray engine's step counters from /health (steps by kind and busy seconds so far)."""
+    import httpx
+
+    engine = httpx.get(f"{url}/health", timeout=30).json()["engine"]
+    return {k: engine[k] for k in ENGINE_KEYS}
+
+
+def _engine_during(before: dict, after: dict, wall_s: float) -> dict:
+    """What the engine did during the load: steps by kind, and the share of the wall time it was stepping."""
+    d = {k: round(after[k] - before[k], 3) for k in ENGINE_KEYS}
+    return {**{f"engine_{k}": v for k, v in d.items()}, "engine_busy_share": round(d["busy_seconds"] / wall_s, 3)}
+
+
+def _cpu_ticks() -> list[int] | None:
+    """The machine's CPU ticks (/proc/stat: user nice system idle iowait irq softirq steal ...), None off Linux."""
+    try:
+        return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return None
+
+
+def _steal_share(before: list[int] | None, after: list[int] | None) -> float | None:
+    """The share of the machine's CPU time a hypervisor took (steal) between two readings: on a VM whose speed
+    moves, the record says how much of the machine the run really had."""
+    if before is None or after is None:
+        return None
+    d = [b - a for a, b in zip(before, after)]
+    return round(d[7] / sum(d), 3) if sum(d) > 0 else None
+
+
+def _serve_and_load(name: str, args: argparse.Namespace, model_dir: Path, load_args: list[str], work: Path) -> dict:
+    """Start ``name`` alone, load it with vLLM's load generator, stop it; its record."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    logf = open(work / f"{name}.log", "w")  # noqa: SIM115 - closed below
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"))
+    proc = subprocess.Popen(
+        _server_command(name, port, model_dir, work, args.max_num_seqs), stdout=logf, stderr=subprocess.STDOUT, env=env
+    )
+    try:
+        _wait_ready(proc, url, timeout_s=600)
+        log(f"{name}: serving at {url}; load: {args.num_prompts} prompts, concurrency {args.concurrency}")
+        load0, ticks0 = os.getloadavg()[0], _cpu_ticks()
+        before = _engine_counters(url) if name != "vllm" else None
+        done = subprocess.run(
+            [sys.executable, "-c", LOAD, "--base-url", url, *load_args], capture_output=True, text=True, timeout=3600
+        )
+        if done.returncode != 0:
+            raise EaglerayError(f"vllm.benchmarks.serve failed against {name}:\n{done.stderr[-3000:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        steal = _steal_share(ticks0, _cpu_ticks())
+        if before is not None:
+            result |= _engine_during(before, _engine_counters(url), result["duration"])
+    finally:
+        _stop(proc)
+        logf.close()
+    rec = {"server": name, "mode": "plain" if name != "eagleray-draft" else "draft random (adaptive)"}
+    rec |= {k: result[k] for k in KEEP if k in result} | {k: v for k, v in result.items() if k.startswith("engine_")}
+    rec |= {"load_avg_1m_before": round(load0, 2), "load_avg_1m_after": round(os.getloadavg()[0], 2), "steal_share": steal}
+    log(
+        f"{name}: {rec['output_throughput']:.1f} output tok/s, median TTFT {rec['median_ttft_ms']:.0f} ms, "
+        f"median TPOT {rec['median_tpot_ms']:.1f} ms, failed {rec['failed']}, steal {steal}"
+    )
+    return rec
+
+
+def vs_vllm(records: list[dict]) -> dict[str, dict[str, float]]:
+    """Per eagleray server: its output tok/s over vLLM's in the same round, each round and the median (with
+    TPOT and TTFT the other way round: vLLM's over eagleray's, so > 1 is eagleray ahead on every line)."""
+    out: dict[str, dict] = {}
+    for rnd in sorted({r["round"] for r in records}):
+        here = {r["server"]: r for r in records if r["round"] == rnd}
+        if "vllm" not in here:
+            continue
+        ref = here.pop("vllm")
+        for name, r in here.items():
+            row = out.setdefault(name, {"output_tok_s": [], "median_tpot": [], "median_ttft": []})
+            row["output_tok_s"].append(round(r["output_throughput"] / ref["output_throughput"], 3))
+            row["median_tpot"].append(round(ref["median_tpot_ms"] / r["median_tpot_ms"], 3))
+            row["median_ttft"].append(round(ref["median_ttft_ms"] / r["median_ttft_ms"], 3))
+    return {n: {k: {"rounds": v, "median": statistics.median(v)} for k, v in row.items()} for n, row in out.items()}
+
+
 def run(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="eagleray bench serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of {SERVERS}")
+    p.add_argument("--rounds", type=int, default=1, help="run the servers in turn this many times (a VM's speed moves)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--input-len", type=int, default=128)
@@ -100,6 +189,8 @@ def run(argv: list[str] | None = None) -> dict:
     names = args.servers.split(",")
     if unknown := [n for n in names if n not in SERVERS]:
         raise EaglerayError(f"--servers: unknown {unknown}; choose from {SERVERS}")
+    if args.rounds < 1:
+        raise EaglerayError(f"--rounds: {args.rounds}; pass 1 or more")
     model_dir = resolve_target("smollm2", "fp32")
     load_args = [
         "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--model", "smollm2", "--tokenizer",
@@ -111,36 +202,13 @@ def run(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="eagleray-bench-serve-") as tmp:
         work = Path(args.log_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        for name in names:
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            logf = open(work / f"{name}.log", "w")  # noqa: SIM115 - closed below
-            env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"))
-            proc = subprocess.Popen(
-                _server_command(name, port, model_dir, work, args.max_num_seqs), stdout=logf, stderr=subprocess.STDOUT, env=env
-            )
-            try:
-                _wait_ready(proc, url, timeout_s=600)
-                log(f"{name}: serving at {url}; load: {args.num_prompts} prompts, concurrency {args.concurrency}")
-                load0 = os.getloadavg()[0]
-                done = subprocess.run(
-                    [sys.executable, "-c", LOAD, "--base-url", url, *load_args], capture_output=True, text=True, timeout=3600
-                )
-                if done.returncode != 0:
-                    raise EaglerayError(f"vllm.benchmarks.serve failed against {name}:\n{done.stderr[-3000:]}")
-                result = json.loads(done.stdout.strip().splitlines()[-1])
-            finally:
-                _stop(proc)
-                logf.close()
-            rec = {"server": name, "mode": "plain" if name != "eagleray-draft" else "draft random (adaptive)"}
-            rec |= {k: result[k] for k in KEEP if k in result}
-            rec |= {"load_avg_1m_before": round(load0, 2), "load_avg_1m_after": round(os.getloadavg()[0], 2)}
-            records.append(rec)
-            log(
-                f"{name}: {rec['output_throughput']:.1f} output tok/s, median TTFT {rec['median_ttft_ms']:.0f} ms, "
-                f"median TPOT {rec['median_tpot_ms']:.1f} ms, failed {rec['failed']}"
-            )
+        for rnd in range(args.rounds):
+            for name in names:
+                records.append({"round": rnd, **_serve_and_load(name, args, model_dir, load_args, work)})
+    ratios = vs_vllm(records)
+    for name, row in ratios.items():
+        log(f"{name} / vllm (> 1: eagleray ahead): " + ", ".join(f"{k} {v['median']} {v['rounds']}" for k, v in row.items()))
     load = " ".join(load_args)
-    result = {"suite": "serve", "load": f"vllm.benchmarks.serve {load}", "records": records}
+    result = {"suite": "serve", "load": f"vllm.benchmarks.serve {load}", "records": records, "vs_vllm": ratios}
     write_json(result, args.json)
     return result

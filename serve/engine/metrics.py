@@ -77,6 +77,13 @@ class EngineMetrics:
             "tokens_per_s": self.generation_tokens / busy if busy > 0 else 0.0,
             "plain_decode_tokens_per_s": self.plain.tokens_per_s,
             "spec_decode_tokens_per_s": self.speculative.tokens_per_s,
+            "plain_decode_steps": self.plain.steps,
+            "plain_decode_step_ms": round(self.plain.whole_step_ms, 3),
+            "spec_decode_steps": self.speculative.steps,
+            "spec_decode_step_ms": round(self.speculative.whole_step_ms, 3),
+            "prefill_steps": self.prefill.steps,
+            "prefill_step_ms": round(self.prefill.whole_step_ms, 3),
+            "busy_seconds": round(self.plain.whole_seconds + self.speculative.whole_seconds + self.prefill.whole_seconds, 3),
             "num_requests_finished": self.num_requests_finished,
             "num_preemptions": self.num_preemptions,
         }

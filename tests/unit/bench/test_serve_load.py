@@ -1,0 +1,44 @@
+"""``bench serve``: what the eagleray engine did during the load, from its /health counters."""
+
+from eagleray.jobs.bench.serve_load import _engine_during
+
+
+def test_engine_during_is_the_difference_and_the_busy_share_of_the_wall():
+    before = {"prefill_steps": 2, "plain_decode_steps": 10, "spec_decode_steps": 0, "busy_seconds": 3.0}
+    after = {"prefill_steps": 10, "plain_decode_steps": 262, "spec_decode_steps": 4, "busy_seconds": 63.0}
+    d = _engine_during(before, after, wall_s=80.0)
+    assert d == {
+        "engine_prefill_steps": 8,
+        "engine_plain_decode_steps": 252,
+        "engine_spec_decode_steps": 4,
+        "engine_busy_seconds": 60.0,
+        "engine_busy_share": 0.75,
+    }
+
+
+def test_vs_vllm_is_per_round_and_the_median_with_every_line_above_one_when_eagleray_is_ahead():
+    from eagleray.jobs.bench.serve_load import vs_vllm
+
+    def rec(rnd, server, tok_s, tpot, ttft):
+        return {"round": rnd, "server": server, "output_throughput": tok_s, "median_tpot_ms": tpot, "median_ttft_ms": ttft}
+
+    records = [
+        rec(0, "eagleray", 40.0, 100.0, 2000.0),
+        rec(0, "vllm", 50.0, 80.0, 1000.0),
+        rec(1, "eagleray", 60.0, 50.0, 1000.0),
+        rec(1, "vllm", 50.0, 100.0, 2000.0),
+        rec(2, "eagleray", 45.0, 90.0, 1500.0),
+        rec(2, "vllm", 50.0, 90.0, 1500.0),
+    ]
+    r = vs_vllm(records)["eagleray"]
+    assert r["output_tok_s"] == {"rounds": [0.8, 1.2, 0.9], "median": 0.9}
+    assert r["median_tpot"] == {"rounds": [0.8, 2.0, 1.0], "median": 1.0}
+    assert r["median_ttft"]["rounds"] == [0.5, 2.0, 1.0]
+    assert vs_vllm([rec(0, "eagleray", 40.0, 100.0, 2000.0)]) == {}  # no vLLM in the round: no ratio
+
+
+def test_steal_share_reads_the_eighth_column():
+    from eagleray.jobs.bench.serve_load import _steal_share
+
+    assert _steal_share([10, 0, 5, 80, 0, 0, 0, 5, 0, 0], [40, 0, 15, 100, 0, 0, 0, 25, 0, 0]) == 0.25
+    assert _steal_share(None, [1] * 10) is None
