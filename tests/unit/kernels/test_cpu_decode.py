@@ -54,6 +54,27 @@ def test_each_row_is_bitwise_the_same_whatever_else_is_in_the_batch(threads, fre
 
 
 @native
+def test_results_are_exact_while_another_process_takes_the_cores(fresh_state):
+    """Two kernel threads on a machine whose cores busy processes also want (the Serve ingress and proxy beside the
+    engine): helpers get descheduled mid-chunk, and every call still waits for every chunk (a chunk not waited for
+    shows as a wrong row, a helper that misses a generation as a hang)."""
+    import subprocess
+    import sys
+
+    cpu_decode.set_threads(2)
+    x, w, b = _data(8, 4096, 576)  # 86 panels: chunks long enough that the caller's wait outlasts its spin
+    want = cpu_decode.linear(x, w, b)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        for i in range(100):
+            assert torch.equal(cpu_decode.linear(x, w, b), want), f"call {i} differs under contention"
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+
+
+@native
 def test_each_output_is_one_fma_chain_over_k_in_order():
     """The kernel's order written out in PyTorch: y[m, n] = fma(x[m, K-1], w[n, K-1], ... fma(x[m, 0], w[n, 0], 0)),
     one rounding per step, then + b[n]. (The float64 product is exact; float64 sum then fp32 rounding equals the
