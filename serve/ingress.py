@@ -117,9 +117,10 @@ _ENGINE_GONE: tuple[type[BaseException], ...] = ()
 
 
 class StreamCut(RuntimeError):
-    """The engine's stream ended before its finished delta: the replica went away mid-request.
+    """The engine's stream ended before its finished delta: the engine side went away mid-request.
 
-    Ray can end the stream of a killed replica without raising; the client must still hear of it.
+    Ray raises for a replica it knows is dead; a stream that simply ends short must not pass for a whole answer
+    either (the client gets a retryable ``engine_unavailable``).
     """
 
 
