@@ -157,7 +157,7 @@ def _serve_and_load(name: str, args: argparse.Namespace, model_dir: Path, load_a
     return rec
 
 
-def vs_vllm(records: list[dict]) -> dict[str, dict[str, float]]:
+def vs_vllm(records: list[dict]) -> dict[str, dict[str, dict]]:
     """Per eagleray server: its output tok/s over vLLM's in the same round, each round and the median (with
     TPOT and TTFT the other way round: vLLM's over eagleray's, so > 1 is eagleray ahead on every line)."""
     out: dict[str, dict] = {}
