@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import platform as std_platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -70,7 +69,7 @@ def measure_args(args) -> dict:
     messages = prompt_messages(args)
     tcfg = TargetConfig(model=args.target, dtype=args.dtype, tensor_parallel_size=args.tp, device=args.device)
     dcfg = _draft_config(args)
-    target, draft, tok, device = load_models(tcfg, dcfg, tempfile.mkdtemp(prefix="eagleray-bench-"))
+    target, draft, tok, device = load_models(tcfg, dcfg)
     params = SamplingParams(
         temperature=args.temperature,
         max_tokens=args.max_tokens,

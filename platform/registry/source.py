@@ -1,6 +1,7 @@
 """The one place a draft source becomes a local directory.
 
-    resolve_draft("random", target)                 -> an untrained draft for ``target`` (written under ``workdir``)
+    resolve_draft("random", target)                 -> an untrained draft for ``target``, written once into
+                                                       $EAGLERAY_HOME/drafts/random/<hash of the target> (or ``workdir``)
     resolve_draft("models:/name@alias")             -> that version, downloaded once into
     resolve_draft("models:/name/3")                    $EAGLERAY_HOME/drafts/<name>/<version>-<hash of the artifact source>
     resolve_draft("shipped:<name>")                 -> a draft shipped in the repository (platform/checkpoints/shipped)
@@ -46,7 +47,8 @@ def resolve_draft(
 
     ``target`` is needed for 'random' only; ``tracking_uri`` picks the registry (default:
     MLFLOW_TRACKING_URI, else the sqlite store under $EAGLERAY_HOME); ``workdir`` is where a random
-    draft is written (default: a new temporary directory).
+    draft is written (default: a cache under $EAGLERAY_HOME keyed by the target, so starting a server
+    with 'random' again reuses the draft instead of writing another copy).
     """
     source = str(source)
     if source == "random":
@@ -55,8 +57,9 @@ def resolve_draft(
                 "draft source 'random' needs the target it drafts for\n"
                 "    fix: pass a draft directory or models:/<name>@<alias>, or resolve 'random' with the target"
             )
-        out = Path(workdir or tempfile.mkdtemp(prefix="eagleray-random-draft-")) / "random-draft"
-        return ResolvedDraft(make_random_draft(target, out), "random", source)
+        if workdir is not None:
+            return ResolvedDraft(make_random_draft(target, Path(workdir) / "random-draft"), "random", source)
+        return ResolvedDraft(_cached_random(target), "random", source)
     if client.is_registry_uri(source):
         client.configure(tracking_uri)
         return _cached_download(source)
@@ -82,14 +85,34 @@ def _cached_download(uri: str) -> ResolvedDraft:
     # keyed by the artifact source too: name/version alone is not unique across registries sharing $EAGLERAY_HOME
     digest = hashlib.sha256(version.source.encode()).hexdigest()[:12]
     dest = eagleray_home() / "drafts" / version.name / f"{version.version}-{digest}"
-    if not dest.is_dir():  # download beside, then rename: a cached directory is always complete
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{version.version}.", dir=dest.parent))
+    if not dest.is_dir():
         logger.info("downloading %s (version %s) to %s", uri, version.version, dest)
-        try:
-            client.download_draft(version.uri, tmp)  # raises on an empty download (artifacts gone): never cached
-            os.replace(tmp, dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        # raises on an empty download (artifacts gone): never cached
+        _write_once(dest, lambda tmp: client.download_draft(version.uri, tmp))
     return ResolvedDraft(client.find_draft_dir(dest), f"{version.name}/{version.version}", uri)
+
+
+def _cached_random(target: TargetSpec) -> Path:
+    """The untrained draft for ``target`` (seed 0), written once per target architecture and tokenizer."""
+    key = f"{target.fingerprint}|{target.tokenizer_fingerprint}|seed=0"
+    dest = eagleray_home() / "drafts" / "random" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if not dest.is_dir():
+        _write_once(dest, lambda tmp: make_random_draft(target, tmp))
+    return dest
+
+
+def _write_once(dest: Path, write) -> None:
+    """``write(tmp)`` fills a directory beside ``dest``, which is then renamed into place, so a cached
+    directory is always complete. Two processes filling the same cache: the first rename wins and
+    the loser's copy is dropped (the rename never replaces a directory a replica may be reading)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        write(tmp)
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if not dest.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -75,6 +75,48 @@ def test_resolve_draft_random_directory_and_errors(tiny_target, tmp_path):
         registry.resolve_draft(tmp_path / "missing")
 
 
+def test_random_draft_is_written_once_per_target_not_per_start(tiny_target, tmp_path, monkeypatch):
+    """Every server started with 'random' used to leave a new ~128 MB copy in /tmp; now it is cached by target."""
+    import tempfile
+
+    monkeypatch.setenv("EAGLERAY_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    spec = TargetSpec.from_dir(tiny_target)
+    first = registry.resolve_draft("random", spec)
+    weights = next(first.path.glob("*.safetensors")).stat()
+    again = registry.resolve_draft("random", spec)
+    assert again.path == first.path and again.version == "random" and check_compatibility(spec, again.path).ok
+    assert first.path.parent == tmp_path / "home" / "drafts" / "random"
+    assert next(again.path.glob("*.safetensors")).stat().st_mtime_ns == weights.st_mtime_ns  # not rewritten
+    assert list((tmp_path / "tmp").iterdir()) == [] and [p.name for p in first.path.parent.iterdir()] == [first.path.name]
+
+
+def test_write_once_keeps_the_first_complete_copy_and_drops_the_rest(tmp_path):
+    """Two replicas filling one cache: the second rename loses, its copy is removed, the first is untouched."""
+    from eagleray.platform.registry.source import _write_once
+
+    dest = tmp_path / "cache" / "d"
+
+    def racing_write(tmp):  # another process finishes first while this one writes
+        (tmp / "w").write_text("mine")
+        dest.mkdir()
+        (dest / "w").write_text("theirs")
+
+    _write_once(dest, racing_write)
+    assert (dest / "w").read_text() == "theirs" and sorted(p.name for p in dest.parent.iterdir()) == ["d"]
+
+    def failing_write(tmp):
+        (tmp / "half").write_text("x")
+        raise RuntimeError("download failed")
+
+    with pytest.raises(RuntimeError, match="download failed"):
+        _write_once(tmp_path / "cache" / "e", failing_write)
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["d"]  # no half-written cache, no leftover
+    with pytest.raises(FileNotFoundError):  # a rename that fails with no winner's copy in place is an error
+        _write_once(tmp_path / "cache" / "f", lambda tmp: tmp.rmdir())
+
+
 def test_shipped_drafts_resolve_by_name_and_an_unknown_name_lists_them():
     from eagleray.platform.checkpoints.draft import DraftCheckpoint
     from eagleray.platform.checkpoints.shipped import SMOLLM2_CHAMPION
