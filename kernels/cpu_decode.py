@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,7 @@ _lib: ctypes.CDLL | None = None
 _mode = "auto"
 _why_not: str | None = None  # reason the native kernel is not in use (None: in use, or not decided yet)
 _threads: int | None = None  # kernel threads (None: torch.get_num_threads())
+_blas_only = False  # inside blas_gemms(): every linear is torch's (MKL), whatever its row count
 
 
 def linear_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -303,10 +305,24 @@ def status() -> str:
     return "native" if _active() else f"torch ({_why_not})"
 
 
+@contextmanager
+def blas_gemms():
+    """Linears inside go to PyTorch (MKL's GEMM) whatever their row count: a prompt's prefill, where MKL wins at
+    every M (a 126-token prefill: 271-303 ms vs 417-1,010 ms on the native decode kernel, BENCHMARKS.md)."""
+    global _blas_only
+    before, _blas_only = _blas_only, True
+    try:
+        yield
+    finally:
+        _blas_only = before
+
+
 def dispatch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """The model's linear: the native kernel for small fp32 CPU batches without autograd, else PyTorch."""
+    """The model's linear: the native kernel for small fp32 CPU batches without autograd (outside
+    :func:`blas_gemms`), else PyTorch."""
     if (
-        x.device.type == "cpu"
+        not _blas_only
+        and x.device.type == "cpu"
         and x.dim() == 2
         and 0 < x.shape[0] <= MAX_ROWS
         and x.dtype == torch.float32

@@ -75,11 +75,16 @@ class CpuThreads:
 
     @contextmanager
     def for_gemm(self):
-        if not self.native or torch.get_num_threads() == self.count:
+        """A prefill: MKL's GEMMs (whatever the prompt's length) on torch's threads."""
+        if not self.native:
             yield
             return
-        torch.set_num_threads(self.count)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(1)
+        with cpu_decode.blas_gemms():
+            if torch.get_num_threads() == self.count:
+                yield
+                return
+            torch.set_num_threads(self.count)
+            try:
+                yield
+            finally:
+                torch.set_num_threads(1)

@@ -75,6 +75,20 @@ def test_results_are_exact_while_another_process_takes_the_cores(fresh_state):
 
 
 @native
+def test_blas_gemms_sends_every_linear_to_torch_and_ends_with_its_block(monkeypatch, fresh_state):
+    """Inside ``blas_gemms`` (a prefill) dispatch takes PyTorch's GEMM at any row count; outside, the native kernel."""
+    calls = []
+    real = cpu_decode.linear
+    monkeypatch.setattr(cpu_decode, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    x, w, b = _data(8, 96, 64)
+    with cpu_decode.blas_gemms():
+        inside = cpu_decode.dispatch(x, w, b)
+    assert calls == [] and torch.equal(inside, torch.nn.functional.linear(x, w, b))
+    cpu_decode.dispatch(x, w, b)
+    assert calls == [8], "after the block the native kernel is back"
+
+
+@native
 def test_each_output_is_one_fma_chain_over_k_in_order():
     """The kernel's order written out in PyTorch: y[m, n] = fma(x[m, K-1], w[n, K-1], ... fma(x[m, 0], w[n, 0], 0)),
     one rounding per step, then + b[n]. (The float64 product is exact; float64 sum then fp32 rounding equals the
