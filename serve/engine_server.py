@@ -82,14 +82,19 @@ class EngineServer:
     def __init__(self, serving: dict[str, Any]):
         self.cfg = parse_config(ServingConfig, serving, prefix="serving")
         self.spec = TargetSpec.from_dir(resolve_target(self.cfg.target.model, self.cfg.target.dtype))
-        first = initial_draft(self.cfg, self.spec)
-        draft_cfg = self.cfg.draft.model_copy(update={"source": str(first.path)}) if first else None
-        engine_cfg = self.cfg.engine_config(
-            target=self.cfg.target.model_copy(update={"model": str(self.spec.path)}), draft=draft_cfg
-        )
         self.cpu_threads = replica_cpu_threads(self.cfg)
-        self.engine = LLMEngine.from_config(engine_cfg, tp_launch=replica_tp_launch(self.cfg.target.tensor_parallel_size))
-        self.loop = AsyncEngine(self.engine)
+        tp_launch = replica_tp_launch(self.cfg.target.tensor_parallel_size)
+        first: ResolvedDraft | None = None
+
+        def start() -> LLMEngine:  # every torch step of the start-up in the engine's thread (AsyncEngine's note)
+            nonlocal first
+            first = initial_draft(self.cfg, self.spec)
+            draft_cfg = self.cfg.draft.model_copy(update={"source": str(first.path)}) if first else None
+            target_cfg = self.cfg.target.model_copy(update={"model": str(self.spec.path)})
+            return LLMEngine.from_config(self.cfg.engine_config(target=target_cfg, draft=draft_cfg), tp_launch=tp_launch)
+
+        self.loop = AsyncEngine.build(start)
+        self.engine = self.loop.engine
         self.metrics = ServeMetrics(self.cfg.model_name)
         self.drafts = DraftManager(self.engine, self.loop, self.spec, self.cfg, self.metrics, first)
         self.metrics.set_watchdog("ok")

@@ -152,7 +152,8 @@ class DraftManager:
             raise SwapRefused("failed_load", f"cannot resolve draft source {source!r}: {err}") from err
 
     def prepare(self, resolved: ResolvedDraft) -> LoadedDraft:
-        """Guard and load a candidate beside the serving draft (blocking; run it off the event loop)."""
+        """Guard and load a candidate beside the serving draft (blocking; run in the engine's thread, between steps:
+        torch work in a second thread would cost every later step on CPU, see :mod:`eagleray.serve.engine.async_engine`)."""
         algorithm = self.cfg.draft.algorithm if self.cfg.draft else None
         report = check_compatibility(self.spec, resolved.path, algorithm=algorithm, max_model_len=self.engine.max_model_len)
         if not report.ok:
@@ -199,7 +200,7 @@ class DraftManager:
                 cur = self.current
                 if cur is not None and resolved.path.resolve() == cur.path.resolve() and resolved.version == cur.version:
                     return self._record(source, "unchanged", resolved.version, "already serving this draft", t0)
-                cand = await asyncio.to_thread(self.prepare, resolved)
+                cand = await self.loop.in_engine_thread(self.prepare, resolved)  # torch work: the engine's thread
             except SwapRefused as err:
                 return self._record(source, err.outcome, None, str(err), t0)
             try:

@@ -31,7 +31,8 @@ from eagleray.platform.errors import EaglerayError
 from eagleray.platform.host import free_port
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "serve-smollm2-cpu.yaml"
-SERVERS = ("eagleray", "eagleray-draft", "vllm")
+SERVERS = ("eagleray", "eagleray-draft", "vllm", "eagleray-champion", "vllm-champion")
+CHAMPION_K = 4  # the *-champion servers: the shipped SmolLM2 champion, chain k=4 on both sides
 KEEP = ("completed", "failed", "output_throughput", "median_ttft_ms", "median_tpot_ms", "mean_ttft_ms", "mean_tpot_ms")
 KEEP += ("p99_ttft_ms", "p99_tpot_ms", "duration", "total_output_tokens")
 LOAD = """
@@ -44,17 +45,27 @@ print(json.dumps({k: v for k, v in main(p.parse_args(sys.argv[1:])).items() if i
 """
 
 
+def _champion_dir() -> Path:
+    from eagleray.platform.checkpoints.shipped import SMOLLM2_CHAMPION, shipped_draft
+
+    return shipped_draft(SMOLLM2_CHAMPION)
+
+
 def _server_command(name: str, port: int, model_dir: Path, work: Path, max_num_seqs: int) -> list[str]:
-    if name == "vllm":
+    if name.startswith("vllm"):
+        spec = {"method": "eagle3", "model": str(_champion_dir()), "num_speculative_tokens": CHAMPION_K}
         return [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", "smollm2", "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
             "--max-num-seqs", str(max_num_seqs), "--host", "127.0.0.1", "--port", str(port),
+            *(["--speculative-config", json.dumps(spec)] if name == "vllm-champion" else []),
         ]  # fmt: skip
     cfg = yaml.safe_load(CONFIG.read_text())
     serving = cfg["applications"][0]["args"]["serving"]
     if name == "eagleray":
         serving["draft"] = None
+    if name == "eagleray-champion":
+        serving["draft"] |= {"source": str(_champion_dir()), "num_speculative_tokens": CHAMPION_K}
     serving["max_num_seqs"] = max_num_seqs
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -134,7 +145,7 @@ def _serve_and_load(name: str, args: argparse.Namespace, model_dir: Path, load_a
         _wait_ready(proc, url, timeout_s=600)
         log(f"{name}: serving at {url}; load: {args.num_prompts} prompts, concurrency {args.concurrency}")
         load0, ticks0 = os.getloadavg()[0], _cpu_ticks()
-        before = _engine_counters(url) if name != "vllm" else None
+        before = _engine_counters(url) if name.startswith("eagleray") else None
         done = subprocess.run(
             [sys.executable, "-c", LOAD, "--base-url", url, *load_args], capture_output=True, text=True, timeout=3600
         )
@@ -147,7 +158,7 @@ def _serve_and_load(name: str, args: argparse.Namespace, model_dir: Path, load_a
     finally:
         _stop(proc)
         logf.close()
-    rec = {"server": name, "mode": "plain" if name != "eagleray-draft" else "draft random (adaptive)"}
+    rec = {"server": name, "mode": MODES[name]}
     rec |= {k: result[k] for k in KEEP if k in result} | {k: v for k, v in result.items() if k.startswith("engine_")}
     rec |= {"load_avg_1m_before": round(load0, 2), "load_avg_1m_after": round(os.getloadavg()[0], 2), "steal_share": steal}
     log(
@@ -157,16 +168,27 @@ def _serve_and_load(name: str, args: argparse.Namespace, model_dir: Path, load_a
     return rec
 
 
+MODES = {
+    "eagleray": "plain",
+    "vllm": "plain",
+    "eagleray-draft": "draft random (adaptive)",
+    "eagleray-champion": f"draft shipped champion, k={CHAMPION_K} (adaptive)",
+    "vllm-champion": f"draft shipped champion, k={CHAMPION_K}",
+}
+PEER = {"eagleray": "vllm", "eagleray-draft": "vllm", "eagleray-champion": "vllm-champion"}
+
+
 def vs_vllm(records: list[dict]) -> dict[str, dict[str, dict]]:
-    """Per eagleray server: its output tok/s over vLLM's in the same round, each round and the median (with
-    TPOT and TTFT the other way round: vLLM's over eagleray's, so > 1 is eagleray ahead on every line)."""
+    """Per eagleray server: its output tok/s over its vLLM peer's in the same round (plain vLLM; the champion
+    server against vLLM with the same draft), each round and the median (with TPOT and TTFT the other way round:
+    vLLM's over eagleray's, so > 1 is eagleray ahead on every line)."""
     out: dict[str, dict] = {}
     for rnd in sorted({r["round"] for r in records}):
         here = {r["server"]: r for r in records if r["round"] == rnd}
-        if "vllm" not in here:
-            continue
-        ref = here.pop("vllm")
         for name, r in here.items():
+            ref = here.get(PEER.get(name, ""))
+            if ref is None:
+                continue
             row = out.setdefault(name, {"output_tok_s": [], "median_tpot": [], "median_ttft": []})
             row["output_tok_s"].append(round(r["output_throughput"] / ref["output_throughput"], 3))
             row["median_tpot"].append(round(ref["median_tpot_ms"] / r["median_tpot_ms"], 3))
@@ -207,7 +229,10 @@ def run(argv: list[str] | None = None) -> dict:
                 records.append({"round": rnd, **_serve_and_load(name, args, model_dir, load_args, work)})
     ratios = vs_vllm(records)
     for name, row in ratios.items():
-        log(f"{name} / vllm (> 1: eagleray ahead): " + ", ".join(f"{k} {v['median']} {v['rounds']}" for k, v in row.items()))
+        log(
+            f"{name} / {PEER[name]} (> 1: eagleray ahead): "
+            + ", ".join(f"{k} {v['median']} {v['rounds']}" for k, v in row.items())
+        )
     load = " ".join(load_args)
     result = {"suite": "serve", "load": f"vllm.benchmarks.serve {load}", "records": records, "vs_vllm": ratios}
     write_json(result, args.json)

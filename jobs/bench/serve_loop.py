@@ -4,6 +4,9 @@ What the engine deployment does for each request (``EngineServer.generate`` stre
 over ``LLMEngine``), driven by ``--concurrency`` client coroutines that take prompts from one queue, as vLLM's load
 generator does at a fixed max concurrency; the Serve app's ingress, proxy and HTTP are left out. For a machine
 where Ray Serve is not installed (the lent H200 image); on a machine with Ray, ``bench serve`` loads the whole app.
+One difference from the replica: the models are loaded here in the main thread and shared by both servers, where the
+replica builds its engine in the thread that steps it (``AsyncEngine.build``); on a CPU that costs some prefills up
+to ~3x (libgomp's second thread team, see :mod:`eagleray.serve.engine.async_engine`), so on CPU use ``bench serve``.
 Two servers on the same prompts, one after the other: plain (no draft) and with a draft (adaptive policy). Greedy,
 EOS ignored. Per server: output tok/s (tokens / wall), TTFT (request sent -> first token) and TPOT ((last token -
 first token) / (tokens - 1)) median and p99, failed requests; ``lossless``: the draft server's outputs equal the

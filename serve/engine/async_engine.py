@@ -1,6 +1,6 @@
 """AsyncEngine: the asyncio step loop around :class:`LLMEngine` (used directly by the Ray Serve deployment).
 
-    engine = AsyncEngine(LLMEngine.from_config(cfg))
+    engine = AsyncEngine.build(lambda: LLMEngine.from_config(cfg))   # built in the thread that steps it
     async for out in engine.add_request(messages, SamplingParams(max_tokens=64)):
         print(out.delta_text, end="")
     await engine.between_steps(lambda: engine.engine.swap_draft(new_draft))   # hot-swap
@@ -9,6 +9,14 @@ One background task runs ``engine.step()`` in a single worker thread while reque
 (the event loop keeps serving HTTP); each request has an asyncio queue that receives its step
 outputs. Every engine call (add, abort, step, draft swap) happens in that one thread under one
 asyncio lock, so :meth:`AsyncEngine.between_steps` runs a function strictly between two steps.
+
+On CPU that thread should be the only one in the process that runs torch work: libgomp keeps one
+OpenMP thread team per thread that opened a parallel region, and once the process has more team
+threads than cores it stops spinning between regions and wakes its threads through the kernel for
+every one. Built in another thread, the engine left a Serve replica with two teams, and every prefill
+and small op paid those wake-ups (a 130-token prefill 460-1,260 ms in the replica vs ~340 ms in a plain
+process; BENCHMARKS.md). :meth:`AsyncEngine.build` builds the engine in its stepping thread and
+:meth:`AsyncEngine.in_engine_thread` runs other torch work (a draft being loaded) there.
 
 A step that raises fails only the request that made it fail when that one can be told apart; the
 loop survives any single request. A request is *proven* once a step that ran it succeeded (it got
@@ -28,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -50,10 +59,15 @@ class RequestFailed(EaglerayError):
         super().__init__(f"request {request_id}: an engine step failed on {who} ({type(cause).__name__})")
 
 
+def _engine_executor() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagleray-engine")
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, executor: ThreadPoolExecutor | None = None):
+        """``executor``: the one-thread executor the engine was built in (:meth:`build`), else a new one."""
         self.engine = engine
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagleray-engine")
+        self._executor = executor or _engine_executor()
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._queues: dict[str, asyncio.Queue] = {}
@@ -65,6 +79,24 @@ class AsyncEngine:
         self.requests_failed = 0  # requests failed by a step that raised
         self.last_error: str | None = None  # the exception type of the last failed step (details in the log)
         self.steps = 0
+        self.built_in_thread: int | None = None  # the engine thread's id when :meth:`build` made the engine
+
+    @classmethod
+    def build(cls, make: Callable[[], LLMEngine]) -> AsyncEngine:
+        """``make()`` run in the thread that will step the engine (blocking), wrapped: see the module's note."""
+        executor = _engine_executor()
+
+        def made_here() -> tuple[LLMEngine, int]:
+            return make(), threading.get_ident()
+
+        try:
+            engine, thread = executor.submit(made_here).result()
+        except BaseException:
+            executor.shutdown(wait=False, cancel_futures=True)
+            raise
+        out = cls(engine, executor)
+        out.built_in_thread = thread
+        return out
 
     # ----------------------------------------------------------------- loop state
     def ensure_started(self) -> None:
@@ -88,6 +120,11 @@ class AsyncEngine:
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def in_engine_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` in the engine thread, queued behind the step in progress (not under the step lock:
+        the loop may step before and after it). For torch work that is not an engine call (loading a draft)."""
+        return await self._call(fn, *args)
 
     async def between_steps(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` in the engine thread while no step is running; returns its result (or raises)."""

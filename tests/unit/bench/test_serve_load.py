@@ -1,5 +1,7 @@
 """``bench serve``: what the eagleray engine did during the load, from its /health counters."""
 
+from pathlib import Path
+
 from eagleray.jobs.bench.serve_load import _engine_during
 
 
@@ -42,3 +44,25 @@ def test_steal_share_reads_the_eighth_column():
 
     assert _steal_share([10, 0, 5, 80, 0, 0, 0, 5, 0, 0], [40, 0, 15, 100, 0, 0, 0, 25, 0, 0]) == 0.25
     assert _steal_share(None, [1] * 10) is None
+
+
+def test_the_champion_servers_run_the_same_draft_and_are_compared_with_each_other(tmp_path):
+    import json
+
+    import yaml
+
+    from eagleray.jobs.bench.serve_load import CHAMPION_K, _champion_dir, _server_command, vs_vllm
+
+    vllm = _server_command("vllm-champion", 8001, tmp_path / "model", tmp_path, 8)
+    spec = json.loads(vllm[vllm.index("--speculative-config") + 1])
+    assert spec == {"method": "eagle3", "model": str(_champion_dir()), "num_speculative_tokens": CHAMPION_K}
+    assert "--speculative-config" not in _server_command("vllm", 8001, tmp_path / "model", tmp_path, 8)
+    ours = _server_command("eagleray-champion", 8002, tmp_path / "model", tmp_path, 8)
+    draft = yaml.safe_load(Path(ours[ours.index("--config") + 1]).read_text())["applications"][0]["args"]["serving"]["draft"]
+    assert draft["source"] == str(_champion_dir()) and draft["num_speculative_tokens"] == CHAMPION_K
+
+    def rec(server, tok_s):
+        return {"round": 0, "server": server, "output_throughput": tok_s, "median_tpot_ms": 10.0, "median_ttft_ms": 10.0}
+
+    r = vs_vllm([rec("eagleray-champion", 30.0), rec("vllm", 60.0), rec("vllm-champion", 20.0), rec("eagleray", 30.0)])
+    assert r["eagleray-champion"]["output_tok_s"]["rounds"] == [1.5] and r["eagleray"]["output_tok_s"]["rounds"] == [0.5]
