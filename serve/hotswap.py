@@ -152,8 +152,7 @@ class DraftManager:
             raise SwapRefused("failed_load", f"cannot resolve draft source {source!r}: {err}") from err
 
     def prepare(self, resolved: ResolvedDraft) -> LoadedDraft:
-        """Guard and load a candidate beside the serving draft (blocking; run in the engine's thread, between steps:
-        torch work in a second thread would cost every later step on CPU, see :mod:`eagleray.serve.engine.async_engine`)."""
+        """Guard and load a candidate beside the serving draft (blocking; run through :meth:`_off_the_loop`)."""
         algorithm = self.cfg.draft.algorithm if self.cfg.draft else None
         report = check_compatibility(self.spec, resolved.path, algorithm=algorithm, max_model_len=self.engine.max_model_len)
         if not report.ok:
@@ -170,6 +169,14 @@ class DraftManager:
         except EaglerayError as err:
             raise SwapRefused("failed_load", f"draft {resolved.version} could not be loaded: {err}") from err
         return LoadedDraft(draft, resolved, list(report.facts["aux_layer_ids"]))
+
+    async def _off_the_loop(self, fn, *args):
+        """A CPU engine's torch work runs in its own thread (one OpenMP team: see
+        :mod:`eagleray.serve.engine.async_engine`), between steps; on a GPU a side thread loads the draft while the
+        engine keeps stepping (a large draft takes seconds to read)."""
+        if self.engine.device.type == "cpu":
+            return await self.loop.in_engine_thread(fn, *args)
+        return await asyncio.to_thread(fn, *args)
 
     def _smoke_and_switch(self, cand: LoadedDraft) -> None:
         """Engine thread, between steps: smoke-verify with the candidate's aux layers, then switch."""
@@ -200,7 +207,7 @@ class DraftManager:
                 cur = self.current
                 if cur is not None and resolved.path.resolve() == cur.path.resolve() and resolved.version == cur.version:
                     return self._record(source, "unchanged", resolved.version, "already serving this draft", t0)
-                cand = await self.loop.in_engine_thread(self.prepare, resolved)  # torch work: the engine's thread
+                cand = await self._off_the_loop(self.prepare, resolved)
             except SwapRefused as err:
                 return self._record(source, err.outcome, None, str(err), t0)
             try:
