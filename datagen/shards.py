@@ -73,6 +73,16 @@ def write_shard(path: Path, rows: list[dict[str, Any]], metadata: dict[str, str]
     return path.stat().st_size
 
 
+def finished_counts(path: Path) -> dict[str, int]:
+    """rows, tokens, loss_tokens and bytes of a finished shard, read back from the file."""
+    import pyarrow.compute as pc
+
+    table = pq.read_table(path, columns=["num_tokens", "loss_mask"])
+    tokens = pc.sum(table.column("num_tokens")).as_py() or 0
+    loss = pc.sum(pc.list_flatten(table.column("loss_mask"))).as_py() or 0
+    return {"rows": table.num_rows, "tokens": int(tokens), "loss_tokens": int(loss), "bytes": path.stat().st_size}
+
+
 def write_errors(path: Path, errors: list[dict[str, str]]) -> None:
     """Write error records (ERROR_FIELDS) as JSONL atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -169,6 +169,8 @@ class ExtractStage:
     def _chunk(self, row: dict) -> dict:
         started = time.perf_counter()
         chunk, out_dir = row["chunk_id"], self.cfg.output_dir
+        if shards.shard_path(out_dir, chunk).is_file():
+            return self._finished(row, started)
         errors = [json.loads(e) for e in row["errors"] if e]
         todo: list[tuple[int, Tokenized]] = []
         for i, (pid, conv, resp, err) in enumerate(zip(row["prompt_ids"], row["conversations"], row["responses"], row["errors"])):
@@ -201,6 +203,18 @@ class ExtractStage:
             "bytes": nbytes,
             "seconds": time.perf_counter() - started,
         }
+
+    def _finished(self, row: dict, started: float) -> dict:
+        """A chunk whose shard is already written: Ray ran it again because the worker or node that finished it was
+        lost before its result came back. The shard (renamed into place after the chunk's errors file) is kept as
+        it is and its counts read back; rewriting it would change a file a reader may already have taken."""
+        chunk, out_dir = row["chunk_id"], self.cfg.output_dir
+        path = shards.shard_path(out_dir, chunk)
+        errors = shards.error_path(out_dir, chunk)
+        n_errors = len(errors.read_text().splitlines()) if errors.is_file() else 0
+        log.info("chunk %s: its shard was already written (a retried task); kept, not rewritten", chunk)
+        counts = shards.finished_counts(path)
+        return {"chunk_id": chunk, "shard": path.name, "errors": n_errors, **counts, "seconds": time.perf_counter() - started}
 
     def _forward_rows(self, row: dict, todo: list[tuple[int, Tokenized]], errors: list[dict]) -> list[dict]:
         """Pack rows into forwards of <= forward_tokens tokens; a failing pack is retried row by row."""

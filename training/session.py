@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,18 +87,28 @@ class RaySession(Session):
         self.device = ray.train.torch.get_device()
         self.storage_dir = Path(storage_dir) if storage_dir else None
         self.is_complete = is_complete
-        self._tmp = Path(tempfile.mkdtemp(prefix="eagleray-resume-"))
 
     def latest_checkpoint(self) -> Path | None:
         import ray.train
 
         ckpt = ray.train.get_checkpoint()
         if ckpt is not None:
-            return Path(ckpt.to_directory(str(self._tmp / "latest")))
+            return self._local_dir(ckpt)
         if self.storage_dir is None or not self.storage_dir.is_dir():
             return None
         done = [p for p in self.storage_dir.glob("checkpoint_*") if p.is_dir() and self.is_complete(p)]
         return max(done, key=lambda p: p.stat().st_mtime) if done else None
+
+    def _local_dir(self, ckpt) -> Path:
+        """Ray's checkpoint as a local directory: itself where the run's storage is this machine's file system
+        (every resume used to leave a copy in /tmp), else a copy removed with this session."""
+        import pyarrow.fs
+
+        if isinstance(ckpt.filesystem, pyarrow.fs.LocalFileSystem) and Path(ckpt.path).is_dir():
+            return Path(ckpt.path)
+        tmp = Path(tempfile.mkdtemp(prefix="eagleray-resume-"))
+        weakref.finalize(self, shutil.rmtree, tmp, True)
+        return Path(ckpt.to_directory(str(tmp / "latest")))
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None = None) -> None:
         import ray.train

@@ -7,6 +7,8 @@ models:/name@alias and passes the compatibility guard.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from eagleray.tests.support.synth import write_synthetic
@@ -54,12 +56,15 @@ def test_ray_train_resumes_after_killed_worker_and_registers(tmp_path, ray_local
         mlflow={"tracking_uri": uri, "experiment": "train-it", "registered_model": "it-draft"},
         testing={"kill_worker_at_step": 3},
     )
+    import tempfile
     import time
 
+    copies = set(Path(tempfile.gettempdir()).glob("eagleray-resume-*"))
     t0 = time.perf_counter()
     result = train(cfg, emit=lambda s: print(f"[{time.perf_counter() - t0:.1f}s] {s}", flush=True))
 
     assert (tmp_path / "out" / ".test-worker-killed").is_file()  # the failure really happened
+    assert set(Path(tempfile.gettempdir()).glob("eagleray-resume-*")) == copies, "resumed from local storage: no copy"
     assert result.metrics["step"] == 6 and result.metrics["resumed_from_step"] == 2
     assert 0.0 <= result.metrics["eval/acc_0"] <= 1.0 and result.metrics["eval/sim_tau"] >= 1.0
 
