@@ -13,10 +13,10 @@ asyncio lock, so :meth:`AsyncEngine.between_steps` runs a function strictly betw
 On CPU that thread should be the only one in the process that runs torch work: libgomp keeps one
 OpenMP thread team per thread that opened a parallel region, and once the process has more team
 threads than cores it stops spinning between regions and wakes its threads through the kernel for
-every one. Built in another thread, the engine left a Serve replica with two teams, and every prefill
-and small op paid those wake-ups (a 130-token prefill 460-1,260 ms in the replica vs ~340 ms in a plain
-process; BENCHMARKS.md). :meth:`AsyncEngine.build` builds the engine in its stepping thread and
-:meth:`AsyncEngine.in_engine_thread` runs other torch work (a draft being loaded) there.
+every one. Built in another thread, the engine left a Serve replica with two teams, and prefills and
+small ops paid those wake-ups (a 149-token prefill 413-1,137 ms against 363-410 ms built in the stepping
+thread, alternating A/B; BENCHMARKS.md). :meth:`AsyncEngine.build` builds the engine in its stepping
+thread and :meth:`AsyncEngine.in_engine_thread` runs other torch work (a draft being loaded) there.
 
 A step that raises fails only the request that made it fail when that one can be told apart; the
 loop survives any single request. A request is *proven* once a step that ran it succeeded (it got
