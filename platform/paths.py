@@ -32,18 +32,25 @@ def file_lock(path: Path) -> Iterator[None]:
 
 
 @contextmanager
-def atomic_dir(out: Path) -> Iterator[Path]:
+def atomic_dir(out: Path, *, keep_existing: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling of ``out``; on success it replaces ``out`` in one rename.
 
-    Readers never see a half-written directory, and a failure leaves ``out`` as it was.
+    Readers never see a half-written directory, and a failure leaves ``out`` as it was. With
+    ``keep_existing`` (a cache several processes may fill at once) a complete ``out`` that is already
+    there is kept and this copy dropped: the first rename wins, and a directory someone may be reading
+    is never replaced.
     """
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         yield tmp
-        if out.exists():
+        if out.exists() and not keep_existing:
             shutil.rmtree(out)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not (keep_existing and out.is_dir()):
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

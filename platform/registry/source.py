@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +22,7 @@ from eagleray.platform.checkpoints import shipped
 from eagleray.platform.checkpoints.draft_factory import make_random_draft
 from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.platform.errors import EaglerayError
-from eagleray.platform.paths import eagleray_home
+from eagleray.platform.paths import atomic_dir, eagleray_home
 from eagleray.platform.registry import client
 
 logger = logging.getLogger(__name__)
@@ -102,17 +99,7 @@ def _cached_random(target: TargetSpec) -> Path:
 
 
 def _write_once(dest: Path, write) -> None:
-    """``write(tmp)`` fills a directory beside ``dest``, which is then renamed into place, so a cached
-    directory is always complete. Two processes filling the same cache: the first rename wins and
-    the loser's copy is dropped (the rename never replaces a directory a replica may be reading)."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    try:
+    """``write(tmp)`` fills a directory that is then renamed to ``dest`` unless another process's complete copy
+    got there first (see :func:`~eagleray.platform.paths.atomic_dir`)."""
+    with atomic_dir(dest, keep_existing=True) as tmp:
         write(tmp)
-        try:
-            os.replace(tmp, dest)
-        except OSError:
-            if not dest.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
