@@ -118,18 +118,15 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._queues)
 
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
     async def in_engine_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` in the engine thread, queued behind the step in progress (not under the step lock:
-        the loop may step before and after it). For torch work that is not an engine call (loading a draft)."""
-        return await self._call(fn, *args)
+        the loop may step before and after it; engine calls go through :meth:`between_steps`)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def between_steps(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` in the engine thread while no step is running; returns its result (or raises)."""
         async with self._lock:
-            return await self._call(fn, *args)
+            return await self.in_engine_thread(fn, *args)
 
     # ----------------------------------------------------------------- step loop
     async def _run(self) -> None:
@@ -149,7 +146,7 @@ class AsyncEngine:
                 continue
             async with self._lock:
                 try:
-                    outputs = await self._call(self.engine.step)
+                    outputs = await self.in_engine_thread(self.engine.step)
                 except Exception as err:  # noqa: BLE001 - not swallowed: logged, counted, sent to the failed requests
                     await self._step_failed(err)
                     continue
@@ -168,7 +165,7 @@ class AsyncEngine:
             if queue is None:
                 return
             try:
-                await self._call(self.engine.add_request, prompt, params, rid)
+                await self.in_engine_thread(self.engine.add_request, prompt, params, rid)
             except Exception as err:  # noqa: BLE001 - the caller's stream raises it (as add_request would have)
                 queue.put_nowait(err)
                 return
@@ -195,7 +192,7 @@ class AsyncEngine:
                 type(err).__name__,
                 len(suspects),
             )
-            await self._call(lambda: [self.engine.abort(i) for i in suspects])
+            await self.in_engine_thread(lambda: [self.engine.abort(i) for i in suspects])
             self._probation.extendleft((rid, *self._unproven.pop(rid)) for rid in reversed(suspects))
         else:
             ids = [rid for rid in self._queues if rid not in {e[0] for e in self._probation}]
@@ -208,7 +205,7 @@ class AsyncEngine:
             await self._fail(ids, err, alone=False)
 
     async def _fail(self, ids: list[str], err: Exception, *, alone: bool) -> None:
-        await self._call(lambda: [self.engine.abort(i) for i in ids])
+        await self.in_engine_thread(lambda: [self.engine.abort(i) for i in ids])
         for rid in ids:
             self._unproven.pop(rid, None)
             queue = self._queues.get(rid)
@@ -246,7 +243,7 @@ class AsyncEngine:
                 self._probation.append((rid, prompt, params or SamplingParams()))
             else:
                 try:
-                    await self._call(self.engine.add_request, prompt, params or SamplingParams(), rid)
+                    await self.in_engine_thread(self.engine.add_request, prompt, params or SamplingParams(), rid)
                 except BaseException:
                     self._queues.pop(rid, None)
                     raise
