@@ -32,7 +32,7 @@ from eagleray.serve.responses import SSE_DONE, Delta, ResponseBuilder, sse
 from eagleray.serve.serving_config import ServingConfig
 
 logger = logging.getLogger(__name__)
-HEALTH_WAIT_S = 0.5  # how long GET /health waits for a fresh engine status before answering from the last one
+HEALTH_WAIT_S = 0.25  # how long one engine status call may hold GET /health before it answers from the last one
 app = FastAPI(title="eagleray", description="OpenAI-compatible EAGLE-3 speculative decoding on Ray Serve")
 
 
@@ -200,8 +200,11 @@ async def engine_deltas(gen: AsyncIterator[dict[str, Any]]) -> AsyncIterator[Del
 class HealthProbe:
     """The engine's status for GET /health without ever waiting more than ``wait_s`` for the engine.
 
-    One status call is in flight at a time; /health waits ``wait_s`` for it, else answers with the
-    last status and its age. A replica that died (or is being restarted) reads as ``restarting``.
+    One status call is in flight at a time, and it may hold /health for ``wait_s`` in all: a /health
+    that arrives while the call is in flight waits only for what is left of that window, then answers
+    with the last status and its age. (Under saturation the call queues behind generation calls on the
+    engine handle for seconds; waiting ``wait_s`` again on every /health would add up under a load
+    balancer's polling.) A replica that died (or is being restarted) reads as ``restarting``.
     """
 
     def __init__(self, engine: Any, wait_s: float = HEALTH_WAIT_S):
@@ -210,6 +213,7 @@ class HealthProbe:
         self.last_at = 0.0
         self.gone: str | None = None  # why the engine is unavailable, while it is
         self._call: asyncio.Task | None = None
+        self._call_at = 0.0  # when the call in flight started
 
     async def _fetch(self) -> None:
         try:
@@ -223,10 +227,13 @@ class HealthProbe:
     async def status(self) -> tuple[int, dict[str, Any]]:
         if self._call is None or self._call.done():
             self._call = asyncio.get_running_loop().create_task(self._fetch())
-        try:
-            await asyncio.wait_for(asyncio.shield(self._call), self.wait_s)
-        except asyncio.TimeoutError:
-            pass  # the call stays in flight; its answer serves the next /health
+            self._call_at = time.monotonic()
+        left = self._call_at + self.wait_s - time.monotonic()
+        if left > 0:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._call), left)
+            except asyncio.TimeoutError:
+                pass  # the call stays in flight; its answer serves the next /health
         if self.gone is not None:
             return 503, {
                 "status": "restarting",
