@@ -106,10 +106,10 @@ def settle_draft(ctx: SpecContext, seqs: list[Sequence]) -> None:
     graphs, ``max_rows`` at a time (a row's K/V stays in the cache for the rows after it). Not drafting cost: the price
     of having decoded without the draft."""
     with ctx.prof.phase("settle"):
-        lasts = [s.pending_aux[-1].last() for s in seqs]  # the row the step graphs' catch-up reads
+        lasts = [s.pending_aux.last() for s in seqs]  # the row the step graphs' catch-up reads
         aux, counts = take_aux(ctx, seqs)  # [T + B, A]
         for s, last in zip(seqs, lasts):
-            s.pending_aux = [last]
+            s.pending_aux.append(last)  # emptied by take_aux
         starts = [sum(counts[:b]) for b in range(len(seqs))]
         keep = [i for st, c in zip(starts, counts) for i in range(st, st + c - 1)]
         aux = aux[torch.tensor(keep, dtype=torch.int64, device=aux.device)].to(ctx.draft.device)  # [T, A]: all but lasts
