@@ -99,6 +99,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 ENGINE_KEYS = ("prefill_steps", "plain_decode_steps", "spec_decode_steps", "busy_seconds")
+STEP_MS = {"prefill": "prefill_step_ms", "plain_decode": "plain_decode_step_ms", "spec_decode": "spec_decode_step_ms"}
 
 
 def _engine_counters(url: str) -> dict:
@@ -106,13 +107,20 @@ def _engine_counters(url: str) -> dict:
     import httpx
 
     engine = httpx.get(f"{url}/health", timeout=30).json()["engine"]
-    return {k: engine[k] for k in ENGINE_KEYS}
+    return {k: engine[k] for k in (*ENGINE_KEYS, *STEP_MS.values())}
 
 
 def _engine_during(before: dict, after: dict, wall_s: float) -> dict:
-    """What the engine did during the load: steps by kind, and the share of the wall time it was stepping."""
+    """What the engine did during the load: steps by kind, their mean whole-step time (ms; None for a kind that did
+    not run), and the share of the wall time it was stepping."""
     d = {k: round(after[k] - before[k], 3) for k in ENGINE_KEYS}
-    return {**{f"engine_{k}": v for k, v in d.items()}, "engine_busy_share": round(d["busy_seconds"] / wall_s, 3)}
+    ms = {}
+    for kind, key in STEP_MS.items():
+        n = d[f"{kind}_steps"]
+        ms[f"engine_{key}"] = (
+            round((after[key] * after[f"{kind}_steps"] - before[key] * before[f"{kind}_steps"]) / n, 2) if n else None
+        )
+    return {**{f"engine_{k}": v for k, v in d.items()}, **ms, "engine_busy_share": round(d["busy_seconds"] / wall_s, 3)}
 
 
 def _cpu_ticks() -> list[int] | None:

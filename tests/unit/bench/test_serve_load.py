@@ -6,16 +6,23 @@ from eagleray.jobs.bench.serve_load import _engine_during
 
 
 def test_engine_during_is_the_difference_and_the_busy_share_of_the_wall():
-    before = {"prefill_steps": 2, "plain_decode_steps": 10, "spec_decode_steps": 0, "busy_seconds": 3.0}
-    after = {"prefill_steps": 10, "plain_decode_steps": 262, "spec_decode_steps": 4, "busy_seconds": 63.0}
+    ms0 = {"prefill_step_ms": 400.0, "plain_decode_step_ms": 50.0, "spec_decode_step_ms": 0.0}
+    before = {"prefill_steps": 2, "plain_decode_steps": 10, "spec_decode_steps": 0, "busy_seconds": 3.0, **ms0}
+    ms1 = {"prefill_step_ms": 500.0, "plain_decode_step_ms": 70.0, "spec_decode_step_ms": 120.0}
+    after = {"prefill_steps": 10, "plain_decode_steps": 260, "spec_decode_steps": 4, "busy_seconds": 63.0, **ms1}
     d = _engine_during(before, after, wall_s=80.0)
     assert d == {
         "engine_prefill_steps": 8,
-        "engine_plain_decode_steps": 252,
+        "engine_plain_decode_steps": 250,
         "engine_spec_decode_steps": 4,
         "engine_busy_seconds": 60.0,
+        "engine_prefill_step_ms": 525.0,  # (10 x 500 - 2 x 400) / 8: the steps during the load, not the run's mean
+        "engine_plain_decode_step_ms": 70.8,
+        "engine_spec_decode_step_ms": 120.0,
         "engine_busy_share": 0.75,
     }
+    idle = _engine_during(before, {**before, "busy_seconds": 3.0}, wall_s=10.0)
+    assert idle["engine_prefill_step_ms"] is None and idle["engine_spec_decode_step_ms"] is None
 
 
 def test_vs_vllm_is_per_round_and_the_median_with_every_line_above_one_when_eagleray_is_ahead():
