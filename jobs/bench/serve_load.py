@@ -98,8 +98,8 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-ENGINE_KEYS = ("prefill_steps", "plain_decode_steps", "spec_decode_steps", "busy_seconds")
-STEP_MS = {"prefill": "prefill_step_ms", "plain_decode": "plain_decode_step_ms", "spec_decode": "spec_decode_step_ms"}
+STEP_KINDS = ("prefill", "plain_decode", "spec_decode")  # /health's engine counters: <kind>_steps, <kind>_step_ms
+ENGINE_KEYS = (*(f"{kind}_steps" for kind in STEP_KINDS), "busy_seconds")
 
 
 def _engine_counters(url: str) -> dict:
@@ -107,7 +107,7 @@ def _engine_counters(url: str) -> dict:
     import httpx
 
     engine = httpx.get(f"{url}/health", timeout=30).json()["engine"]
-    return {k: engine[k] for k in (*ENGINE_KEYS, *STEP_MS.values())}
+    return {k: engine[k] for k in (*ENGINE_KEYS, *(f"{kind}_step_ms" for kind in STEP_KINDS))}
 
 
 def _engine_during(before: dict, after: dict, wall_s: float) -> dict:
@@ -115,11 +115,9 @@ def _engine_during(before: dict, after: dict, wall_s: float) -> dict:
     not run), and the share of the wall time it was stepping."""
     d = {k: round(after[k] - before[k], 3) for k in ENGINE_KEYS}
     ms = {}
-    for kind, key in STEP_MS.items():
-        n = d[f"{kind}_steps"]
-        ms[f"engine_{key}"] = (
-            round((after[key] * after[f"{kind}_steps"] - before[key] * before[f"{kind}_steps"]) / n, 2) if n else None
-        )
+    for kind in STEP_KINDS:
+        n, key, steps = d[f"{kind}_steps"], f"{kind}_step_ms", f"{kind}_steps"
+        ms[f"engine_{key}"] = round((after[key] * after[steps] - before[key] * before[steps]) / n, 2) if n else None
     return {**{f"engine_{k}": v for k, v in d.items()}, **ms, "engine_busy_share": round(d["busy_seconds"] / wall_s, 3)}
 
 
