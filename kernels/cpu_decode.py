@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eagleray.kernels import cpu_gemm
 from eagleray.kernels.cpu_decode_build import library_path, open_library
 from eagleray.kernels.errors import KernelBuildError, KernelInputError
 
@@ -307,8 +308,11 @@ def status() -> str:
 
 @contextmanager
 def blas_gemms():
-    """Linears inside go to PyTorch (MKL's GEMM) whatever their row count: a prompt's prefill, where MKL wins at
-    every M (a 126-token prefill: 271-303 ms vs 417-1,010 ms on the native decode kernel, BENCHMARKS.md)."""
+    """A prompt's prefill: linears inside take a GEMM library whatever their row count, oneDNN's packed linear
+    (:mod:`eagleray.kernels.cpu_gemm`) where PyTorch has it, else MKL's; only a few rows (the last token of each
+    prompt into the LM head) stay on the native kernel, which streams a weight faster than either. A 126-token
+    prefill took 271-303 ms on MKL against 417-1,010 ms on the native kernel; oneDNN's packed GEMM then ran
+    1.3-2.3x MKL's on the prefill's shapes (BENCHMARKS.md)."""
     global _blas_only
     before, _blas_only = _blas_only, True
     try:
@@ -317,22 +321,28 @@ def blas_gemms():
         _blas_only = before
 
 
+PREFILL_NATIVE_ROWS = 16  # inside blas_gemms, at most this many rows stay native (LM head: 4.2 vs 17.8 ms MKL at 4)
+
+
 def dispatch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """The model's linear: the native kernel for small fp32 CPU batches without autograd (outside
-    :func:`blas_gemms`), else PyTorch."""
-    if (
-        not _blas_only
-        and x.device.type == "cpu"
+    :func:`blas_gemms`, or up to ``PREFILL_NATIVE_ROWS`` rows inside it), oneDNN's packed GEMM for a prefill's
+    larger ones, else PyTorch."""
+    plain = (
+        x.device.type == "cpu"
         and x.dim() == 2
-        and 0 < x.shape[0] <= MAX_ROWS
+        and x.shape[0] > 0
         and x.dtype == torch.float32
         and w.dtype == torch.float32
-        and w.is_contiguous()
-        and x.stride(1) == 1
         and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-        and _active()
-    ):
+    )
+    if not plain:
+        return torch.nn.functional.linear(x, w, b)
+    rows = PREFILL_NATIVE_ROWS if _blas_only else MAX_ROWS
+    if x.shape[0] <= rows and w.is_contiguous() and x.stride(1) == 1 and _active():
         return linear(x, w, b)
+    if _blas_only and cpu_gemm.available():
+        return cpu_gemm.linear(x, w, b)
     return torch.nn.functional.linear(x, w, b)
 
 

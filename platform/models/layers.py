@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eagleray.kernels import cpu_decode
+from eagleray.kernels import cpu_decode, cpu_gemm
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.arch import LlamaArch
 from eagleray.platform.models.attention import AttentionMetadata, paged_attention
@@ -140,23 +140,27 @@ class DecoderLayer(nn.Module):
 
 
 def pack_for_cpu(model: nn.Module) -> int:
-    """Make the native CPU linear's packed layout (``cpu_decode.packed``) of every weight the fused model's
-    forward multiplies by, now rather than in the first step that uses it; returns how many. The parts of
-    a fused q/k/v or gate/up are skipped (only the fused weight is used). Call when the native kernel is on."""
+    """Make the CPU kernels' packed layouts of every weight the fused model's forward multiplies by, now rather
+    than in the first step that uses it; returns how many weights. Each gets the native decode kernel's layout
+    (``cpu_decode.packed``); each but an LM head (a prefill multiplies only each prompt's last row by it, on the
+    native kernel) also gets oneDNN's for prefill GEMMs (``cpu_gemm.packed``) where PyTorch has oneDNN. The parts
+    of a fused q/k/v or gate/up are skipped (only the fused weight is used). Call when the native kernel is on."""
     fused_parts = set()
     weights = []
     for m in model.modules():
         if isinstance(m, SelfAttention) and m.qkv is not None:
             fused_parts |= {id(m.q_proj), id(m.k_proj), id(m.v_proj)}
-            weights.append(m.qkv.weight)
+            weights.append((m.qkv.weight, True))
         elif isinstance(m, MLP) and m.gate_up is not None:
             fused_parts |= {id(m.gate_proj), id(m.up_proj)}
-            weights.append(m.gate_up.weight)
+            weights.append((m.gate_up.weight, True))
     for m in model.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and id(m) not in fused_parts:
-            weights.append(m.weight)
-    for w in weights:
+            weights.append((m.weight, not isinstance(m, ParallelLMHead)))
+    for w, gemm in weights:
         cpu_decode.packed(w)
+        if gemm and w.dtype == torch.float32 and cpu_gemm.available():
+            cpu_gemm.packed(w)
     return len(weights)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagleray.kernels import cpu_decode, cpu_decode_build
+from eagleray.kernels import cpu_decode, cpu_decode_build, cpu_gemm
 from eagleray.kernels.errors import KernelBuildError, KernelInputError
 
 native = pytest.mark.skipif(
@@ -75,17 +75,26 @@ def test_results_are_exact_while_another_process_takes_the_cores(fresh_state):
 
 
 @native
-def test_blas_gemms_sends_every_linear_to_torch_and_ends_with_its_block(monkeypatch, fresh_state):
-    """Inside ``blas_gemms`` (a prefill) dispatch takes PyTorch's GEMM at any row count; outside, the native kernel."""
-    calls = []
-    real = cpu_decode.linear
-    monkeypatch.setattr(cpu_decode, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    x, w, b = _data(8, 96, 64)
+def test_blas_gemms_sends_prefill_rows_to_a_gemm_library_and_ends_with_its_block(monkeypatch, fresh_state):
+    """Inside ``blas_gemms`` (a prefill) dispatch takes the GEMM library (oneDNN's packed linear where PyTorch has it)
+    above ``PREFILL_NATIVE_ROWS`` rows and the native kernel up to it (the LM head on each prompt's last row);
+    outside, the native kernel up to ``MAX_ROWS``."""
+    native_rows, gemm_rows = [], []
+    real_native, real_gemm = cpu_decode.linear, cpu_gemm.linear
+    monkeypatch.setattr(cpu_decode, "linear", lambda *a: native_rows.append(a[0].shape[0]) or real_native(*a))
+    monkeypatch.setattr(cpu_gemm, "linear", lambda *a: gemm_rows.append(a[0].shape[0]) or real_gemm(*a))
+    small, w, b = _data(cpu_decode.PREFILL_NATIVE_ROWS, 96, 64)
+    big, _, _ = _data(cpu_decode.PREFILL_NATIVE_ROWS + 1, 96, 64)
     with cpu_decode.blas_gemms():
-        inside = cpu_decode.dispatch(x, w, b)
-    assert calls == [] and torch.equal(inside, torch.nn.functional.linear(x, w, b))
-    cpu_decode.dispatch(x, w, b)
-    assert calls == [8], "after the block the native kernel is back"
+        inside = cpu_decode.dispatch(big, w, b)
+        cpu_decode.dispatch(small, w, b)
+    library = [cpu_decode.PREFILL_NATIVE_ROWS + 1] if cpu_gemm.available() else []
+    assert gemm_rows == library and native_rows == [cpu_decode.PREFILL_NATIVE_ROWS]
+    torch.testing.assert_close(inside, torch.nn.functional.linear(big, w, b), atol=1e-4, rtol=1e-5)
+    cpu_decode.dispatch(big, w, b)
+    assert native_rows[-1] == cpu_decode.PREFILL_NATIVE_ROWS + 1 and len(gemm_rows) == len(library), (
+        "after the block the native kernel is back"
+    )
 
 
 @native

@@ -194,24 +194,34 @@ def test_fused_projections_equal_the_separate_ones_and_still_load(variant, tiny_
 
 
 def test_pack_for_cpu_packs_what_the_forward_multiplies_by_at_load(tiny_dirs, monkeypatch):
-    from eagleray.kernels import cpu_decode
+    from eagleray.kernels import cpu_decode, cpu_gemm
     from eagleray.platform.models.layers import fuse_for_inference, pack_for_cpu
 
     if cpu_decode.status() != "native":
         pytest.skip(f"native CPU kernels: {cpu_decode.status()}")
     model = fuse_for_inference(LlamaModel.from_dir(tiny_dirs["llama_untied_mha"]))
     assert pack_for_cpu(model) == 4 * len(model.layers) + 1  # qkv, o, gate_up, down per layer + lm_head
-    attn = model.layers[0].self_attn
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     assert not hasattr(attn.q_proj.weight, cpu_decode._PACKED), "a fused part is not packed (its memory)"
+    if cpu_gemm.available():
+        gemm_packed = [w for w in (attn.qkv.weight, attn.o_proj.weight, mlp.gate_up.weight, mlp.down_proj.weight)]
+        assert all(hasattr(w, cpu_gemm._PACKED) for w in gemm_packed), "prefill GEMM weights packed for oneDNN"
+        assert not hasattr(model.lm_head.weight, cpu_gemm._PACKED), "the LM head stays native in a prefill"
+        assert not hasattr(attn.q_proj.weight, cpu_gemm._PACKED)
 
     def no_packing(*args, **kwargs):
         raise AssertionError("packed in a forward")
 
     monkeypatch.setattr(cpu_decode, "pack", no_packing)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", no_packing, raising=False)
     ids = torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(6))
+    prompt = torch.randint(0, VOCAB, (cpu_decode.PREFILL_NATIVE_ROWS + 4,), generator=torch.Generator().manual_seed(7))
     with torch.inference_mode():
-        cache = model.make_kv_cache(num_blocks=4, block_size=4)
+        cache = model.make_kv_cache(num_blocks=16, block_size=4)
         _paged_forward(model, [ids], [0], [[0, 1]], 4, cache)
+        attn_meta = AttentionMetadata.build([len(prompt)], [0], [[2, 3, 4, 5, 6, 7]], 4)
+        with cpu_decode.blas_gemms():  # a prefill's layers: their GEMMs on oneDNN's packed weights, made at load
+            model(prompt, torch.arange(len(prompt)), attn_meta, cache)
 
 
 def test_attention_never_asks_cudnn(tiny_dirs, monkeypatch):

@@ -1,0 +1,73 @@
+"""Prefill-sized fp32 GEMMs on CPU through oneDNN (bundled with PyTorch) with weights packed once.
+
+    from eagleray.kernels import cpu_gemm
+    y = cpu_gemm.linear(x, w, b)      # x [M, K], w [N, K], b [N] or None -> [M, N]; M large (a prompt's tokens)
+    cpu_gemm.available()              # False where PyTorch was built without oneDNN (then callers use MKL)
+
+A prompt's prefill is GEMM-bound: at 560 tokens SmolLM2's gate/up product ([560, 576] x [576, 3072]) ran at
+92-165 GFLOP/s through ``torch.nn.functional.linear`` (MKL's sgemm, the weight transposed on every call) and at
+~210 GFLOP/s through oneDNN's linear on a weight reordered once into its blocked layout (the 2-core CI machine,
+BENCHMARKS.md). The reordered copy is made on first use and kept on the tensor like the native kernel's
+:func:`~eagleray.kernels.cpu_decode.packed` layout (the weight's memory again); it is made again when the weight
+changes in place or moves. The reference is :func:`torch.nn.functional.linear` (``linear_reference``); the two
+differ by fp32 rounding only (a different summation order), so both the plain and the speculative engine must
+take the same path for a prompt (they do: every prefill goes here).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagleray.kernels.errors import KernelInputError
+
+BATCH_HINT = 512  # the row count oneDNN plans the packed layout for (a few prompts' tokens); any M works
+
+
+def available() -> bool:
+    """Whether this PyTorch has oneDNN's packed linear (x86-64 and aarch64 builds do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def linear_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K], w [N, K], b [N] -> [M, N] (PyTorch)."""
+    return torch.nn.functional.linear(x, w, b)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32, w [N, K] fp32, b [N] fp32 or None -> y [M, N] fp32 (oneDNN, w in its packed layout)."""
+    _check(x, w, b)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed(w), b, "none", [], "")  # [M, N]
+
+
+_PACKED = "_eagleray_onednn"  # attribute on the weight tensor: ((storage pointer, version), packed)
+
+
+def packed(w: torch.Tensor) -> torch.Tensor:
+    """oneDNN's layout of w [N, K], made once and kept on the tensor; made again when w changes in place (its
+    version counter) or its storage moves (an inference tensor has no version counter: :func:`forget_packed`)."""
+    key = (w.data_ptr(), None if w.is_inference() else w._version)
+    held = getattr(w, _PACKED, None)
+    if held is None or held[0] != key:
+        held = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), BATCH_HINT))
+        setattr(w, _PACKED, held)
+    return held[1]
+
+
+def forget_packed(w: torch.Tensor) -> None:
+    """Drop w's packed copy (made again on next use)."""
+    if hasattr(w, _PACKED):
+        delattr(w, _PACKED)
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    for name, t in (("x", x), ("w", w)):
+        if t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 2:
+            raise KernelInputError(
+                name, "a 2-D fp32 CPU tensor", f"{tuple(t.shape)} {t.dtype} on {t.device}", "use torch.nn.functional.linear"
+            )
+    if x.shape[1] != w.shape[1]:
+        raise KernelInputError("x", f"[M, {w.shape[1]}] (w is {tuple(w.shape)})", str(tuple(x.shape)), "pass matching widths")
+    if b is not None and (b.dtype != torch.float32 or tuple(b.shape) != (w.shape[0],)):
+        raise KernelInputError("b", f"[{w.shape[0]}] fp32", f"{tuple(b.shape)} {b.dtype}", "pass the layer's bias or None")
+    if not available():
+        raise KernelInputError("torch", "a build with oneDNN (mkldnn)", "none", "check cpu_gemm.available() first")
