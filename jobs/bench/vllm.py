@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import platform as std_platform
 import sys
 import tempfile
@@ -154,6 +155,17 @@ def vllm_spec_counters(metrics: list) -> dict:
     return out
 
 
+def in_process() -> None:
+    """vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set): ``apply_model`` reads the
+    draft's aux layers with a function, which cannot cross to an engine process. Raises if it was set otherwise."""
+    value = os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if value != "0":
+        raise EaglerayError(
+            f"VLLM_ENABLE_V1_MULTIPROCESSING={value}: bench vllm runs vLLM's engine in this process\n"
+            f"    fix: unset it or set it to 0"
+        )
+
+
 def run_vllm(
     args, token_prompts: list[list[int]], target_dir: Path, draft_dir: Path | None
 ) -> tuple[dict, list[list[int]], list[int]]:
@@ -162,6 +174,7 @@ def run_vllm(
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
 
+    in_process()
     max_model_len = max(map(len, token_prompts)) + args.max_tokens + args.k + 1
     set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op (cpu_worker.py init_device)
     llm = None
