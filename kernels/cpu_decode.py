@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagleray.kernels import cpu_gemm
+from eagleray.kernels import cpu_gemm, weight_cache
 from eagleray.kernels.cpu_decode_build import library_path, open_library
 from eagleray.kernels.errors import KernelBuildError, KernelInputError
 
@@ -93,26 +93,11 @@ def pack(w: torch.Tensor, cols: int | None = None) -> torch.Tensor:
     return padded.view(panels, cols, k).transpose(1, 2).contiguous()
 
 
-_PACKED = "_eagleray_packed"  # attribute on the weight tensor: (storage pointer, version, packed)
-
-
-def packed(w: torch.Tensor) -> torch.Tensor:
-    """The packed layout of w, made once and kept on the tensor (its memory beside w's). It is made again
-    when w changes in place (torch's version counter) or its storage moves; a change through ``w.data``,
-    which has a version counter of its own, is not seen, nor one to an inference tensor (made under
-    torch.inference_mode, which has no version counter): call :func:`forget_packed` after one."""
-    key = (w.data_ptr(), None if w.is_inference() else w._version)
-    held = getattr(w, _PACKED, None)
-    if held is None or held[0] != key:
-        held = (key, pack(w))
-        setattr(w, _PACKED, held)
-    return held[1]
-
-
-def forget_packed(w: torch.Tensor) -> None:
-    """Drop w's packed copy (made again on next use)."""
-    if hasattr(w, _PACKED):
-        delattr(w, _PACKED)
+_PACKED = "_eagleray_packed"  # attribute on the weight tensor
+# The packed layout of w, made once and kept on the tensor (its memory beside w's); made again when w changes
+# (weight_cache says when; forget_packed(w) after a change it cannot see).
+packed = weight_cache.Layout(_PACKED, lambda w: pack(w))  # pack looked up per use (tests replace it)
+forget_packed = packed.forget
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from eagleray.kernels import weight_cache
 from eagleray.kernels.errors import KernelInputError
 
 BATCH_HINT = 512  # the row count oneDNN plans the packed layout for (a few prompts' tokens); any M works
@@ -39,24 +40,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed(w), b, "none", [], "")  # [M, N]
 
 
-_PACKED = "_eagleray_onednn"  # attribute on the weight tensor: ((storage pointer, version), packed)
+def _reorder(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), BATCH_HINT)
 
 
-def packed(w: torch.Tensor) -> torch.Tensor:
-    """oneDNN's layout of w [N, K], made once and kept on the tensor; made again when w changes in place (its
-    version counter) or its storage moves (an inference tensor has no version counter: :func:`forget_packed`)."""
-    key = (w.data_ptr(), None if w.is_inference() else w._version)
-    held = getattr(w, _PACKED, None)
-    if held is None or held[0] != key:
-        held = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), BATCH_HINT))
-        setattr(w, _PACKED, held)
-    return held[1]
-
-
-def forget_packed(w: torch.Tensor) -> None:
-    """Drop w's packed copy (made again on next use)."""
-    if hasattr(w, _PACKED):
-        delattr(w, _PACKED)
+_PACKED = "_eagleray_onednn"  # attribute on the weight tensor
+# oneDNN's layout of w [N, K], made once and kept on the tensor; made again when w changes (weight_cache says when;
+# forget_packed(w) after a change it cannot see).
+packed = weight_cache.Layout(_PACKED, _reorder)
+forget_packed = packed.forget
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
