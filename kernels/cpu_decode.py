@@ -297,7 +297,7 @@ def blas_gemms():
     (:mod:`eagleray.kernels.cpu_gemm`) where PyTorch has it, else MKL's; only a few rows (the last token of each
     prompt into the LM head) stay on the native kernel, which streams a weight faster than either. A 126-token
     prefill took 271-303 ms on MKL against 417-1,010 ms on the native kernel; oneDNN's packed GEMM then ran
-    1.3-2.3x MKL's on the prefill's shapes (BENCHMARKS.md)."""
+    1.1-2.3x MKL's on the prefill's shapes (a 4 x 140-token prefill 1.09-1.19 s -> 0.74-0.86 s, BENCHMARKS.md)."""
     global _blas_only
     before, _blas_only = _blas_only, True
     try:
@@ -313,7 +313,7 @@ def dispatch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) ->
     """The model's linear: the native kernel for small fp32 CPU batches without autograd (outside
     :func:`blas_gemms`, or up to ``PREFILL_NATIVE_ROWS`` rows inside it), oneDNN's packed GEMM for a prefill's
     larger ones, else PyTorch."""
-    plain = (
+    eligible = (
         x.device.type == "cpu"
         and x.dim() == 2
         and x.shape[0] > 0
@@ -321,7 +321,7 @@ def dispatch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) ->
         and w.dtype == torch.float32
         and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
     )
-    if not plain:
+    if not eligible:
         return torch.nn.functional.linear(x, w, b)
     rows = PREFILL_NATIVE_ROWS if _blas_only else MAX_ROWS
     if x.shape[0] <= rows and w.is_contiguous() and x.stride(1) == 1 and _active():
