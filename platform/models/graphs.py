@@ -10,7 +10,8 @@ Two step implementations, both equal to the model's own forward:
 
 - the *generic* step: ``model(ids, positions, DecodeMetadata, kv)`` (every supported architecture);
 - :class:`FusedDecodeStep`: the same layers in ~10 launches each - q/k/v and gate/up as one GEMM
-  each (the parameters become views of one fused tensor), fused residual-add + RMSNorm, fused
+  each (the parameters become views of one fused tensor), fused residual-add + RMSNorm (in the batch-invariant
+  Triton step of a small model: the adds in the products' epilogues, the norms in the next product), fused
   rotary + KV write, the split-K decode attention kernel, fused SiLU * up. Not for Qwen3 (q/k norm).
 
 Padding rows (a batch of 3 runs in bucket 4) write their K/V to ``pad_slot``, by default the last
@@ -40,7 +41,7 @@ from eagleray.kernels.decode_ops import (
     silu_mul,
     silu_mul_reference,
 )
-from eagleray.kernels.invariant_linear import invariant_linear
+from eagleray.kernels.invariant_linear import fold_norm_weight, invariant_linear
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.attention import KVCache
 from eagleray.platform.models.decode_metadata import DecodeMetadata
@@ -73,13 +74,36 @@ def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, bias
 
 
+FOLD_MAX_BYTES = 1 << 30  # folded copies larger than this are not made (SmolLM2's: 195 MB; 8B's would be 10 GB)
+
+
+def room_for_folded(model, qkv, gate_up) -> bool:
+    """Whether the folded copies of qkv, gate_up and the LM head are worth their memory: at most
+    :data:`FOLD_MAX_BYTES` (on the H200 folding took 5% off SmolLM2's step at batch 1 but 1.2% off 8B's, which would
+    pay 10 GB for it), and on CUDA within the free memory with 2 GiB to spare. Otherwise the norms stay kernels."""
+    need = (
+        sum(w.numel() * w.element_size() for w, _ in [*qkv[1:], *gate_up])
+        + model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    )
+    dev = model.lm_head.weight.device
+    return need <= FOLD_MAX_BYTES and (dev.type != "cuda" or torch.cuda.mem_get_info(dev)[0] > need + (2 << 30))
+
+
 class FusedDecodeStep:
     """The model's decode forward in few launches; call as ``step(ids, positions, meta, kv)``.
 
     ``invariant``: every product through :func:`~eagleray.kernels.invariant_linear.invariant_linear`
     (the native kernel on CPU), never cuBLAS or the batch-1 GEMVs, so a row's logits are bitwise the
     same at any batch size and beside any number of verified tokens (lossless speculation in bf16).
+    With Triton (``FOLD_NORMS``) the residual adds ride the o/down products' epilogues and every RMSNorm after the
+    first rides the next product: its weight folded into a copy of that product's weight (copies of qkv, gate_up and
+    the LM head, made only where small: :func:`room_for_folded`), 1/rms in its epilogue from the sums of squares the
+    product before wrote. Two launches a layer fewer. These products round differently from the model's own layers
+    (the norm weight inside the bf16 weight, 1/rms applied to the sums), the same way for every row, so greedy
+    speculation stays lossless.
     """
+
+    FOLD_NORMS = True  # the invariant Triton step folds RMSNorm into the products (class-wide, for measurements)
 
     def __init__(self, model, use_triton: bool, use_gemv: bool | None = None, invariant: bool = False):
         arch = model.arch
@@ -112,15 +136,36 @@ class FusedDecodeStep:
             )
             model._decode_fused = fused
         self.qkv, self.gate_up = fused
+        self.fold = invariant and use_triton and self.FOLD_NORMS
+        if self.fold:
+            folded = getattr(model, "_decode_folded", None)
+            if folded is None:  # once per model, so that every step of it (plain and verification) agrees
+                folded = self._fold_weights(model) if room_for_folded(model, self.qkv, self.gate_up) else False
+                model._decode_folded = folded
+            self.fold = folded is not False
+            if self.fold:
+                self.folded_qkv, self.folded_gate_up, self.folded_lm_head = folded
         attn = model.layers[0].self_attn
         self.hq, self.hkv, self.scale, self.window = attn.heads, attn.kv_heads, attn.scale, attn.sliding_window
         self.inv_freq = attn.rotary.inv_freq.to(torch.float32)  # [D/2], the same for every layer
+
+    def _fold_weights(self, model) -> tuple[list, list, torch.Tensor]:
+        """qkv of layers 1.. and every gate_up times their norm's weight; the LM head times the last norm's."""
+        qkv = [None] + [
+            fold_norm_weight(w, layer.input_layernorm.weight) for (w, _), layer in zip(self.qkv[1:], model.layers[1:])
+        ]
+        gate_up = [
+            fold_norm_weight(w, layer.post_attention_layernorm.weight) for (w, _), layer in zip(self.gate_up, model.layers)
+        ]
+        return qkv, gate_up, fold_norm_weight(model.lm_head.weight, model.norm.weight)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata, kv: KVCache) -> Step:
         m = self.model
         b = ids.shape[0]
         if b == 1 and self.use_gemv:
             return self._gemv_step(ids, positions, meta, kv)
+        if self.fold:
+            return self._folded_step(ids, positions, meta, kv)
         h, delta = m.embed(ids), None  # [B, H]
         wanted = set(m.aux_layer_ids)
         aux: list[torch.Tensor] = []
@@ -138,6 +183,36 @@ class FusedDecodeStep:
         if m.arch.num_layers in wanted:
             aux.append(h)
         logits = self._linear(x, m.lm_head.weight)[:, : m.arch.vocab_size] if self.invariant else m.compute_logits(x)
+        return logits, (torch.cat(aux, dim=-1) if aux else None)
+
+    def _folded_step(self, ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata, kv: KVCache) -> Step:
+        """The invariant Triton step with the residual adds in the o/down epilogues and RMSNorm in the next product
+        (see the class docstring): per layer the four products, rotary + K/V write, attention, SiLU * up."""
+        m, eps = self.model, self.eps
+        b = ids.shape[0]
+        h = m.embed(ids)  # [B, H]
+        wanted = set(m.aux_layer_ids)
+        aux: list[torch.Tensor] = []
+        sq = None  # [B, T] fp32: h's rows' sums of squares, by the product that made h
+        for i, layer in enumerate(m.layers):
+            if i in wanted:
+                aux.append(h)
+            attn, mlp = layer.self_attn, layer.mlp
+            if sq is None:  # the first layer: h is the embedding, normed by a kernel of its own
+                x, _ = self.add_rmsnorm(h, None, layer.input_layernorm.weight, eps)  # [B, H]
+                qkv = invariant_linear(x, *self.qkv[i])
+            else:
+                qkv = invariant_linear(h, self.folded_qkv[i], self.qkv[i][1], norm=(sq, eps))  # [B, (Hq+2Hkv)*D]
+            q = self.rope_write_kv(qkv, self._kv_write(i, positions, meta, kv))  # [B, Hq, D]
+            o = meta.attend_cached(q, kv.k[i], kv.v[i], self.scale, self.window)  # [B, Hq, D]
+            h, sq = invariant_linear(
+                o.reshape(b, -1).contiguous(), attn.o_proj.weight, attn.o_proj.bias, residual=h, squares=True
+            )
+            gu = invariant_linear(h, self.folded_gate_up[i], self.gate_up[i][1], norm=(sq, eps))  # [B, 2I]
+            h, sq = invariant_linear(self.silu_mul(gu), mlp.down_proj.weight, mlp.down_proj.bias, residual=h, squares=True)
+        if m.arch.num_layers in wanted:
+            aux.append(h)
+        logits = invariant_linear(h, self.folded_lm_head, norm=(sq, eps))[:, : m.arch.vocab_size]  # [B, V]
         return logits, (torch.cat(aux, dim=-1) if aux else None)
 
     def _kv_write(self, i: int, positions: torch.Tensor, meta: DecodeMetadata, kv: KVCache) -> KVWrite:

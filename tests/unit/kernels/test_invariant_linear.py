@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from eagleray.kernels.errors import KernelInputError
-from eagleray.kernels.invariant_linear import BLOCK_K, invariant_linear, invariant_linear_reference, plan
+from eagleray.kernels.invariant_linear import BLOCK_K, fold_norm_weight, invariant_linear, invariant_linear_reference, plan
 
 
 @pytest.mark.parametrize("n,k,bias,residual", [(96, 200, True, True), (70, 384, False, False), (130, 64, True, False)])
@@ -27,6 +27,31 @@ def test_equals_reference_and_rows_are_invariant(n, k, bias, residual):
         assert torch.equal(part, y[:m])
     one = invariant_linear(x[17:18], w, b, residual=None if r is None else r[17:18])
     assert torch.equal(one, y[17:18])
+
+
+@pytest.mark.parametrize("splits", [None, 2])
+def test_norm_rides_the_products_and_rows_stay_invariant(monkeypatch, splits):
+    """A product writes its rows' sums of squares (squares=True); the next one, with the norm's weight folded into its
+    weight, computes linear(rmsnorm(h) * nw) from them (norm=...), bitwise alike at any row count, K split or not."""
+    import eagleray.kernels.invariant_linear as il
+
+    if splits:
+        monkeypatch.setattr(il, "plan", lambda n, k, device=None: il.make_plan(n, k, splits=splits, block_k=16))
+    g = torch.Generator().manual_seed(3)
+    x, w1, res = torch.randn(21, 96, generator=g), torch.randn(96, 96, generator=g), 3 * torch.randn(21, 96, generator=g)
+    nw, w2, b2 = torch.rand(96, generator=g) + 0.5, torch.randn(70, 96, generator=g), torch.randn(70, generator=g)
+    h, sq = invariant_linear(x, w1, residual=res, squares=True)  # [21, 96], [21, T]
+    torch.testing.assert_close(h, invariant_linear_reference(x, w1, residual=res), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(sq.sum(1), h.pow(2).sum(1), atol=1e-3, rtol=1e-5)
+    y = invariant_linear(h, fold_norm_weight(w2, nw), b2, norm=(sq, 1e-5))
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * nw  # layers.RMSNorm, fp32
+    torch.testing.assert_close(y, normed @ w2.T + b2, atol=1e-4, rtol=1e-4)
+    for m in (1, 5):
+        hm, sqm = invariant_linear(x[:m], w1, residual=res[:m], squares=True)
+        assert torch.equal(hm, h[:m]) and torch.equal(sqm, sq[:m])
+        assert torch.equal(invariant_linear(hm, fold_norm_weight(w2, nw), b2, norm=(sqm, 1e-5)), y[:m])
+    with pytest.raises(KernelInputError, match="norm"):
+        invariant_linear(h, w2, norm=(sq[:5], 1e-5))
 
 
 def test_split_depends_on_the_weight_shape_only():

@@ -132,6 +132,22 @@ def test_invariant_rows_score_a_position_alike_alone_in_a_batch_and_in_a_verific
             assert torch.equal(verify[0][3 * b + j], batch[j][0][b]), f"seq {b} row {j} != batch of 3"
 
 
+def test_the_norms_fold_once_per_model_or_not_at_all(tiny_dirs, monkeypatch):
+    """The invariant Triton step folds RMSNorm into the products with copies of qkv, gate_up and the LM head made once
+    per model (every step of it agrees); where the copies are too large, every step keeps the norms as kernels."""
+    import eagleray.platform.models.graphs as graphs
+
+    model = LlamaModel.from_dir(tiny_dirs["llama_tied"])
+    first, second = (graphs.FusedDecodeStep(model, use_triton=True, invariant=True) for _ in range(2))
+    assert first.fold and second.folded_lm_head is first.folded_lm_head
+    assert not graphs.FusedDecodeStep(model, use_triton=False, invariant=True).fold  # the CPU kernels: no folding
+    monkeypatch.setattr(graphs, "FOLD_MAX_BYTES", 1000)  # copies larger than this are not made
+    tight = LlamaModel.from_dir(tiny_dirs["llama_tied"])
+    assert not graphs.FusedDecodeStep(tight, use_triton=True, invariant=True).fold
+    monkeypatch.undo()
+    assert not graphs.FusedDecodeStep(tight, use_triton=True, invariant=True).fold  # decided once for the model
+
+
 def test_invariant_step_refuses_a_tensor_parallel_or_unfused_model(tiny_dirs):
     from eagleray.platform.errors import EaglerayError
     from eagleray.platform.models.graphs import FusedDecodeStep
