@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from eagleray.jobs.bench.common import SMOLLM2, log
-from eagleray.kernels.invariant_linear import invariant_linear, invariant_linear_reference, plan
+from eagleray.kernels.invariant_linear import invariant_linear, invariant_linear_reference
+from eagleray.kernels.invariant_plans import PLANS_FILE, make_plan, measured_plans, plan
 
 SHAPES = {
     "8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)],
@@ -139,11 +140,15 @@ def sweep_records() -> list[dict]:
         m: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02 for n, k in shapes]
         for m, shapes in SHAPES.items()
     }
-    saved = (il.BLOCK_M, il.BLOCK_N, il.BLOCK_K, il.NUM_WARPS, il.NUM_STAGES)
+    saved = (il.BLOCK_M, il.plan)
     out = []
     try:
         for tiles in TILES:
-            il.BLOCK_M, il.BLOCK_N, il.BLOCK_K, il.NUM_WARPS, il.NUM_STAGES = tiles
+            bn, bk, warps, stages = tiles[1:]
+            il.BLOCK_M = tiles[0]
+            il.plan = lambda n, k, device=None, bn=bn, bk=bk, w=warps, s=stages: make_plan(  # the tiles reach the plan
+                n, k, block_n=bn, block_k=bk, warps=w, stages=s
+            )
             rec = {"tiles": list(tiles)}
             for model, ws in weights.items():
                 k0 = ws[0].shape[1]
@@ -159,7 +164,7 @@ def sweep_records() -> list[dict]:
             out.append(rec)
             log(json.dumps(rec))
     finally:
-        il.BLOCK_M, il.BLOCK_N, il.BLOCK_K, il.NUM_WARPS, il.NUM_STAGES = saved
+        il.BLOCK_M, il.plan = saved
     rec = {"tiles": "cublas"}
     for model, ws in weights.items():
         for m in (1, 5, 64, 320):
@@ -183,7 +188,6 @@ TUNE_ROWS = {
 
 def _candidates(n: int, k: int) -> list:
     """Plans to try for a weight [N, K]: each tile configuration with no split, its default split, half and double."""
-    from eagleray.kernels.invariant_linear import make_plan
 
     seen, out = set(), []
     for bn, bk, warps, stages in TUNE_TILES:
@@ -208,7 +212,7 @@ def tune_records() -> tuple[list[dict], dict]:
             for n, k in shapes:
                 w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
                 x = torch.randn(max(TUNE_ROWS), k, device="cuda", dtype=torch.bfloat16, generator=gen)
-                default, tried = il.make_plan(n, k), []
+                default, tried = make_plan(n, k), []
                 for p in _candidates(n, k):
                     il.plan = lambda n_, k_, device=None, p=p: p  # noqa: E731 - this candidate for the shape
                     alone = invariant_linear(x[:4].contiguous(), w)
@@ -236,7 +240,6 @@ def _plan_dict(p) -> dict:
 
 def _write_plans(table: dict) -> None:
     """Merge ``table`` (device name -> shape -> plan) into the plans the kernel reads."""
-    from eagleray.kernels.invariant_linear import PLANS_FILE, measured_plans
 
     old = json.loads(PLANS_FILE.read_text()) if PLANS_FILE.exists() else {}
     old.update(table)

@@ -9,8 +9,10 @@ import json
 import pytest
 import torch
 
+from eagleray.kernels import invariant_plans
 from eagleray.kernels.errors import KernelInputError
-from eagleray.kernels.invariant_linear import BLOCK_K, fold_norm_weight, invariant_linear, invariant_linear_reference, plan
+from eagleray.kernels.invariant_linear import fold_norm_weight, invariant_linear, invariant_linear_reference
+from eagleray.kernels.invariant_plans import BLOCK_K, plan
 
 
 @pytest.mark.parametrize("n,k,bias,residual", [(96, 200, True, True), (70, 384, False, False), (130, 64, True, False)])
@@ -36,7 +38,7 @@ def test_norm_rides_the_products_and_rows_stay_invariant(monkeypatch, splits):
     import eagleray.kernels.invariant_linear as il
 
     if splits:
-        monkeypatch.setattr(il, "plan", lambda n, k, device=None: il.make_plan(n, k, splits=splits, block_k=16))
+        monkeypatch.setattr(il, "plan", lambda n, k, device=None: invariant_plans.make_plan(n, k, splits=splits, block_k=16))
     g = torch.Generator().manual_seed(3)
     x, w1, res = torch.randn(21, 96, generator=g), torch.randn(96, 96, generator=g), 3 * torch.randn(21, 96, generator=g)
     nw, w2, b2 = torch.rand(96, generator=g) + 0.5, torch.randn(70, 96, generator=g), torch.randn(70, generator=g)
@@ -77,29 +79,26 @@ def test_bad_inputs_are_refused_by_name(bad, match):
 
 
 def test_measured_plans_are_read_by_device_name_and_shape(tmp_path, monkeypatch):
-    import eagleray.kernels.invariant_linear as il
-
     table = {"GPU X": {"576x1536": {"splits": 1, "block_n": 32, "block_k": 64, "warps": 8, "stages": 4}}}
     (tmp_path / "plans.json").write_text(json.dumps(table))
-    monkeypatch.setattr(il, "PLANS_FILE", tmp_path / "plans.json")
-    il.measured_plans.cache_clear()
+    monkeypatch.setattr(invariant_plans, "PLANS_FILE", tmp_path / "plans.json")
+    invariant_plans.measured_plans.cache_clear()
     try:
-        got = il.measured_plans("GPU X")[(576, 1536)]
+        got = invariant_plans.measured_plans("GPU X")[(576, 1536)]
         assert (got.splits, got.k_per_split, got.block_n, got.block_k, got.warps, got.stages) == (1, 1536, 32, 64, 8, 4)
-        assert il.measured_plans("GPU Y") == {}
-        assert plan(576, 1536) == il.make_plan(576, 1536)  # no device: the default plan
+        assert invariant_plans.measured_plans("GPU Y") == {}
+        assert plan(576, 1536) == invariant_plans.make_plan(576, 1536)  # no device: the default plan
     finally:
-        il.measured_plans.cache_clear()
+        invariant_plans.measured_plans.cache_clear()
 
 
 def test_the_shipped_plans_tile_their_shapes():
     """Every plan in kernels/invariant_linear_plans.json covers its weight's K in whole, non-empty splits."""
-    import eagleray.kernels.invariant_linear as il
 
-    table = json.loads(il.Path(il.__file__).with_name("invariant_linear_plans.json").read_text())
+    table = json.loads(invariant_plans.Path(invariant_plans.__file__).with_name("invariant_linear_plans.json").read_text())
     assert table, "no measured plans shipped"
     for device in table:
-        il.measured_plans.cache_clear()
-        for (_, k), p in il.measured_plans(device).items():
+        invariant_plans.measured_plans.cache_clear()
+        for (_, k), p in invariant_plans.measured_plans(device).items():
             assert p.k_per_split % p.block_k == 0 and p.splits * p.k_per_split >= k > (p.splits - 1) * p.k_per_split
-    il.measured_plans.cache_clear()
+    invariant_plans.measured_plans.cache_clear()

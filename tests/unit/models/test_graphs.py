@@ -42,8 +42,9 @@ def _runner_step(runner, tok, lens):
 def _split_plans(monkeypatch):
     """Every product's K split in two (tiny weights are otherwise never split): the reduce kernel's path."""
     import eagleray.kernels.invariant_linear as il
+    from eagleray.kernels import invariant_plans
 
-    monkeypatch.setattr(il, "plan", lambda n, k, device=None: il.make_plan(n, k, splits=2, block_k=16))
+    monkeypatch.setattr(il, "plan", lambda n, k, device=None: invariant_plans.make_plan(n, k, splits=2, block_k=16))
 
 
 @pytest.mark.parametrize(
