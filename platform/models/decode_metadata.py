@@ -29,6 +29,8 @@ class DecodeMetadata:
     block_size: int
     use_triton: bool = False
     split_tokens: int | None = None  # fixed split-K length (a multiple of the tile): batch-invariant attention
+    tail_start: torch.Tensor | None = None  # [B] int32 first position read from tail_slots (tree rows), or None
+    tail_slots: torch.Tensor | None = None  # [B, W] int64 cache slot of position tail_start + j (a node's ancestors)
 
     @property
     def num_tokens(self) -> int:
@@ -63,4 +65,6 @@ class DecodeMetadata:
             sliding_window,
             split_tokens=self.split_tokens,
             reference=not self.use_triton,
+            tail_start=self.tail_start,
+            tail_slots=self.tail_slots,
         )

@@ -279,6 +279,7 @@ class DecodeGraphRunner:
         use_gemv: bool | None = None,
         invariant: bool = False,
         lazy: bool = False,
+        tail_width: int = 0,
     ):
         dev = kv_cache.k.device
         cuda = dev.type == "cuda"
@@ -290,9 +291,8 @@ class DecodeGraphRunner:
         self.step = FusedDecodeStep(model, self.use_triton, use_gemv, invariant) if fused else self._generic_step
         self.split_tokens = self.SPLIT_TOKENS if invariant else None
         pad = kv_cache.num_blocks * kv_cache.block_size - 1 if pad_slot is None else int(pad_slot)
-        self.rows = RowGraphs(
-            dev, buckets, max_blocks_per_seq, kv_cache.block_size, pad, cuda if use_graphs is None else use_graphs, lazy
-        )
+        graphs = cuda if use_graphs is None else use_graphs
+        self.rows = RowGraphs(dev, buckets, max_blocks_per_seq, kv_cache.block_size, pad, graphs, lazy, tail_width)
         self.buckets, self.pad_slot, self.max_blocks = self.rows.buckets, pad, self.rows.max_blocks
         self.pad_block = self.rows.pad_block  # the block padding rows read and write
         self._aux_key = tuple(model.aux_layer_ids)
@@ -314,10 +314,10 @@ class DecodeGraphRunner:
         hidden, aux = self.model(ids, positions, meta, kv)  # [B, H], [B, A] | None
         return self.model.compute_logits(hidden), aux
 
-    def _forward(self, b: int) -> Step:
-        """The step on the first ``b`` rows of the static buffers."""
+    def _forward(self, b: int, tail: bool = False) -> Step:
+        """The step on the first ``b`` rows of the static buffers (``tail``: with the rows' tails)."""
         r = self.rows
-        return self.step(r.input_ids[:b], r.positions[:b], r.meta(b, self.use_triton, self.split_tokens), self.kv)
+        return self.step(r.input_ids[:b], r.positions[:b], r.meta(b, self.use_triton, self.split_tokens, tail), self.kv)
 
     def bucket_for(self, b: int) -> int:
         return self.rows.bucket_for(b)
@@ -355,12 +355,16 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def run(self, rows: DecodeRows) -> Step:
-        """Score ``rows`` (block tables of at most ``max_blocks_per_seq`` blocks).
+        """Score ``rows`` (block tables of at most ``max_blocks_per_seq`` blocks; rows with tails - a draft tree's -
+        replay graphs of their own).
 
         Returns views of static outputs (valid until the next ``run``): logits [B, V], aux or None.
         """
         b = rows.num_rows
         self._check_aux_key()
         bucket = self.rows.load(rows)
-        logits, aux = self.rows.replay(self._aux_key, bucket, self._forward)
+        if rows.tail_slots is not None:
+            logits, aux = self.rows.replay(("tail", self._aux_key), bucket, lambda n: self._forward(n, tail=True))
+        else:
+            logits, aux = self.rows.replay(self._aux_key, bucket, self._forward)
         return logits[:b], (None if aux is None else aux[:b])

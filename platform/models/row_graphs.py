@@ -14,13 +14,18 @@ from eagleray.platform.models.decode_metadata import DecodeMetadata
 @dataclass
 class DecodeRows:
     """R query rows on the device: row r is token ``input_ids[r]`` at ``positions[r]`` of the sequence
-    whose block table is ``block_tables[r]``; it attends to that sequence's positions 0..positions[r]."""
+    whose block table is ``block_tables[r]``; it attends to that sequence's positions 0..positions[r].
+
+    With a tail (a draft tree's rows) row r reads positions ``tail_start[r] + j`` from slot ``tail_slots[r, j]``
+    instead (its ancestors' scratch slots; :mod:`~eagleray.kernels.decode_attention`)."""
 
     input_ids: torch.Tensor  # [R] int64
     positions: torch.Tensor  # [R] int64
     block_tables: torch.Tensor  # [R, MB] int32
     seq_lens: torch.Tensor  # [R] int32 = positions + 1
     slots: torch.Tensor  # [R] int64 cache slot of each row's token
+    tail_start: torch.Tensor | None = None  # [R] int32 first position read from tail_slots
+    tail_slots: torch.Tensor | None = None  # [R, W] int64
 
     @classmethod
     def of(
@@ -42,8 +47,9 @@ class DecodeRows:
     def slice(self, start: int, stop: int) -> "DecodeRows":
         """Rows ``start..stop-1``."""
         pick = slice(start, stop)
+        tail = (None, None) if self.tail_slots is None else (self.tail_start[pick], self.tail_slots[pick])
         return DecodeRows(
-            self.input_ids[pick], self.positions[pick], self.block_tables[pick], self.seq_lens[pick], self.slots[pick]
+            self.input_ids[pick], self.positions[pick], self.block_tables[pick], self.seq_lens[pick], self.slots[pick], *tail
         )
 
     def column(self, j: int, n: int, input_ids: torch.Tensor) -> "DecodeRows":
@@ -61,9 +67,11 @@ def pick_bucket(buckets: tuple[int, ...], n: int, what: str, fix: str) -> int:
 
 
 def row_slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The cache slot of each row's token: tables [R, MB] int32 (row r's sequence), positions [R] int64 -> [R] int64."""
-    block = tables.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1).to(torch.int64)  # [R]
-    return block * block_size + positions % block_size
+    """The cache slots of row positions: tables [R, MB] int32 (row r's sequence), positions [R] or [R, W] int64 ->
+    int64 of the same shape."""
+    pos = positions.reshape(positions.shape[0], -1)  # [R, W]
+    block = tables.gather(1, pos // block_size).to(torch.int64)  # [R, W]
+    return (block * block_size + pos % block_size).reshape(positions.shape)
 
 
 class StepStage:
@@ -156,7 +164,15 @@ class RowGraphs(GraphSet):
     """
 
     def __init__(
-        self, device: torch.device, buckets, max_blocks: int, block_size: int, pad_slot: int, use_graphs: bool, lazy: bool
+        self,
+        device: torch.device,
+        buckets,
+        max_blocks: int,
+        block_size: int,
+        pad_slot: int,
+        use_graphs: bool,
+        lazy: bool,
+        tail_width: int = 0,
     ):
         super().__init__(device, use_graphs, lazy)
         self.buckets, self.max_blocks, self.block_size = tuple(sorted(buckets)), int(max_blocks), block_size
@@ -169,13 +185,18 @@ class RowGraphs(GraphSet):
         self.slot_mapping = torch.full((bmax,), self.pad_slot, dtype=torch.int64, device=device)  # [Bmax]
         self.pad_block = self.pad_slot // block_size  # the block padding rows read and write (never handed out)
         self.block_tables[:, 0] = self.pad_block
+        self.tail_width = int(tail_width)  # > 0: rows may carry tails of up to this many positions (tree rows)
+        self.tail_start = torch.zeros(bmax, dtype=torch.int32, device=device)  # [Bmax]
+        self.tail_slots = torch.full((bmax, max(self.tail_width, 1)), self.pad_slot, dtype=torch.int64, device=device)
 
     def bucket_for(self, b: int) -> int:
         return pick_bucket(self.buckets, b, "rows", "split the batch, or build the runner with larger buckets")
 
-    def meta(self, b: int, use_triton: bool, split_tokens: int | None) -> DecodeMetadata:
+    def meta(self, b: int, use_triton: bool, split_tokens: int | None, tail: bool = False) -> DecodeMetadata:
+        """The first ``b`` rows' metadata; ``tail``: with their tails (rows loaded with tails)."""
+        tails = (self.tail_start[:b], self.tail_slots[:b]) if tail else (None, None)
         return DecodeMetadata(
-            self.block_tables[:b], self.seq_lens[:b], self.slot_mapping[:b], self.block_size, use_triton, split_tokens
+            self.block_tables[:b], self.seq_lens[:b], self.slot_mapping[:b], self.block_size, use_triton, split_tokens, *tails
         )
 
     def load(self, rows: DecodeRows) -> int:
@@ -195,5 +216,17 @@ class RowGraphs(GraphSet):
             (self.seq_lens, rows.seq_lens, 1),
             (self.slot_mapping, rows.slots, self.pad_slot),
         ]
+        if rows.tail_slots is not None:
+            fills += self._tail_fills(rows)
         fill_rows(b, bucket, fills)
         return bucket
+
+    def _tail_fills(self, rows: DecodeRows) -> list:
+        """The (buffer, source, pad) of rows' tails; padding rows read their pad slot at position 0."""
+        width = rows.tail_slots.shape[1]
+        if width > self.tail_width:
+            raise EaglerayError(
+                f"rows with tails of {width} positions but the row buffers hold tails of {self.tail_width}\n"
+                f"    fix: build the runner with tail_width >= {width} (a draft tree's depth + 1)"
+            )
+        return [(self.tail_start, rows.tail_start, 0), (self.tail_slots, rows.tail_slots, self.pad_slot)]

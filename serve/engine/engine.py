@@ -54,12 +54,15 @@ class LLMEngine:
         self.use_rows = use_rows(config, target, self.device)
         self.blocks = BlockManager(nblocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        rows = config.max_num_seqs * (k_max + 1 if self.tree is None else 1) if self.use_rows else 0
+        # rows a step verifies: k+1 a sequence for a chain, a tree's nodes and root (tails as deep as the tree)
+        verified = k_max + 1 if self.tree is None else self.tree.num_draft_tokens + 1
+        rows = config.max_num_seqs * verified if self.use_rows else 0
         if rows and config.prefill_rows:
             rows = max(rows, min(config.prefill_rows, PREFILL_REPLAY_ROWS))  # prompt rows a replay
         max_blocks = self.blocks.blocks_for(self.max_model_len + self._lookahead(k_max))
         # with graphs one more block, never handed out, takes the padding rows' K/V (the cache's last slot)
-        self.target = TargetRunner(target, nblocks + 1 if self.use_rows else nblocks, config.block_size, rows, max_blocks)
+        tails = self.tree.depth + 1 if self.tree is not None else 0
+        self.target = TargetRunner(target, nblocks + 1 if self.use_rows else nblocks, config.block_size, rows, max_blocks, tails)
         if self.use_rows:
             self.target.rows.capture()  # CUDA: every bucket's graph now (a no-op on CPU)
         self.metrics = EngineMetrics()

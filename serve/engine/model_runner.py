@@ -3,8 +3,8 @@
 Both take a flat varlen batch described by :class:`ForwardBatch` and own their KV cache; the
 block ids are shared (the block manager hands out one table per sequence for both caches).
 
-On CUDA the target also scores :class:`DecodeRows` - plain decode (a row per sequence) and chain
-verification (k+1 rows per sequence) - through the batch-invariant fused step replayed from CUDA
+On CUDA the target also scores :class:`DecodeRows` - plain decode (a row per sequence), chain
+verification (k+1 rows per sequence) and tree verification (a row per node, with tails) - through the batch-invariant fused step replayed from CUDA
 graphs (:class:`~eagleray.platform.models.graphs.DecodeGraphRunner`): one launch sequence per
 bucket, no host synchronisation, and a row's logits bitwise independent of the rows beside it.
 """
@@ -81,9 +81,12 @@ class TargetRunner:
     ``max_rows`` > 0 (CUDA, one rank): :meth:`decode` scores :class:`DecodeRows` through CUDA graphs
     of the batch-invariant fused step, for up to ``max_rows`` rows of ``max_blocks`` blocks each; the
     cache's last slot takes the padding rows' K/V, so the block manager must not hand out the last block.
+    ``tail_width`` > 0: rows may carry tails of that many positions (a draft tree's depth + 1).
     """
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, max_rows: int = 0, max_blocks: int = 0):
+    def __init__(
+        self, model: LlamaModel, num_blocks: int, block_size: int, max_rows: int = 0, max_blocks: int = 0, tail_width: int = 0
+    ):
         self.model = fuse_for_inference(model)
         self.block_size = block_size
         self.device = model.norm.weight.device
@@ -97,9 +100,10 @@ class TargetRunner:
             self.workers.call("kv", self.runner_id, num_blocks, block_size)
         self.capture_final = False  # serving capture: forward appends the final normed hidden [T, H] to aux
         self.rows: DecodeGraphRunner | None = None
+        self.tail_width = tail_width
         if max_rows > 0:
             self.rows = DecodeGraphRunner(
-                self.model, self.kv, max_blocks, buckets=row_buckets(max_rows), invariant=True, lazy=True
+                self.model, self.kv, max_blocks, buckets=row_buckets(max_rows), invariant=True, lazy=True, tail_width=tail_width
             )
 
     @torch.inference_mode()
@@ -111,7 +115,8 @@ class TargetRunner:
     @torch.inference_mode()
     def prefill_rows(self, rows: DecodeRows, last: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Score prompt ``rows`` (sequence by sequence, in position order) in replays of the largest bucket ->
-        logits [B, V] fp32 of the rows ``last`` (each sequence's last), aux [R, A] of every row or None."""
+        logits [B, V] fp32 of the rows ``last`` (each sequence's last), aux [R, A] of every row or None. Also a
+        tree's rows (every row in ``last``): a node's ancestors come before it, in its replay or an earlier one."""
         chunk, picked, aux_parts = self.rows.buckets[-1], [], []
         for start in range(0, rows.num_rows, chunk):
             logits, aux = self.rows.run(rows.slice(start, start + chunk))  # views valid until the next replay

@@ -25,7 +25,7 @@ from eagleray.serve.engine.model_runner import ForwardBatch, block_table_tensor
 from eagleray.serve.engine.sampling import filter_logits, scaled_probs
 from eagleray.serve.engine.sequence import AuxRows, Sequence
 from eagleray.serve.engine.spec_context import RowParams, SeqResult, SpecContext
-from eagleray.serve.engine.tree import DraftTree
+from eagleray.serve.engine.tree import DraftTree, tree_rows
 from eagleray.serve.engine.tree_draft import draft_tree
 
 
@@ -110,6 +110,22 @@ def target_verify_forward(
     with ctx.prof.phase("target"):
         logits, aux = ctx.target.forward(batch)  # [T, V], [T, A]
     sizes = [len(t) for t in tokens]
+    return list(logits.split(sizes)), (AuxRows.split(aux, sizes) if aux is not None else [None] * len(seqs))
+
+
+def target_verify_tree_rows(
+    ctx: SpecContext, seqs: list[Sequence], trees: list[DraftTree]
+) -> tuple[list[torch.Tensor], list[AuxRows | None]]:
+    """Tree verification on the target's row step (:func:`~eagleray.serve.engine.tree.tree_rows`: each node a row,
+    bitwise a plain row at its position) -> logits [M_b+1, V] fp32 and aux rows per sequence, as
+    :func:`target_verify_forward`."""
+    sizes = [t.size + 1 for t in trees]
+    with ctx.prof.phase("prepare"):
+        tables = block_table_tensor([s.block_table for s in seqs], ctx.target.device)  # [B, MB]
+        roots, starts = [s.last_token for s in seqs], [s.num_tokens - 1 for s in seqs]
+        rows = tree_rows(trees, roots, starts, tables, ctx.target.block_size, ctx.target.tail_width)
+    with ctx.prof.phase("target"):
+        logits, aux = ctx.target.prefill_rows(rows, list(range(rows.num_rows)))  # [R, V], [R, A] | None: every row
     return list(logits.split(sizes)), (AuxRows.split(aux, sizes) if aux is not None else [None] * len(seqs))
 
 
@@ -202,7 +218,10 @@ def tree_step(ctx: SpecContext, seqs: list[Sequence], depth: int, topk: int, num
         trees = draft_tree(ctx.draft, seqs, logits0, hidden0, depth, topk, num_nodes)
         drafts = [t.tokens.tolist() for t in trees]
     m1 = ctx.clock.mark()
-    logits, aux = target_verify_forward(ctx, seqs, drafts, trees)
+    if ctx.target.rows is not None:
+        logits, aux = target_verify_tree_rows(ctx, seqs, trees)
+    else:
+        logits, aux = target_verify_forward(ctx, seqs, drafts, trees)
     with ctx.prof.phase("verify"):
         rows_p = [
             filter_logits(logits[b], rows.top_k[b].expand(t.size + 1), rows.top_p[b].expand(t.size + 1))

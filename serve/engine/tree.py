@@ -2,7 +2,10 @@
 
 A tree has M draft nodes under a root (the sequence's last committed token). Node i (1..M) holds
 ``tokens[i-1]`` with parent ``parents[i-1]`` (0 = root) and depth ``depths[i-1]``; nodes are
-ordered parents-first. The target verifies all M+1 tokens in one forward with :meth:`DraftTree.mask`.
+ordered parents-first. The target verifies all M+1 tokens in one forward with :meth:`DraftTree.mask`, or - on
+the row step - as M+1 rows (:func:`tree_rows`): node i's K/V go to the sequence's cache index start + i (scratch
+past the committed tokens), and its row, at position start + depth, reads its ancestors there through its tail,
+so its logits are bitwise a plain row's at that position; the accepted path's K/V are then moved to their positions.
 
 Verification is the kernels' ``verify_tree`` (see :meth:`eagleray.serve.engine.verify.Verifier.tree`).
 """
@@ -12,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from eagleray.platform.models.row_graphs import DecodeRows, row_slots
 
 
 @dataclass
@@ -31,6 +36,13 @@ class DraftTree:
         for i in range(1, m):
             mask[i] |= mask[int(self.parents[i - 1])]
         return mask
+
+    def paths(self) -> list[list[int]]:
+        """paths[n]: the nodes from the root to node n, n last (depth + 1 of them; the root's is [0])."""
+        out = [[0]]
+        for i, p in enumerate(self.parents.tolist()):
+            out.append(out[p] + [i + 1])
+        return out
 
     def children(self) -> list[list[int]]:
         """children[n]: node indices whose parent is node n, in node order."""
@@ -64,3 +76,23 @@ def build_tree(cand_tokens: list[int], cand_parents: list[int], cand_depths: lis
         torch.tensor(parents, dtype=torch.int64),
         torch.tensor([cand_depths[c] for c in chosen], dtype=torch.int64),
     )
+
+
+def tree_rows(
+    trees: list[DraftTree], roots: list[int], starts: list[int], tables: torch.Tensor, block_size: int, width: int
+) -> DecodeRows:
+    """The rows of the trees' verification, sequence by sequence, node by node (root first): node i of sequence b
+    (its token; the root's is ``roots[b]``) at position starts[b] + depth, its K/V at cache index starts[b] + i, its
+    tail from starts[b]: its path's cache indices, ``width`` >= the deepest path (padded with its own).
+    ``tables`` [B, MB] int32 on the device; one host -> device copy."""
+    host = []  # a row: sequence, token, start, node index, depth, then its path padded to width
+    for b, (tree, root, start) in enumerate(zip(trees, roots, starts)):
+        for i, (tok, path) in enumerate(zip([root] + tree.tokens.tolist(), tree.paths())):
+            host.append([b, tok, start, i, len(path) - 1] + path + [i] * (width - len(path)))
+    dev = torch.tensor(host, dtype=torch.int64).to(tables.device)  # [R, 5 + width]
+    start = dev[:, 2]  # [R]
+    rows = tables.index_select(0, dev[:, 0])  # [R, MB]
+    positions = start + dev[:, 4]  # [R]
+    tail = row_slots(rows, start[:, None] + dev[:, 5:], block_size)  # [R, width]
+    slots = row_slots(rows, start + dev[:, 3], block_size)  # [R]
+    return DecodeRows(dev[:, 1], positions, rows, (positions + 1).to(torch.int32), slots, start.to(torch.int32), tail)
