@@ -38,13 +38,19 @@ def _models():
     return target, draft.to(dev).eval()
 
 
+PARAMS = SamplingParams(max_tokens=40, ignore_eos=True, detokenize=False)
+BASE = dict(decode_path="rows", max_num_seqs=4, kv_cache_gib=0.25)
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, CFG["vocab_size"], (n,), generator=gen).tolist() for n in (5, 40, 17, 90, 3, 64, 8)]
+
+
 @pytest.mark.parametrize("k", [1, 4])
 def test_graph_chain_steps_equal_plain_in_bf16(k):
     target, draft = _models()
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, CFG["vocab_size"], (n,), generator=gen).tolist() for n in (5, 40, 17, 90, 3, 64, 8)]
-    params = SamplingParams(max_tokens=40, ignore_eos=True, detokenize=False)
-    base = dict(decode_path="rows", max_num_seqs=4, kv_cache_gib=0.25)
+    prompts, params, base = _prompts(), PARAMS, BASE
     plain_engine = LLMEngine(target, None, EngineConfig(**base))
     captured = plain_engine.target.rows.captures
     assert captured > 0, "the plain step's graphs are captured when the engine starts"
@@ -56,6 +62,22 @@ def test_graph_chain_steps_equal_plain_in_bf16(k):
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     graphs = engine.drafts.spec.graphs
     assert graphs is not None and graphs.graphs.captures > 0, "greedy chain steps must run on the step graphs"
+    assert engine.metrics.spec.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("tree", [dict(depth=3, topk=2, num_draft_tokens=4), dict(depth=5, topk=4, num_draft_tokens=8)])
+def test_tree_steps_verified_as_rows_equal_plain_in_bf16(tree):
+    """Tree verification on the row step (a node a row, its ancestors through the attention kernel's tail, graphs of
+    their own): greedy tree output equals plain greedy output token for token in bf16."""
+    from eagleray.platform.config.schemas import TreeConfig
+
+    target, draft = _models()
+    plain = LLMEngine(target, None, EngineConfig(**BASE)).generate(_prompts(), PARAMS)
+    dcfg = DraftConfig(source="test", tree=TreeConfig(**tree), policy=PolicyConfig(adaptive=False))
+    engine = LLMEngine(target, None, EngineConfig(draft=dcfg, **BASE), draft)
+    outs = engine.generate(_prompts(), PARAMS)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert any(key[0][0] == "tail" for key in engine.target.rows.graphs), "the tree must verify on the row graphs"
     assert engine.metrics.spec.num_accepted_tokens > 0
 
 

@@ -62,11 +62,21 @@ def _tail_case():
     return (q, k_cache, v_cache, tables, lens), (q, moved_k, moved_v, tables, lens), tail_start, tail_slots
 
 
+ON_GPU = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_GPU])
 @pytest.mark.parametrize("reference", [False, True])
-def test_a_tail_scores_its_rows_bitwise_like_plain_rows(reference):
-    """The kernel (interpreted) and its reference: a row whose last positions are read from scratch slots gives
-    bitwise the output of the plain row over its block table; without the tail it reads the sibling's K/V."""
+def test_a_tail_scores_its_rows_bitwise_like_plain_rows(reference, device):
+    """The kernel (interpreted on CPU; compiled, in bf16, on a GPU) and its reference: a row whose last positions are
+    read from scratch slots gives bitwise the output of the plain row over its block table; without the tail it
+    reads the sibling's K/V."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    cast = lambda ts: tuple(t.to(device, dtype) if t.is_floating_point() else t.to(device) for t in ts)  # noqa: E731
     plain, moved, tail_start, tail_slots = _tail_case()
+    plain, moved, (tail_start, tail_slots) = cast(plain), cast(moved), cast((tail_start, tail_slots))
     kw = dict(reference=reference) if reference else dict(tile=16, split_tokens=16)
     want = decode_attention(*plain, 0.25, **kw)
     got = decode_attention(*moved, 0.25, tail_start=tail_start, tail_slots=tail_slots, **kw)
