@@ -72,6 +72,7 @@ class DraftGraphRunner:
         buckets,
         use_graphs: bool | None = None,
         lazy: bool = True,
+        tail_width: int = 0,
     ):
         dev = kv_cache.k.device
         cuda = dev.type == "cuda"
@@ -80,9 +81,8 @@ class DraftGraphRunner:
         # the forward the graphs capture: the fused step on CUDA (one rank), else the draft's own
         self.step = FusedDraftStep(draft) if cuda and draft.tp.world == 1 else draft
         pad = kv_cache.num_blocks * kv_cache.block_size - 1
-        self.rows = RowGraphs(
-            dev, buckets, max_blocks_per_seq, kv_cache.block_size, pad, cuda if use_graphs is None else use_graphs, lazy
-        )
+        graphs = cuda if use_graphs is None else use_graphs
+        self.rows = RowGraphs(dev, buckets, max_blocks_per_seq, kv_cache.block_size, pad, graphs, lazy, tail_width)
         bmax, dt = self.rows.buckets[-1], draft.arch.dtype
         self.aux_in = torch.zeros(bmax, draft.fc_in, dtype=dt, device=dev)  # [Rmax, n_aux*H_t]
         self.hidden_in = torch.zeros(bmax, draft.arch.hidden_size, dtype=dt, device=dev)  # [Rmax, H]
@@ -93,11 +93,12 @@ class DraftGraphRunner:
             (bmax, self.rows.max_blocks), self.rows.pad_block, dtype=torch.int32, device=dev
         )  # [Bmax, MB]
 
-    def _forward(self, from_aux: bool):
+    def _forward(self, from_aux: bool, tail: bool = False):
         def forward(b: int) -> tuple[torch.Tensor, torch.Tensor]:
             r = self.rows
             h = self.draft.combine_hidden_states(self.aux_in[:b]) if from_aux else self.hidden_in[:b]  # [b, H]
-            normed, hidden = self.step(r.input_ids[:b], r.positions[:b], h, r.meta(b, self.use_triton, None), self.kv)
+            meta = r.meta(b, self.use_triton, None, tail)
+            normed, hidden = self.step(r.input_ids[:b], r.positions[:b], h, meta, self.kv)
             return self.draft.compute_logits(normed), hidden  # [b, Vd], [b, H]
 
         return forward
@@ -147,10 +148,11 @@ class DraftGraphRunner:
 
     @torch.inference_mode()
     def run(self, rows: DecodeRows, hidden: torch.Tensor, from_aux: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rows`` as :meth:`RowGraphs.load`, hidden [R, n_aux*H_t] (from_aux) or [R, H]
-        -> logits [R, Vd], next hidden [R, H] (views valid until the next run)."""
+        """``rows`` as :meth:`RowGraphs.load` (with tails: a draft tree's nodes, graphs of their own), hidden
+        [R, n_aux*H_t] (from_aux) or [R, H] -> logits [R, Vd], next hidden [R, H] (views valid until the next run)."""
         b = rows.num_rows
         bucket = self.rows.load(rows)
         fill_rows(b, bucket, [(self.aux_in if from_aux else self.hidden_in, hidden, 0)])
-        logits, nxt = self.rows.replay(from_aux, bucket, self._forward(from_aux))
+        tail = rows.tail_slots is not None
+        logits, nxt = self.rows.replay(("tail", from_aux) if tail else from_aux, bucket, self._forward(from_aux, tail))
         return logits[:b], nxt[:b]

@@ -40,6 +40,21 @@ class DecodeRows:
         rows = tables if row_seq is None else tables.index_select(0, row_seq)  # [R, MB]
         return cls(input_ids, positions, rows, (positions + 1).to(torch.int32), row_slots(rows, positions, block_size))
 
+    @classmethod
+    def of_paths(cls, paths: list[tuple[int, int, int, list[int]]], tables: torch.Tensor, block_size: int, width: int):
+        """Rows of draft-tree nodes, each ``(sequence, token, start, path)``: ``path`` the cache indices (after
+        ``start``) of the node's ancestors from the first tree position down to the node itself, last. The row sits at
+        position start + len(path) - 1, writes its K/V at index start + path[-1] and reads positions start.. through
+        its tail at start + path (padded to ``width`` with its own). ``tables`` [B, MB] int32; one host -> device copy."""
+        host = [[b, tok, start] + path + [path[-1]] * (width - len(path)) + [len(path)] for b, tok, start, path in paths]
+        dev = torch.tensor(host, dtype=torch.int64).to(tables.device)  # [R, 3 + width + 1]
+        start, depth = dev[:, 2], dev[:, -1] - 1  # [R] each
+        rows = tables.index_select(0, dev[:, 0])  # [R, MB]
+        positions = start + depth  # [R]
+        tail = row_slots(rows, start[:, None] + dev[:, 3:-1], block_size)  # [R, width]
+        own = tail.gather(1, depth[:, None]).squeeze(1)  # [R]: the node's own slot ends its path
+        return cls(dev[:, 1], positions, rows, (positions + 1).to(torch.int32), own, start.to(torch.int32), tail)
+
     @property
     def num_rows(self) -> int:
         return self.input_ids.shape[0]

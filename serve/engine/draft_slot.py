@@ -20,19 +20,28 @@ from eagleray.serve.engine.verify import Verifier
 
 
 class DraftSlot:
-    """``chain_steps``: k_max - 1, the greedy chain steps the step graphs are captured for (0 for a tree);
-    ``chain_rows``: run the draft on row graphs (CUDA, chain) sized like the target's, and greedy chain steps of up to
-    ``max_seqs`` sequences on :class:`ChainStepGraphs`."""
+    """``draft_rows``: run the draft on row graphs sized like the target's; for a chain (``tree_depth`` 0) also greedy
+    chain steps of up to ``max_seqs`` sequences on :class:`ChainStepGraphs`, of up to ``chain_steps`` + 1 tokens
+    (k_max - 1: the greedy chain steps the step graphs are captured for); for a tree of ``tree_depth`` its nodes as
+    rows with tails (:mod:`~eagleray.serve.engine.tree_draft`)."""
 
     def __init__(
-        self, target: TargetRunner, verify_backend: str, prof: StepProfiler, chain_rows: bool, chain_steps: int, max_seqs: int
+        self,
+        target: TargetRunner,
+        verify_backend: str,
+        prof: StepProfiler,
+        draft_rows: bool,
+        chain_steps: int,
+        max_seqs: int,
+        tree_depth: int = 0,
     ):
         self.target = target
         self.max_seqs = max_seqs
         self.verify_backend = verify_backend
         self.prof = prof
-        self.chain_steps = chain_steps
-        self.rows = (target.rows.buckets[-1], target.rows.max_blocks) if chain_rows else (0, 0)  # max rows, max blocks
+        self.chain_steps, self.tree_depth = chain_steps, tree_depth
+        # max rows, max blocks, tail width (a tree node attends to up to tree_depth - 1 drafted ancestors and itself)
+        self.rows = (target.rows.buckets[-1], target.rows.max_blocks, tree_depth) if draft_rows else (0, 0, 0)
         self.spec: SpecContext | None = None  # what a speculative step runs with the serving draft
         self.aux_layer_ids: list[int] = []  # the target layers the serving draft reads
         self.previous: Eagle3Draft | None = None
@@ -55,7 +64,7 @@ class DraftSlot:
         self.aux_layer_ids = list(self.target.model.aux_layer_ids)
         verifier = Verifier(self.verify_backend, draft.d2t, self.target.vocab_size)
         graphs = None
-        if runner.rows is not None:
+        if runner.rows is not None and self.tree_depth == 0:
             graphs = ChainStepGraphs(
                 self.target.rows, runner.rows, verifier.chain_greedy, row_buckets(self.max_seqs), self.chain_steps + 1
             )

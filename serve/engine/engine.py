@@ -61,8 +61,10 @@ class LLMEngine:
             rows = max(rows, min(config.prefill_rows, PREFILL_REPLAY_ROWS))  # prompt rows a replay
         max_blocks = self.blocks.blocks_for(self.max_model_len + self._lookahead(k_max))
         # with graphs one more block, never handed out, takes the padding rows' K/V (the cache's last slot)
-        tails = self.tree.depth + 1 if self.tree is not None else 0
-        self.target = TargetRunner(target, nblocks + 1 if self.use_rows else nblocks, config.block_size, rows, max_blocks, tails)
+        depth = self.tree.depth if self.tree is not None else 0  # tails: a node's path, the root to itself
+        self.target = TargetRunner(
+            target, nblocks + 1 if self.use_rows else nblocks, config.block_size, rows, max_blocks, depth + 1
+        )
         if self.use_rows:
             self.target.rows.capture()  # CUDA: every bucket's graph now (a no-op on CPU)
         self.metrics = EngineMetrics()
@@ -75,10 +77,8 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._seqs: dict[str, Sequence] = {}
         self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
-        chain = self.tree is None
-        self.drafts = DraftSlot(
-            self.target, config.verify_backend, self.prof, self.use_rows and chain, k_max - 1 if chain else 0, config.max_num_seqs
-        )
+        steps = k_max - 1 if self.tree is None else 0
+        self.drafts = DraftSlot(self.target, config.verify_backend, self.prof, self.use_rows, steps, config.max_num_seqs, depth)
         self._last_accepted: list[int] = []  # accepted drafts per sequence of the last speculative step
         self.capture_width = 0  # > 0 after enable_capture: the target's aux rows end with its final hidden [H]
         self.policy = AdaptivePolicy(

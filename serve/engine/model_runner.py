@@ -167,11 +167,13 @@ class TargetRunner:
 class DraftRunner:
     """Runs the EAGLE-3 draft layer; its one-layer cache uses the target's block ids.
 
-    ``max_rows`` > 0: :meth:`decode` runs :class:`DecodeRows` (catch-up and chain steps) through
-    CUDA graphs on CUDA; the cache's last slot takes the padding rows' K/V.
+    ``max_rows`` > 0: :meth:`decode` runs :class:`DecodeRows` (catch-up and chain steps, a tree's nodes with tails of
+    up to ``tail_width`` positions) through CUDA graphs on CUDA; the cache's last slot takes the padding rows' K/V.
     """
 
-    def __init__(self, draft: Eagle3Draft, num_blocks: int, block_size: int, max_rows: int = 0, max_blocks: int = 0):
+    def __init__(
+        self, draft: Eagle3Draft, num_blocks: int, block_size: int, max_rows: int = 0, max_blocks: int = 0, tail_width: int = 0
+    ):
         self.draft = fuse_for_inference(draft)
         self.block_size = block_size
         self.device = draft.norm.weight.device
@@ -181,7 +183,7 @@ class DraftRunner:
         self.max_rows = max_rows
         self.rows: DraftGraphRunner | None = None
         if max_rows > 0:
-            self.rows = DraftGraphRunner(self.draft, self.kv, max_rows, max_blocks, row_buckets(max_rows))
+            self.rows = DraftGraphRunner(self.draft, self.kv, max_rows, max_blocks, row_buckets(max_rows), tail_width=tail_width)
 
     @torch.inference_mode()
     def decode(self, rows: DecodeRows, hidden: torch.Tensor, from_aux: bool) -> tuple[torch.Tensor, torch.Tensor]:

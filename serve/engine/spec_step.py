@@ -213,9 +213,12 @@ def tree_step(ctx: SpecContext, seqs: list[Sequence], depth: int, topk: int, num
     m0 = ctx.clock.mark()
     with ctx.prof.phase("prepare"):
         rows = RowParams.of(seqs, ctx.target.device)
-    logits0, hidden0 = draft_catch_up(ctx, seqs, steady=depth + 1)  # [B, Vd], [B, H]
+        tables = None  # [B, MB] on the draft's device: the draft's catch-up and tree as rows
+        if ctx.draft.rows is not None:
+            tables = block_table_tensor([s.block_table for s in seqs], ctx.draft.device)
+    logits0, hidden0 = draft_catch_up(ctx, seqs, tables, steady=depth + 1)  # [B, Vd], [B, H]
     with ctx.prof.phase("draft"):
-        trees = draft_tree(ctx.draft, seqs, logits0, hidden0, depth, topk, num_nodes)
+        trees = draft_tree(ctx.draft, seqs, logits0, hidden0, depth, topk, num_nodes, tables)
         drafts = [t.tokens.tolist() for t in trees]
     m1 = ctx.clock.mark()
     if ctx.target.rows is not None:

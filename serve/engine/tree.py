@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagleray.platform.models.row_graphs import DecodeRows, row_slots
+from eagleray.platform.models.row_graphs import DecodeRows
 
 
 @dataclass
@@ -83,16 +83,11 @@ def tree_rows(
 ) -> DecodeRows:
     """The rows of the trees' verification, sequence by sequence, node by node (root first): node i of sequence b
     (its token; the root's is ``roots[b]``) at position starts[b] + depth, its K/V at cache index starts[b] + i, its
-    tail from starts[b]: its path's cache indices, ``width`` >= the deepest path (padded with its own).
-    ``tables`` [B, MB] int32 on the device; one host -> device copy."""
-    host = []  # a row: sequence, token, start, node index, depth, then its path padded to width
-    for b, (tree, root, start) in enumerate(zip(trees, roots, starts)):
-        for i, (tok, path) in enumerate(zip([root] + tree.tokens.tolist(), tree.paths())):
-            host.append([b, tok, start, i, len(path) - 1] + path + [i] * (width - len(path)))
-    dev = torch.tensor(host, dtype=torch.int64).to(tables.device)  # [R, 5 + width]
-    start = dev[:, 2]  # [R]
-    rows = tables.index_select(0, dev[:, 0])  # [R, MB]
-    positions = start + dev[:, 4]  # [R]
-    tail = row_slots(rows, start[:, None] + dev[:, 5:], block_size)  # [R, width]
-    slots = row_slots(rows, start + dev[:, 3], block_size)  # [R]
-    return DecodeRows(dev[:, 1], positions, rows, (positions + 1).to(torch.int32), slots, start.to(torch.int32), tail)
+    tail from starts[b]: its path's cache indices, ``width`` >= the deepest path (:meth:`DecodeRows.of_paths`).
+    ``tables`` [B, MB] int32 on the device."""
+    paths = [
+        (b, tok, start, path)
+        for b, (tree, root, start) in enumerate(zip(trees, roots, starts))
+        for tok, path in zip([root] + tree.tokens.tolist(), tree.paths())
+    ]
+    return DecodeRows.of_paths(paths, tables, block_size, width)

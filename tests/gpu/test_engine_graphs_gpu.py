@@ -67,8 +67,8 @@ def test_graph_chain_steps_equal_plain_in_bf16(k):
 
 @pytest.mark.parametrize("tree", [dict(depth=3, topk=2, num_draft_tokens=4), dict(depth=5, topk=4, num_draft_tokens=8)])
 def test_tree_steps_verified_as_rows_equal_plain_in_bf16(tree):
-    """Tree verification on the row step (a node a row, its ancestors through the attention kernel's tail, graphs of
-    their own): greedy tree output equals plain greedy output token for token in bf16."""
+    """Tree drafting and verification on the row steps (a node a row, its ancestors through the attention kernel's
+    tail, graphs of their own): greedy tree output equals plain greedy output token for token in bf16."""
     from eagleray.platform.config.schemas import TreeConfig
 
     target, draft = _models()
@@ -78,6 +78,7 @@ def test_tree_steps_verified_as_rows_equal_plain_in_bf16(tree):
     outs = engine.generate(_prompts(), PARAMS)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert any(key[0][0] == "tail" for key in engine.target.rows.graphs), "the tree must verify on the row graphs"
+    assert ("tail", False) in {key for key, _ in engine.drafts.spec.draft.rows.graphs}, "the tree drafts on rows"
     assert engine.metrics.spec.num_accepted_tokens > 0
 
 

@@ -92,3 +92,51 @@ def test_rows_with_tails_wider_than_the_buffers_are_refused_with_the_fix(tiny_di
         EaglerayError, match=r"tails of 4 positions but the row buffers hold tails of 2\n    fix: .*tail_width >= 4"
     ):
         runner.run(rows)
+
+
+def _recorded(engine, monkeypatch, feed: str) -> tuple[list, list]:
+    """Record the (tokens, parents) of every tree the engine drafts, and the logits of every depth's ``feed``."""
+    from eagleray.serve.engine import spec_step, tree_draft
+
+    trees, logits, real, call = [], [], tree_draft.draft_tree, getattr(tree_draft, feed).__call__
+
+    def recording(*args):
+        out = real(*args)
+        trees.append([(t.tokens.tolist(), t.parents.tolist()) for t in out])
+        return out
+
+    def feeding(self, *args):
+        out = call(self, *args)
+        logits.append(out[0].float().clone())  # [B*k, Vd]
+        return out
+
+    monkeypatch.setattr(spec_step, "draft_tree", recording)
+    monkeypatch.setattr(getattr(tree_draft, feed), "__call__", feeding)
+    return trees, logits
+
+
+def test_the_draft_tree_on_rows_equals_the_eager_draft_tree(target, tokenizer, tiny_dir, tmp_path, monkeypatch):
+    """engine.decode_path='rows': the draft feeds each depth's frontier alone as rows (its fed ancestors through the
+    tail) and never runs its eager forward; its logits at every depth are the eager draft's (fp32, up to rounding),
+    and so are the trees it drafts."""
+    from eagleray.platform.checkpoints.draft_factory import make_random_draft
+    from eagleray.platform.checkpoints.target import TargetSpec
+    from eagleray.platform.models.eagle3 import Eagle3Draft
+    from eagleray.serve.engine import SamplingParams, tree_draft
+
+    from .conftest import PROMPTS, make_engine
+
+    path = make_random_draft(TargetSpec.from_dir(tiny_dir), tmp_path / "draft", aux_layer_ids=[1, 2, NUM_LAYERS])
+    draft = Eagle3Draft.from_checkpoint(path, target)
+    params, tree = SamplingParams(max_tokens=10, ignore_eos=True), dict(depth=4, topk=3, num_draft_tokens=8)
+    eager = make_engine(target, tokenizer, draft, tree=tree, max_num_seqs=2)
+    want, want_logits = _recorded(eager, monkeypatch, "_EagerFeed")
+    eager.generate(PROMPTS, params)
+    rows = make_engine(target, tokenizer, draft, tree=tree, decode_path="rows", max_num_seqs=2)
+    got, got_logits = _recorded(rows, monkeypatch, "_RowFeed")
+    monkeypatch.setattr(tree_draft, "_forward_fed", None)  # the eager draft forward must not run
+    rows.generate(PROMPTS, params)
+    assert len(want) > 4 and got == want
+    assert len(got_logits) == len(want_logits) == 3 * len(want)  # depths 2..4 of every step
+    for g, w in zip(got_logits, want_logits):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
