@@ -78,7 +78,7 @@ def test_tree_steps_verified_as_rows_equal_plain_in_bf16(tree):
     outs = engine.generate(_prompts(), PARAMS)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert any(key[0][0] == "tail" for key in engine.target.rows.graphs), "the tree must verify on the row graphs"
-    assert ("tail", False) in {key for key, _ in engine.drafts.spec.draft.rows.graphs}, "the tree drafts on rows"
+    assert ("tail", False) in {key for key, _ in engine.drafts.spec.draft.rows.rows.graphs}, "the tree drafts on rows"
     assert engine.metrics.spec.num_accepted_tokens > 0
 
 
