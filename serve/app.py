@@ -26,6 +26,7 @@ from eagleray.platform.checkpoints.guard import ensure_compatible
 from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
 from eagleray.platform.config.load import StrictModel, load_yaml_config, parse_config
 from eagleray.platform.registry import is_registry_uri
+from eagleray.serve.engine_ingress import EngineIngress
 from eagleray.serve.engine_server import EngineServer
 from eagleray.serve.ingress import OpenAIIngress
 from eagleray.serve.ingress import app as fastapi_app
@@ -108,14 +109,25 @@ def ingress_deployment(cfg: ServingConfig):
     )
 
 
+def engine_ingress_deployment(cfg: ServingConfig):
+    """``ingress: engine``: the routes and the engine in one deployment, placed as the engine is."""
+    opts = engine_options(cfg) | {"max_ongoing_requests": max(128, 8 * cfg.max_num_seqs)}
+    return serve.deployment(serve.ingress(fastapi_app)(EngineIngress), name="EagleRayEngine", **opts)
+
+
 def build(cfg: ServingConfig) -> Application:
     """The application for a validated ServingConfig (the guard first, for a local draft directory)."""
     guard_local_draft(cfg)
     serving = cfg.model_dump(mode="json")
-    engine_dep = serve.deployment(EngineServer, name="EagleRayEngine", **engine_options(cfg))
+    if cfg.ingress == "engine":
+        engine_dep = engine_ingress_deployment(cfg)
+    else:
+        engine_dep = serve.deployment(EngineServer, name="EagleRayEngine", **engine_options(cfg))
     user_config = user_config_of(cfg)
     if user_config is not None:
         engine_dep = engine_dep.options(user_config=user_config)
+    if cfg.ingress == "engine":
+        return engine_dep.bind(serving)
     return ingress_deployment(cfg).bind(engine_dep.bind(serving), serving)
 
 

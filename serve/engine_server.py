@@ -8,6 +8,7 @@ Ray Serve's lightweight update: ``{"draft": "models:/name@alias" | "/path", "ali
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -179,18 +180,9 @@ class EngineServer:
         self._watch_adapt()
         yield {"kind": "start", "prompt_tokens": len(ids)}
         try:
-            async for outs in self.loop.stream_batched(ids, params, rid):  # one handle item for the steps since the last
-                out = outs[-1]
-                text = out.delta_text if len(outs) == 1 else "".join(o.delta_text for o in outs)
-                d = Delta(text, len(out.token_ids), len(ids), out.finished, out.finish_reason, self.drafts.version, out.spec)
-                self.metrics.record_tokens(sum(len(o.delta_token_ids) for o in outs))
-                if out.finished:
-                    if out.hidden is not None:
-                        self.capture.submit(out.request_id, ids, out, self.drafts.version)  # never waits
-                    self.metrics.record_request(len(out.token_ids), out.spec)
-                    self.metrics.set_watchdog(self.drafts.watchdog_state())
-                    self.metrics.set_draft(self.drafts.version)
-                yield {"kind": "delta", **d.to_dict()}
+            async with contextlib.aclosing(self.loop.stream_batched(ids, params, rid)) as stream:  # closed: aborted
+                async for outs in stream:  # one item for the steps since the last
+                    yield self._delta_item(ids, outs)
         except RequestFailed as err:  # logged with its traceback by the step loop; the other requests continue
             which = "it" if err.alone else "the batch it was in"
             yield {
@@ -204,6 +196,20 @@ class EngineServer:
                     code="engine_error",
                 ).to_dict(),
             }
+
+    def _delta_item(self, ids: list[int], outs: list[Any]) -> dict[str, Any]:
+        """One stream item for the outputs of the steps since the last; a finished request is counted (and captured)."""
+        out = outs[-1]
+        text = out.delta_text if len(outs) == 1 else "".join(o.delta_text for o in outs)
+        d = Delta(text, len(out.token_ids), len(ids), out.finished, out.finish_reason, self.drafts.version, out.spec)
+        self.metrics.record_tokens(sum(len(o.delta_token_ids) for o in outs))
+        if out.finished:
+            if out.hidden is not None:
+                self.capture.submit(out.request_id, ids, out, self.drafts.version)  # never waits
+            self.metrics.record_request(len(out.token_ids), out.spec)
+            self.metrics.set_watchdog(self.drafts.watchdog_state())
+            self.metrics.set_draft(self.drafts.version)
+        return {"kind": "delta", **d.to_dict()}
 
     # ------------------------------------------------------------------ status
     async def info(self) -> dict[str, Any]:
@@ -264,7 +270,11 @@ class EngineServer:
             raise RuntimeError(f"engine step loop died: {self.loop.last_error}")
 
     def __del__(self) -> None:
-        """Ray Serve calls this when the replica shuts down: stop the step loop and any TP worker ranks."""
+        """Ray Serve calls this when the replica shuts down."""
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the step loop and any TP worker ranks; ask the capture writer to write its buffer (idempotent)."""
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.shutdown()

@@ -26,6 +26,7 @@ from pydantic import Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eagleray.platform.config.load import StrictModel, parse_config
+from eagleray.serve.engine_client import EngineClient, HandleClient, LocalClient
 from eagleray.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from eagleray.serve.request_body import parse_body
 from eagleray.serve.responses import SSE_DONE, Delta, ResponseBuilder, sse
@@ -217,7 +218,7 @@ class HealthProbe:
 
     async def _fetch(self) -> None:
         try:
-            status = await self.engine.health.remote()
+            status = await self.engine.health()
         except _engine_gone() as err:
             logger.warning("health: the engine replica is unavailable (%s)", type(err).__name__)
             self.gone = type(err).__name__
@@ -251,11 +252,12 @@ class OpenAIIngress:
     """Ray Serve ingress class (wrapped with ``serve.deployment`` + ``serve.ingress(app)`` in app.py)."""
 
     def __init__(self, engine: Any, serving: dict[str, Any]):
+        """``engine``: the engine deployment's handle, or an :class:`EngineClient` (the engine in this replica)."""
         global _errors, _probe
-        self.engine = engine
+        self.engine: EngineClient = engine if isinstance(engine, LocalClient) else HandleClient(engine)
         self.cfg = parse_config(ServingConfig, serving, prefix="serving")
         _errors = ErrorCounter(self.cfg.model_name)
-        self.probe = _probe = HealthProbe(engine)
+        self.probe = _probe = HealthProbe(self.engine)
 
     # ---------------------------------------------------------------- helpers
     async def _completion(self, request: Request, kind: str) -> Any:
@@ -279,7 +281,7 @@ class OpenAIIngress:
             )
         builder = ResponseBuilder(kind, req.model)
         payload = {**sampling_payload(req, kind), "request_id": builder.id}
-        gen = self.engine.options(stream=True).generate.remote(payload)
+        gen = self.engine.generate(payload)
         try:
             head = await gen.__anext__()
         except Exception as err:  # noqa: BLE001 - answered clean (503/500); logged with its traceback and request id
@@ -330,7 +332,7 @@ class OpenAIIngress:
     @app.get("/v1/models")
     async def models(self, request: Request) -> Any:
         check_auth(request, self.cfg.api_key)
-        info = await self.engine.info.remote()
+        info = await self.engine.info()
         return {
             "object": "list",
             "data": [
@@ -357,7 +359,7 @@ class OpenAIIngress:
     @app.get("/admin/draft")
     async def draft_status(self, request: Request) -> Any:
         check_auth(request, self.cfg.api_key, admin=True)
-        status = await self.engine.health.remote()
+        status = await self.engine.health()
         return {
             k: status[k] for k in ("draft_version", "draft_path", "draft_source", "aux_layer_ids", "watchdog_state", "history")
         }
@@ -366,7 +368,7 @@ class OpenAIIngress:
     async def swap_draft(self, request: Request) -> Any:
         check_auth(request, self.cfg.api_key, admin=True)
         req = parse_body(await request.body(), SwapRequest)
-        rec = await self.engine.swap.remote(req.source)
+        rec = await self.engine.swap(req.source)
         if rec["outcome"] not in ("swapped", "unchanged"):
             raise APIError(409, rec["message"], param="source", code=rec["outcome"])
         return rec
@@ -374,7 +376,7 @@ class OpenAIIngress:
     @app.post("/admin/rollback")
     async def rollback(self, request: Request) -> Any:
         check_auth(request, self.cfg.api_key, admin=True)
-        rec = await self.engine.rollback.remote()
+        rec = await self.engine.rollback()
         if rec["outcome"] != "rolled_back":
             raise APIError(409, rec["message"], code=rec["outcome"])
         return rec

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -85,6 +85,10 @@ class ServingConfig(EngineConfig):
         le=16,
         description="Threads of a CPU engine replica (native kernels and prefill GEMMs). None: every core the replica may run on; Ray would otherwise leave it at OMP_NUM_THREADS = its num_cpus reservation (1), a single core.",
     )
+    ingress: Literal["engine", "separate"] = Field(
+        "separate",
+        description="Where the OpenAI routes run. separate: a replica of their own that calls the engine replica (a lost engine replica is answered with a clean 503 by a replica that is still up: docs/fault-model.md); engine: in the engine's replica, one process and one hop per token fewer (faster on a small machine), and a lost replica takes its routes along.",
+    )
     ingress_resources: dict[str, float] = Field(
         default_factory=dict,
         description="Custom Ray resources of the HTTP ingress replica, e.g. {'node:__internal_head__': 0.01} keeps it on the head node, so that losing a worker node never drops the entry point.",
@@ -94,6 +98,11 @@ class ServingConfig(EngineConfig):
     def _custom_resources(self) -> "ServingConfig":
         check_custom_resources("engine_resources", self.engine_resources, "set target.device / target.tensor_parallel_size")
         check_custom_resources("ingress_resources", self.ingress_resources, "the ingress reserves no CPU or GPU")
+        if self.ingress == "engine" and self.ingress_resources:
+            raise ValueError(
+                "ingress_resources: places a separate ingress replica, but ingress is 'engine' (the routes run in the "
+                "engine replica, placed by engine_resources); set ingress: separate or remove ingress_resources"
+            )
         if self.capture is not None and self.draft is None:
             raise ValueError(
                 "capture: needs a draft (the target computes the aux hidden states the shards hold only for one); set draft.source or remove capture"

@@ -1,6 +1,6 @@
 """GET /health's probe: one engine status call in flight, and it holds /health for ``wait_s`` in all.
 
-The engine stand-in is the handle's shape (``engine.health.remote()`` awaitable); its answer is
+The engine stand-in is the engine client's shape (``await engine.health()``); its answer is
 released by the test, as a saturated engine handle releases a status call queued behind generation.
 """
 
@@ -10,24 +10,17 @@ import time
 from eagleray.serve.ingress import HealthProbe
 
 
-class Health:
-    """``engine.health``: each ``remote()`` call waits for ``gate`` (set = an engine that answers at once)."""
+class Engine:
+    """The engine client's ``health()``: each call waits for ``gate`` (set = an engine that answers at once)."""
 
     def __init__(self):
         self.gate, self.calls = asyncio.Event(), 0
 
-    def remote(self):
+    async def health(self) -> dict:
         self.calls += 1
-        return self._answer(self.calls)
-
-    async def _answer(self, n: int) -> dict:
+        n = self.calls
         await self.gate.wait()
         return {"status": "ok", "steps": n}
-
-
-class Engine:
-    def __init__(self):
-        self.health = Health()
 
 
 async def _timed(probe: HealthProbe) -> tuple[float, int, dict]:
@@ -39,10 +32,10 @@ async def _timed(probe: HealthProbe) -> tuple[float, int, dict]:
 def test_an_idle_engine_gives_a_fresh_status():
     async def run():
         engine = Engine()
-        engine.health.gate.set()
+        engine.gate.set()
         probe = HealthProbe(engine, wait_s=5.0)
         first, second = await _timed(probe), await _timed(probe)
-        return first, second, engine.health.calls
+        return first, second, engine.calls
 
     (s1, code1, body1), (s2, _, body2), calls = asyncio.run(run())
     assert code1 == 200 and body1["steps"] == 1 and body2["steps"] == 2 and calls == 2
@@ -52,14 +45,14 @@ def test_an_idle_engine_gives_a_fresh_status():
 def test_a_slow_engine_holds_health_once_then_it_answers_from_the_last_status():
     async def run():
         engine = Engine()
-        engine.health.gate.set()
+        engine.gate.set()
         probe = HealthProbe(engine, wait_s=1.0)
         await probe.status()  # a status to fall back on
-        engine.health.gate = asyncio.Event()  # now the status call queues
+        engine.gate = asyncio.Event()  # now the status call queues
         first = await _timed(probe)
         second = await _timed(probe)  # the same call is still in flight: its window is spent
-        calls_in_flight = engine.health.calls
-        engine.health.gate.set()
+        calls_in_flight = engine.calls
+        engine.gate.set()
         await asyncio.sleep(0.05)
         third = await _timed(probe)  # the queued call answered: its status is the one shown
         return first, second, calls_in_flight, third

@@ -114,3 +114,29 @@ def test_a_cpu_engine_replica_uses_every_core_not_rays_one_thread_reservation():
         assert replica_cpu_threads(ServingConfig(target={"device": "cpu"}, cpu_threads=1)) == 1 == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
+
+
+def test_ingress_resources_need_a_separate_ingress():
+    from eagleray.platform.config.load import parse_config
+    from eagleray.serve.serving_config import ServingConfig
+
+    head = {"ingress_resources": {"node:__internal_head__": 0.01}}
+    assert parse_config(ServingConfig, {**head, "ingress": "separate"}, prefix="serving").ingress == "separate"
+    with pytest.raises(ConfigError, match="ingress_resources: places a separate ingress replica"):
+        parse_config(ServingConfig, {**head, "ingress": "engine"}, prefix="serving")
+    with pytest.raises(ConfigError, match=r"serving\.ingress"):
+        parse_config(ServingConfig, {"ingress": "proxy"}, prefix="serving")
+
+
+@pytest.mark.parametrize("ingress", ["engine", "separate"])
+def test_ingress_engine_is_one_deployment_placed_as_the_engine(ingress):
+    from eagleray.serve.app import build
+    from eagleray.serve.serving_config import ServingConfig
+
+    top = build(ServingConfig.model_validate({"ingress": ingress, "draft": None}))._bound_deployment
+    inner = [a._bound_deployment for a in top.init_args if hasattr(a, "_bound_deployment")]
+    if ingress == "engine":  # the routes and the engine in one replica, with the engine's CPU reservation
+        assert top.name == "EagleRayEngine" and not inner and top.ray_actor_options["num_cpus"] == 1
+    else:
+        assert top.name == "EagleRayIngress" and [d.name for d in inner] == ["EagleRayEngine"]
+        assert top.ray_actor_options["num_cpus"] == 0

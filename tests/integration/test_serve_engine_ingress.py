@@ -1,0 +1,99 @@
+"""``serving.ingress: engine`` on real Ray Serve over HTTP: the OpenAI routes run in the engine's replica.
+
+One deployment serves the routes (auth, 4xx bodies, SSE) and takes the engine's Serve hooks: a
+``reconfigure`` (what a ``serve deploy`` with a new draft does) hot-swaps the draft, and a client that
+leaves mid-stream frees its sequence (the engine stops generating for it).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from eagleray.platform.checkpoints.draft_factory import make_random_draft
+from eagleray.platform.checkpoints.target import TargetSpec
+from eagleray.serve.serving_config import ServingConfig
+from eagleray.tests.support.http import AUTH, KEY, get, post, sse_events
+
+CTX = 256
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_target, tmp_path_factory):
+    spec, root = TargetSpec.from_dir(tiny_target), tmp_path_factory.mktemp("drafts")
+    return {name: make_random_draft(spec, root / name, seed=seed) for name, seed in (("d1", 1), ("d2", 2))}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target, drafts):
+    from eagleray.serve.local import start_local
+    from eagleray.tests.support.cluster import stop_local_ray
+
+    cfg = ServingConfig.model_validate(
+        {
+            "target": {"model": str(tiny_target), "device": "cpu", "max_model_len": CTX},
+            "draft": {"source": str(drafts["d1"]), "num_speculative_tokens": 3, "policy": {"adaptive": False}},
+            "model_name": "tiny",
+            "api_key": KEY,
+            "max_num_seqs": 8,
+            "ingress": "engine",
+        }
+    )
+    url = start_local(cfg, num_cpus=2)
+    yield url, cfg
+    stop_local_ray()
+
+
+def _generated(url: str) -> int:
+    return get(url, "/health").json()["engine"]["generation_tokens"]
+
+
+def test_one_replica_serves_the_routes_and_the_engine(server):
+    import ray
+
+    from eagleray.serve.local import chat
+
+    url, cfg = server
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "SERVE_REPLICA" in a["name"]]
+    assert len(names) == 1 and "EagleRayEngine" in names[0], names
+    text, ext = chat(url, "Explain speculative decoding", cfg, max_tokens=12)
+    streamed, sext = chat(url, "Explain speculative decoding", cfg, max_tokens=12, stream=True)
+    assert text == streamed and ext["draft_version"] == sext["draft_version"] == "d1" and sext["tau"] >= 1.0
+    code, events = sse_events(url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 5, "stream": True})
+    assert code == 200 and events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+    long = post(url, "/v1/completions", {"model": "tiny", "prompt": "word " * CTX, "max_tokens": 4})
+    assert long.status_code == 400 and json.loads(long.text)["error"]["code"] == "context_length_exceeded"
+    assert httpx.get(url + "/admin/draft", timeout=30).status_code == 401, "admin routes need the key here too"
+    assert get(url, "/v1/models").json()["data"][0]["id"] == "tiny" and get(url, "/health").json()["status"] == "ok"
+
+
+def test_reconfigure_reaches_the_engine(server, drafts):
+    from ray import serve
+
+    url, _ = server
+    handle = serve.get_deployment_handle("EagleRayEngine", app_name="eagleray")
+    handle.reconfigure.remote({"draft": str(drafts["d2"])}).result(timeout_s=120)
+    assert get(url, "/admin/draft").json()["draft_version"] == "d2"
+    r = post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["eagleray"]["draft_version"] == "d2"
+    assert post(url, "/admin/rollback", {}).json()["outcome"] == "rolled_back"
+    assert get(url, "/admin/draft").json()["draft_version"] == "d1"
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_sequence(server):
+    url, _ = server
+    body = {"model": "tiny", "prompt": "stream me", "max_tokens": CTX - 16, "ignore_eos": True, "stream": True}
+    before = _generated(url)
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200
+        next(r.iter_bytes())  # the first event, then the client goes away
+    made, idle_since = _generated(url), time.monotonic()
+    while time.monotonic() - idle_since < 1.0:  # no new token for a second: the engine is idle
+        time.sleep(0.1)
+        now = _generated(url)
+        made, idle_since = now, (idle_since if now == made else time.monotonic())
+    assert made - before < (CTX - 16) // 2, f"the abandoned request went on generating ({made - before} tokens)"
+    assert post(url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 4}).status_code == 200
