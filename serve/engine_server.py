@@ -181,7 +181,7 @@ class EngineServer:
         yield {"kind": "start", "prompt_tokens": len(ids)}
         try:
             async with contextlib.aclosing(self.loop.stream_batched(ids, params, rid)) as stream:  # closed: aborted
-                async for outs in stream:  # one item for the steps since the last
+                async for outs in self._every(stream):
                     yield self._delta_item(ids, outs)
         except RequestFailed as err:  # logged with its traceback by the step loop; the other requests continue
             which = "it" if err.alone else "the batch it was in"
@@ -196,6 +196,17 @@ class EngineServer:
                     code="engine_error",
                 ).to_dict(),
             }
+
+    async def _every(self, stream: AsyncIterator[list[Any]]) -> AsyncIterator[list[Any]]:
+        """The outputs in lists of at least ``stream_interval`` new tokens; the first and the last at once."""
+        pending: list[Any] = []
+        sent = 0
+        async for outs in stream:  # the steps since the last item
+            pending.extend(outs)
+            made = len(outs[-1].token_ids)
+            if outs[-1].finished or sent == 0 or made - sent >= self.cfg.stream_interval:
+                yield pending
+                pending, sent = [], made
 
     def _delta_item(self, ids: list[int], outs: list[Any]) -> dict[str, Any]:
         """One stream item for the outputs of the steps since the last; a finished request is counted (and captured)."""

@@ -85,6 +85,12 @@ class ServingConfig(EngineConfig):
         le=16,
         description="Threads of a CPU engine replica (native kernels and prefill GEMMs). None: every core the replica may run on; Ray would otherwise leave it at OMP_NUM_THREADS = its num_cpus reservation (1), a single core.",
     )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Stream a request's tokens in events of at least this many (its first and its last at once), as vLLM's --stream-interval: each event costs the replica's Python threads work that, on a small CPU machine, the engine's thread waits for (the GIL). 1: every step's tokens as they come.",
+    )
     ingress: Literal["engine", "separate"] = Field(
         "separate",
         description="Where the OpenAI routes run. separate: a replica of their own that calls the engine replica (a lost engine replica is answered with a clean 503 by a replica that is still up: docs/fault-model.md); engine: in the engine's replica, one process and one hop per token fewer (faster on a small machine), and a lost replica takes its routes along.",
