@@ -33,8 +33,8 @@ def _exact_pairs(target, tokenizer) -> dict[tuple[int, int], float]:
     return {(t1, t2): float(p1[t1] * p2[i, t2]) for i, t1 in enumerate(firsts) for t2 in range(p2.shape[1])}
 
 
-def _sample(target, tokenizer, draft, seeds, check_rate=True, tree=None) -> list[tuple[int, int]]:
-    engine = make_engine(target, tokenizer, draft, k=2, tree=tree, max_num_seqs=128)
+def _sample(target, tokenizer, draft, seeds, check_rate=True, tree=None, **engine_kw) -> list[tuple[int, int]]:
+    engine = make_engine(target, tokenizer, draft, k=2, tree=tree, max_num_seqs=128, **engine_kw)
     params = [SamplingParams(temperature=TEMPERATURE, max_tokens=2, ignore_eos=True, seed=s) for s in seeds]
     outs = engine.generate([PROMPT] * len(seeds), params)
     rate = engine.metrics.spec.num_accepted_tokens / max(engine.metrics.spec.num_drafts, 1)  # accepted per verification
@@ -61,9 +61,13 @@ def exact(target, tokenizer):
     return _exact_pairs(target, tokenizer)
 
 
-@pytest.mark.parametrize("tree", [None, dict(depth=2, topk=3, num_draft_tokens=4)], ids=["chain", "tree"])
-def test_sampled_spec_follows_target(target, tokenizer, copy_draft, exact, tree):
-    samples = _sample(target, tokenizer, copy_draft, range(N), tree=tree)
+TREE = dict(depth=2, topk=3, num_draft_tokens=4)
+
+
+@pytest.mark.parametrize("tree, path", [(None, "auto"), (TREE, "auto"), (TREE, "rows")], ids=["chain", "tree", "tree-rows"])
+def test_sampled_spec_follows_target(target, tokenizer, copy_draft, exact, tree, path):
+    """tree-rows: drafted and verified as rows of the row steps (a node a row, ancestors through the tails)."""
+    samples = _sample(target, tokenizer, copy_draft, range(N), tree=tree, decode_path=path)
     assert _chi2_pvalue(samples, exact) > 1e-3
 
 
