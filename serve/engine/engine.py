@@ -54,8 +54,8 @@ class LLMEngine:
         self.use_rows = use_rows(config, target, self.device)
         self.blocks = BlockManager(nblocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        # rows a step verifies: k+1 a sequence for a chain, a tree's nodes and root (tails as deep as the tree)
-        verified = k_max + 1 if self.tree is None else self.tree.num_draft_tokens + 1
+        # rows a step runs a sequence: a chain verifies k+1, a tree drafts topk a depth and verifies its nodes and root
+        verified = k_max + 1 if self.tree is None else max(self.tree.num_draft_tokens + 1, self.tree.topk)
         rows = config.max_num_seqs * verified if self.use_rows else 0
         if rows and config.prefill_rows:
             rows = max(rows, min(config.prefill_rows, PREFILL_REPLAY_ROWS))  # prompt rows a replay

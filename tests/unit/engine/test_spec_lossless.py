@@ -36,15 +36,23 @@ def test_tree_greedy_equals_plain(target, tokenizer, copy_draft, plain_outputs, 
     assert engine.metrics.spec.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("tree", [dict(depth=2, topk=2, num_draft_tokens=3), dict(depth=4, topk=3, num_draft_tokens=8)])
+@pytest.mark.parametrize(
+    "tree",
+    [
+        dict(depth=2, topk=2, num_draft_tokens=3),
+        dict(depth=4, topk=3, num_draft_tokens=8),
+        dict(depth=2, topk=5, num_draft_tokens=2),
+    ],
+)
 def test_row_path_tree_greedy_equals_plain(target, tokenizer, copy_draft, plain_outputs, tree, monkeypatch):
     """engine.decode_path='rows': the tree verifies as rows of the target's row step (a node a row, its ancestors
-    through its tail), never the varlen forward; greedy output equals plain, with drafts accepted and compacted."""
+    through its tail), never the varlen forward; greedy output equals plain, with drafts accepted and compacted. The
+    row buffers hold a step's rows without prompt rows (prefill_rows 0): its nodes and root, or topk a depth drafted."""
     from eagleray.serve.engine import spec_step
 
     monkeypatch.setattr(spec_step, "target_verify_forward", None)  # the varlen verification must not run
-    engine = make_engine(target, tokenizer, copy_draft, tree=tree, decode_path="rows", max_num_seqs=3)
-    assert engine.target.rows.buckets[-1] >= 3 * (tree["num_draft_tokens"] + 1)
+    engine = make_engine(target, tokenizer, copy_draft, tree=tree, decode_path="rows", max_num_seqs=3, prefill_rows=0)
+    assert engine.target.rows.buckets[-1] == 3 * max(tree["num_draft_tokens"] + 1, tree["topk"])
     outs = engine.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == plain_outputs
     assert engine.metrics.spec.num_accepted_tokens > 0
