@@ -10,12 +10,10 @@
 // reused from L2 by every tile of 8 rows.
 // Built and loaded by kernels/cpu_decode.py; reference: torch.nn.functional.linear.
 #define _GNU_SOURCE
-#include <immintrin.h>
-#include <math.h>
+#include "cpu_decode.h"
 #include <linux/futex.h>
 #include <pthread.h>
 #include <stdatomic.h>
-#include <stdint.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 // ---------------------------------------------------------------------------------------------
@@ -25,7 +23,6 @@
 // (weight panels, attention rows) from one atomic counter; the caller returns when every chunk is done, so a helper
 // that has not woken up simply gets no work. Helpers spin briefly, then sleep on a futex.
 #define MAX_HELPERS 15
-typedef void (*work_fn)(const void* ctx, int64_t chunk);
 typedef struct { work_fn fn; const void* ctx; int64_t nchunks; } job_t;
 static job_t job;
 static _Atomic uint64_t state;     // (generation << 32) | next chunk
@@ -86,7 +83,7 @@ static void ensure_helpers(int want) {
 }
 
 // Run fn(ctx, 0..nchunks-1) on the caller and up to threads-1 helpers; returns when all are done.
-static void parallel_run(work_fn fn, const void* ctx, int64_t nchunks, int threads) {
+void parallel_run(work_fn fn, const void* ctx, int64_t nchunks, int threads) {
     if (threads <= 1 || nchunks <= 1) {
         for (int64_t c = 0; c < nchunks; c++) fn(ctx, c);
         return;
@@ -110,14 +107,12 @@ static void parallel_run(work_fn fn, const void* ctx, int64_t nchunks, int threa
 
 // ---------------------------------------------------------------------------------------------
 // linear (see the top of the file)
-#define PNV 3                // weight vectors a panel: 48 columns
-#define PMT 8                // x rows a tile: 8 x 3 accumulators + 3 weight vectors + 1 broadcast, of 32 registers
-#define PANEL (16 * PNV)
-// One tile: MT x rows times one panel, from k = 0 to K - 1, then bias and store (masked past N).
+// One tile: MT x rows times one panel, from k = 0 to K - 1, then bias, residual and store (masked past N).
 // While it runs, pf_lines cache lines of the next panel are prefetched into L2, spread over the k loop.
 static inline __attribute__((always_inline)) void ptile(const int MT, const float* p, const float* x, float* y,
-                                                        const float* b, int64_t K, int64_t ldx, int64_t ldy,
-                                                        int64_t ncols, const char* pf, int64_t pf_lines) {
+                                                        const float* b, const float* r, int64_t K, int64_t ldx,
+                                                        int64_t ldy, int64_t ldr, int64_t ncols, const char* pf,
+                                                        int64_t pf_lines) {
     __m512 acc[PMT][PNV];
     for (int i = 0; i < MT; i++) for (int v = 0; v < PNV; v++) acc[i][v] = _mm512_setzero_ps();
     int64_t kq = K / 4, pf_acc = 0;
@@ -141,18 +136,17 @@ static inline __attribute__((always_inline)) void ptile(const int MT, const floa
             int64_t c = 16 * v, left = ncols - c;
             if (left <= 0) break;
             __mmask16 mk = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-            __m512 r = acc[i][v];
-            if (b) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(mk, b + c));
-            _mm512_mask_storeu_ps(y + i * ldy + c, mk, r);
+            __m512 o = acc[i][v];
+            if (b) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(mk, b + c));
+            if (r) o = _mm512_add_ps(_mm512_maskz_loadu_ps(mk, r + i * ldr + c), o);  // residual + product, as h + f(h)
+            _mm512_mask_storeu_ps(y + i * ldy + c, mk, o);
         }
 }
-
-typedef struct { const float *x, *p, *b; float* y; int64_t M, N, K, ldx, ldy, npanels, per_chunk; } plinear_t;
 
 // Panels [c * per_chunk, ...) of one claim: each is read from memory once, by its first tile, and from
 // L2 by the others; the claim's next panel is prefetched a slice per tile meanwhile (a claim holds
 // consecutive panels so that the prefetch lands in the L2 of the core that will use it).
-static void plinear_chunk(const void* vctx, int64_t c) {
+void plinear_chunk(const void* vctx, int64_t c) {
     const plinear_t* j = (const plinear_t*)vctx;
     int64_t p0 = c * j->per_chunk, p1 = p0 + j->per_chunk < j->npanels ? p0 + j->per_chunk : j->npanels;
     int64_t tiles = (j->M + PMT - 1) / PMT, panel_lines = j->K * PANEL * 4 / 64;
@@ -166,7 +160,8 @@ static void plinear_chunk(const void* vctx, int64_t c) {
             int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
             const float* xm = j->x + m * j->ldx;
             float* ym = j->y + m * j->ldy + n0;
-#define PT(MTc) ptile(MTc, p, xm, ym, b, j->K, j->ldx, j->ldy, ncols, next + 64 * l0, l1 - l0)
+            const float* rm = j->r ? j->r + m * j->ldr + n0 : NULL;
+#define PT(MTc) ptile(MTc, p, xm, ym, b, rm, j->K, j->ldx, j->ldy, j->ldr, ncols, next + 64 * l0, l1 - l0)
             switch (j->M - m < PMT ? j->M - m : PMT) {
             case 8: PT(8); break; case 7: PT(7); break; case 6: PT(6); break; case 5: PT(5); break;
             case 4: PT(4); break; case 3: PT(3); break; case 2: PT(2); break; default: PT(1); break;
@@ -178,13 +173,20 @@ static void plinear_chunk(const void* vctx, int64_t c) {
 
 int64_t linear_panel_cols(void) { return PANEL; }
 
+// Splits ctx's panels into claims for `threads` threads; returns the number of claims.
+int64_t plinear_plan(plinear_t* ctx, int threads) {
+    int64_t np = (ctx->N + PANEL - 1) / PANEL, per = np / (3 * (threads > 1 ? threads : 1));
+    per = per < 1 ? 1 : per > 16 ? 16 : per;
+    ctx->npanels = np;
+    ctx->per_chunk = per;
+    return (np + per - 1) / per;
+}
+
 // y [M, N] = x [M, K] @ w^T + b with w packed (linear_panel_cols() columns a panel, see the top).
 void linear_packed_f32(const float* x, const float* p, const float* b, float* y, int64_t M, int64_t N, int64_t K,
                        int64_t ldx, int64_t ldy, int threads) {
-    int64_t np = (N + PANEL - 1) / PANEL, per = np / (3 * (threads > 1 ? threads : 1));
-    per = per < 1 ? 1 : per > 16 ? 16 : per;
-    plinear_t ctx = {x, p, b, y, M, N, K, ldx, ldy, np, per};
-    parallel_run(plinear_chunk, &ctx, (np + per - 1) / per, threads);
+    plinear_t ctx = {x, p, b, NULL, y, M, N, K, ldx, ldy, 0, 0, 0};
+    parallel_run(plinear_chunk, &ctx, plinear_plan(&ctx, threads), threads);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -237,30 +239,7 @@ void argmax_rows_f32(const float* x, int64_t* out, int64_t M, int64_t N, int64_t
 // K/V are read in place from the paged cache [num_blocks, block_size, Hkv, D] through the block table.
 // Keys are taken in tiles of 16 from position 0 with an online softmax, each row alone, so a row's
 // result does not depend on the other rows of the batch or on how many new tokens follow it.
-static inline __m512 exp512(__m512 x) {  // Cephes expf on [-87, 88]
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-    p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-#define MAX_G 16
-#define MAX_D 256
-typedef struct {
-    const float *q, *kc, *vc; float* out; const int32_t* bt; int64_t bt_w;
-    const int64_t *seq, *ctx, *nnew, *mask; int64_t Hq, Hkv, D, bs; float scale;
-} attn_t;
-
-static void attn_item(const void* vctx, int64_t item) {
+void attn_item(const void* vctx, int64_t item) {
     const attn_t* a = (const attn_t*)vctx;
     int64_t t = item / a->Hkv, kvh = item % a->Hkv, G = a->Hq / a->Hkv, D = a->D, nv = D / 16;
     int64_t ctx = a->ctx[t], nnew = a->nnew[t], nkeys = ctx + nnew;
@@ -269,7 +248,7 @@ static void attn_item(const void* vctx, int64_t item) {
     __m512 acc[MAX_G][MAX_D / 16];
     float m[MAX_G], l[MAX_G];
     for (int64_t g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.f; for (int64_t v = 0; v < nv; v++) acc[g][v] = _mm512_setzero_ps(); }
-    const float* qrow = a->q + (t * a->Hq + kvh * G) * D;
+    const float* qrow = a->q + t * a->ldq + kvh * G * D;
     for (int64_t j0 = 0; j0 < nkeys; j0 += 16) {
         int64_t n = nkeys - j0 < 16 ? nkeys - j0 : 16;
         uint32_t vis = 0;
@@ -322,7 +301,7 @@ int paged_attention_f32(const float* q, const float* kc, const float* vc, float*
                         const int64_t* seq, const int64_t* ctx, const int64_t* nnew, const int64_t* mask,
                         int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, int threads) {
     if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_G || D % 16 || D > MAX_D) return -1;
-    attn_t a = {q, kc, vc, out, bt, bt_w, seq, ctx, nnew, mask, Hq, Hkv, D, bs, scale};
+    attn_t a = {q, kc, vc, out, bt, bt_w, seq, ctx, nnew, mask, Hq, Hkv, D, bs, Hq * D, scale};
     parallel_run(attn_item, &a, T * Hkv, threads);
     return 0;
 }

@@ -145,6 +145,20 @@ class RowKeys:
 MAX_NEW = 64  # new tokens per sequence a row mask can describe
 
 
+def row_tensors(rows: RowKeys) -> tuple[torch.Tensor, ...]:
+    """seq, ctx, nnew, mask: the order the kernels take them in."""
+    return rows.seq, rows.ctx, rows.nnew, rows.mask
+
+
+def check_rows(rows: RowKeys, t: int) -> None:
+    """Each of ``rows``' tensors must be [t] int64 contiguous."""
+    for name, v in zip(("seq", "ctx", "nnew", "mask"), row_tensors(rows)):
+        if v.dtype != torch.int64 or tuple(v.shape) != (t,) or not v.is_contiguous():
+            raise KernelInputError(
+                f"rows.{name}", f"[{t}] int64 contiguous", f"{tuple(v.shape)} {v.dtype}", "build RowKeys with int64 tensors"
+            )
+
+
 def attention_supported(q: torch.Tensor, cache_k: torch.Tensor, sliding_window: int | None) -> bool:
     """Whether :func:`paged_attention` handles this layer (else the caller uses SDPA)."""
     hq, d, hkv = q.shape[1], q.shape[2], cache_k.shape[2]
@@ -182,11 +196,7 @@ def paged_attention(
             f"q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, tables {block_tables.dtype}",
             "call .contiguous() first",
         )
-    for name, v in (("seq", rows.seq), ("ctx", rows.ctx), ("nnew", rows.nnew), ("mask", rows.mask)):
-        if v.dtype != torch.int64 or tuple(v.shape) != (t,) or not v.is_contiguous():
-            raise KernelInputError(
-                f"rows.{name}", f"[{t}] int64 contiguous", f"{tuple(v.shape)} {v.dtype}", "build RowKeys with int64 tensors"
-            )
+    check_rows(rows, t)
     out = torch.empty_like(q)  # [T, Hq, D]
     rc = _load().paged_attention_f32(
         q.data_ptr(),
@@ -329,6 +339,17 @@ def dispatch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) ->
     if _blas_only and cpu_gemm.available():
         return cpu_gemm.linear(x, w, b)
     return torch.nn.functional.linear(x, w, b)
+
+
+def decode_rows(m: int) -> bool:
+    """Whether a forward of ``m`` rows is decode-sized and takes the native kernels now: the kernels are on, ``m`` is at
+    most ``MAX_ROWS`` and no prefill (:func:`blas_gemms`) is running."""
+    return 0 < m <= MAX_ROWS and not _blas_only and _active()
+
+
+def library() -> ctypes.CDLL:
+    """The loaded native library (built first if needed)."""
+    return _load()
 
 
 def _active() -> bool:

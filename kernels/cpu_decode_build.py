@@ -1,7 +1,8 @@
 """Building and loading the native CPU kernels of :mod:`eagleray.kernels.cpu_decode`.
 
-The C source is compiled once per machine with the system C compiler (``cc -O3 -mavx512f -pthread``) into
-``$EAGLERAY_HOME/kernels/cpu_decode-<source hash>.so`` (a temporary file renamed into place, so concurrent
+The C sources (``cpu_decode.c``, the fused decoder layer ``cpu_layer.c`` and their shared header ``cpu_decode.h``) are
+compiled once per machine with the system C compiler (``cc -O3 -mavx512f -pthread``) into one library,
+``$EAGLERAY_HOME/kernels/cpu_decode-<hash of the sources>.so`` (a temporary file renamed into place, so concurrent
 builders never load a partial library) and opened with ctypes, its functions' signatures declared here.
 """
 
@@ -19,6 +20,8 @@ from pathlib import Path
 from eagleray.kernels.errors import KernelBuildError
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCES = (SOURCE, SOURCE.with_name("cpu_layer.c"))  # compiled together
+HEADERS = (SOURCE.with_name("cpu_decode.h"),)
 
 
 def open_library() -> ctypes.CDLL:
@@ -50,6 +53,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
     )
     lib.paged_attention_f32.restype = ctypes.c_int
+    lib.decoder_layer_f32.argtypes = [ctypes.c_void_p] * 4
+    lib.decoder_layer_f32.restype = ctypes.c_int
 
 
 def unsupported() -> str | None:
@@ -72,7 +77,7 @@ def compiler() -> str | None:
 
 def library_path() -> Path:
     home = Path(os.environ.get("EAGLERAY_HOME") or Path.home() / ".cache" / "eagleray")
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:16]
     return home / "kernels" / f"cpu_decode-{digest}.so"
 
 
@@ -81,7 +86,7 @@ def build(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    cmd = [compiler(), "-O3", "-mavx512f", "-mfma", "-pthread", "-shared", "-fPIC", str(SOURCE), "-o", tmp, "-lm"]
+    cmd = [compiler(), "-O3", "-mavx512f", "-mfma", "-pthread", "-shared", "-fPIC", *map(str, SOURCES), "-o", tmp, "-lm"]
     try:
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -91,7 +96,7 @@ def build(path: Path) -> None:
             ) from err
         if done.returncode != 0:
             raise KernelBuildError(
-                f"building {SOURCE.name} failed: {' '.join(cmd)}\n{done.stderr.strip()[-2000:]}\n"
+                f"building {', '.join(p.name for p in SOURCES)} failed: {' '.join(cmd)}\n{done.stderr.strip()[-2000:]}\n"
                 "    fix: install gcc, or set engine.cpu_kernels to 'torch'"
             )
         os.replace(tmp, path)

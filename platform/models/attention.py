@@ -244,7 +244,7 @@ def row_keys(meta: AttentionMetadata) -> cpu_decode.RowKeys:
     return rows
 
 
-def _native_rows(meta: AttentionMetadata) -> bool:
+def native_rows(meta: AttentionMetadata) -> bool:
     """Whether every row fits the native kernel: causal rows always, draft-tree rows up to MAX_NEW new tokens."""
     trees = meta.tree_masks or ()
     return all(t is None or q <= cpu_decode.MAX_NEW for t, q in zip(trees, meta.query_lens))
@@ -278,7 +278,7 @@ def paged_attention(
     if meta.slot_mapping is None:
         raise EaglerayError("attention: a KV cache was passed but the metadata has no block_tables")
     write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
-    if _native_rows(meta) and cpu_decode.attention_supported(q, cache[0], sliding_window):
+    if native_rows(meta) and cpu_decode.attention_supported(q, cache[0], sliding_window):
         return cpu_decode.paged_attention(q.contiguous(), cache[0], cache[1], meta.block_tables, row_keys(meta), scale)
     if meta.tree_masks is None and sliding_window is None and not any(meta.context_lens):
         # a prefill from position 0: the keys are the new tokens themselves - causal SDPA (flash on GPU), no gather and

@@ -1,0 +1,54 @@
+// What kernels/cpu_decode.c shares with the fused decoder layer (kernels/cpu_layer.c): the thread pool, the
+// packed-panel linear's work items and the paged attention's, and a vector exp. Internal to the library.
+#pragma once
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define INTERNAL __attribute__((visibility("hidden")))
+
+// Threads: fn(ctx, 0..nchunks-1) on the caller and up to threads-1 helpers; returns when all are done.
+typedef void (*work_fn)(const void* ctx, int64_t chunk);
+INTERNAL void parallel_run(work_fn fn, const void* ctx, int64_t nchunks, int threads);
+
+// The packed-panel linear: y = x w^T (+ b) (+ r), r a residual [M, N] (row stride ldr) or NULL.
+#define PNV 3  // weight vectors a panel: 48 columns
+#define PMT 8  // x rows a tile: 8 x 3 accumulators + 3 weight vectors + 1 broadcast, of 32 registers
+#define PANEL (16 * PNV)
+typedef struct {
+    const float *x, *p, *b, *r;
+    float* y;
+    int64_t M, N, K, ldx, ldy, ldr, npanels, per_chunk;
+} plinear_t;
+INTERNAL int64_t plinear_plan(plinear_t* ctx, int threads);  // sets npanels/per_chunk; returns the claims
+INTERNAL void plinear_chunk(const void* ctx, int64_t claim);
+
+// Paged attention of one (row, kv head) item; q rows ldq floats apart, out rows Hq * D.
+#define MAX_G 16
+#define MAX_D 256
+typedef struct {
+    const float *q, *kc, *vc;
+    float* out;
+    const int32_t* bt;
+    int64_t bt_w;
+    const int64_t *seq, *ctx, *nnew, *mask;
+    int64_t Hq, Hkv, D, bs, ldq;
+    float scale;
+} attn_t;
+INTERNAL void attn_item(const void* ctx, int64_t item);
+
+static inline __m512 exp512(__m512 x) {  // Cephes expf on [-87, 88]
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+    p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}

@@ -1,0 +1,121 @@
+// eagleray: a Llama decoder layer of a decode-sized forward (decode, verification) in one call, fp32, AVX-512.
+//
+// For T rows h [T, H]: x = RMSNorm(h) -> qkv = x Wqkv^T -> RoPE on q, k (cos/sin [T, D] given) -> k, v written to
+// the paged cache at slots[t] -> paged attention (each row's keys as RowKeys describe) -> h1 = h + att Wo^T ->
+// x = RMSNorm(h1) -> gu = x Wgu^T -> a = silu(gate) * up -> out = h1 + a Wdown^T. No biases, no qk-norm, no sliding
+// window, one tensor-parallel rank (the caller falls back to the PyTorch layer for those).
+//
+// Every phase is row-wise: the products are the packed-panel linear of cpu_decode.c (one FMA chain over k in order
+// per output), attention takes one row at a time, the norms, RoPE and SiLU one row each on one thread; so a row's
+// output is bitwise the same whatever the other rows are and however many threads run (greedy speculation stays
+// lossless). Phases run on cpu_decode.c's thread pool, each ending when all its chunks are done.
+// Reference: kernels/cpu_layer.py decoder_layer_reference (the same layer in PyTorch).
+#define _GNU_SOURCE
+#include "cpu_decode.h"
+#include <string.h>
+
+// One forward's inputs, the same for every layer. Scratch rows: xn [T, H], qkv [T, (Hq + 2 Hkv) D], att [T, Hq D],
+// h1 [T, H], gu [T, 2 I], act [T, I].
+typedef struct {
+    int64_t T, H, Hq, Hkv, D, I, bs, bt_w, threads;
+    const float *cos, *sin;                     // [T, D] each
+    const int64_t* slots;                       // [T] cache slot of each row's new K/V
+    const int32_t* bt;                          // [B, bt_w] block tables
+    const int64_t *seq, *ctx, *nnew, *mask;     // [T] each: the keys each row sees (cpu_decode.RowKeys)
+    float *xn, *qkv, *att, *h1, *gu, *act;      // scratch
+} layer_step_t;
+
+// One layer's weights: the norms [H], the products packed in panels (cpu_decode.pack), its K/V cache.
+typedef struct {
+    const float *in_norm, *post_norm, *qkv, *o, *gate_up, *down;
+    float *kc, *vc;                             // [num_blocks, bs, Hkv, D] each
+    float in_eps, post_eps, scale;
+} layer_weights_t;
+
+typedef struct { const float *x, *w; float* y; int64_t H; float eps; } norm_t;
+
+// y[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * w: sum of squares in 16 lanes over k in order, then a fixed tree.
+static void norm_row(const void* vctx, int64_t t) {
+    const norm_t* n = (const norm_t*)vctx;
+    const float* x = n->x + t * n->H;
+    float* y = n->y + t * n->H;
+    int64_t H = n->H, k = 0;
+    __m512 ss = _mm512_setzero_ps();
+    for (; k + 16 <= H; k += 16) { __m512 v = _mm512_loadu_ps(x + k); ss = _mm512_fmadd_ps(v, v, ss); }
+    __mmask16 tail = (__mmask16)((1u << (H - k)) - 1);
+    if (k < H) { __m512 v = _mm512_maskz_loadu_ps(tail, x + k); ss = _mm512_fmadd_ps(v, v, ss); }
+    __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + n->eps));
+    for (k = 0; k + 16 <= H; k += 16)
+        _mm512_storeu_ps(y + k, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + k), r), _mm512_loadu_ps(n->w + k)));
+    if (k < H)
+        _mm512_mask_storeu_ps(y + k, tail, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(tail, x + k), r),
+                                                          _mm512_maskz_loadu_ps(tail, n->w + k)));
+}
+
+static void norm_rows(const float* x, const float* w, float* y, int64_t T, int64_t H, float eps, int threads) {
+    norm_t n = {x, w, y, H, eps};
+    parallel_run(norm_row, &n, T, threads);
+}
+
+// x [D] <- x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2]) (GPT-NeoX layout).
+static void rotate(float* x, const float* c, const float* s, int64_t half) {
+    for (int64_t i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * c[i] - b * s[i];
+        x[i + half] = b * c[i + half] + a * s[i + half];
+    }
+}
+
+typedef struct { const layer_step_t* s; const layer_weights_t* w; } layer_t;
+
+// Row t: RoPE on its q and k heads in place, then its k and v into the cache at slots[t].
+static void rope_write_row(const void* vctx, int64_t t) {
+    const layer_step_t* s = ((const layer_t*)vctx)->s;
+    const layer_weights_t* w = ((const layer_t*)vctx)->w;
+    int64_t D = s->D, kv = s->Hkv * D;
+    float* row = s->qkv + t * (s->Hq * D + 2 * kv);
+    for (int64_t h = 0; h < s->Hq + s->Hkv; h++) rotate(row + h * D, s->cos + t * D, s->sin + t * D, D / 2);
+    memcpy(w->kc + s->slots[t] * kv, row + s->Hq * D, (size_t)kv * sizeof(float));
+    memcpy(w->vc + s->slots[t] * kv, row + s->Hq * D + kv, (size_t)kv * sizeof(float));
+}
+
+// act[t] = silu(gate[t]) * up[t], gu[t] = (gate [I], up [I]).
+static void silu_mul_row(const void* vctx, int64_t t) {
+    const layer_step_t* s = ((const layer_t*)vctx)->s;
+    int64_t I = s->I, i = 0;
+    const float *g = s->gu + t * 2 * I, *u = g + I;
+    float* a = s->act + t * I;
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i < I; i += 16) {
+        __mmask16 mk = I - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (I - i)) - 1);
+        __m512 x = _mm512_maskz_loadu_ps(mk, g + i);
+        __m512 sig = _mm512_div_ps(x, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+        _mm512_mask_storeu_ps(a + i, mk, _mm512_mul_ps(sig, _mm512_maskz_loadu_ps(mk, u + i)));
+    }
+}
+
+// y [T, N] = x [T, K] @ W^T (+ r [T, N], a residual, or NULL), W packed; rows of x, y, r contiguous.
+static void product(const float* x, const float* p, const float* r, float* y, int64_t T, int64_t N, int64_t K,
+                    int threads) {
+    plinear_t l = {x, p, NULL, r, y, T, N, K, K, N, N, 0, 0};
+    parallel_run(plinear_chunk, &l, plinear_plan(&l, threads), threads);
+}
+
+// out [T, H] = the layer applied to h [T, H] (out must not be h). Returns 0, or -1 for shapes it does not handle.
+int decoder_layer_f32(const layer_step_t* s, const layer_weights_t* w, const float* h, float* out) {
+    int64_t T = s->T, H = s->H, Hq = s->Hq, Hkv = s->Hkv, D = s->D, I = s->I, nqkv = (Hq + 2 * Hkv) * D;
+    if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_G || D % 16 || D > MAX_D || out == h) return -1;
+    int th = (int)s->threads;
+    layer_t lt = {s, w};
+    norm_rows(h, w->in_norm, s->xn, T, H, w->in_eps, th);
+    product(s->xn, w->qkv, NULL, s->qkv, T, nqkv, H, th);
+    parallel_run(rope_write_row, &lt, T, th);
+    attn_t a = {s->qkv, w->kc, w->vc, s->att, s->bt, s->bt_w, s->seq, s->ctx, s->nnew, s->mask, Hq, Hkv, D, s->bs, nqkv, w->scale};
+    parallel_run(attn_item, &a, T * Hkv, th);
+    product(s->att, w->o, h, s->h1, T, H, Hq * D, th);
+    norm_rows(s->h1, w->post_norm, s->xn, T, H, w->post_eps, th);
+    product(s->xn, w->gate_up, NULL, s->gu, T, 2 * I, H, th);
+    parallel_run(silu_mul_row, &lt, T, th);
+    product(s->act, w->down, s->h1, out, T, H, I, th);
+    return 0;
+}

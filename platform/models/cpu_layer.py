@@ -1,0 +1,120 @@
+"""The CPU decode path's decoder layer as one native call (:mod:`eagleray.kernels.cpu_layer`), and the rule for when.
+
+A target forward of decode-sized rows on a CPU with the native kernels on (a plain decode step, a speculative
+verification: every forward outside a prefill's :func:`~eagleray.kernels.cpu_decode.blas_gemms`, up to
+``cpu_decode.MAX_ROWS`` rows) runs each :class:`~eagleray.platform.models.layers.DecoderLayer` in one call instead of
+~15 torch ops; plain and speculative decoding both take it for every row, so greedy speculation stays lossless (the
+kernel's rows are batch-invariant). :func:`unfused_reason` says why a layer or forward keeps the PyTorch layer:
+
+- the forward: not fp32 CPU rows, autograd, a prefill or more than ``MAX_ROWS`` rows, the native kernels off, no KV
+  cache, metadata that computes attention itself (``DecodeMetadata``), or a draft tree wider than ``cpu_decode.MAX_NEW``;
+- the layer: q/k/v or gate/up not fused, biases, qk-norm, a sliding window, tensor parallelism, non-fp32 weights or
+  cache, or head shapes the attention kernel does not take.
+
+The EAGLE-3 draft's layer (``eagle3.Eagle3Layer``) is another class and keeps its PyTorch forward. What every layer
+of a forward shares (cos/sin, slots, row keys, scratch) is made once, on the forward's metadata (``layouts``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagleray.kernels import cpu_decode, cpu_layer
+from eagleray.platform.models.attention import AttentionMetadata, native_rows, row_keys
+
+_STEP = "cpu_layer"  # key of the forward's step (or the reason it has none) in AttentionMetadata.layouts
+_WEIGHTS = "_eagleray_cpu_layer"  # attribute of a layer: its kernel weights handle, kept between forwards
+
+
+def forward_reason(h: torch.Tensor, attn: AttentionMetadata, cache) -> str | None:
+    """Why this forward's rows keep the PyTorch layers (None: they may take the native layer)."""
+    if h.device.type != "cpu" or h.dtype != torch.float32 or h.dim() != 2:
+        return f"hidden states {h.dtype} on {h.device}: the native layer takes fp32 CPU rows"
+    if torch.is_grad_enabled() and h.requires_grad:
+        return "autograd is recording"
+    if not cpu_decode.decode_rows(h.shape[0]):
+        return f"{h.shape[0]} rows in a prefill, past {cpu_decode.MAX_ROWS} rows, or native kernels off ({cpu_decode.status()})"
+    if not isinstance(attn, AttentionMetadata) or cache is None or attn.slot_mapping is None:
+        return "no paged KV cache, or metadata that computes attention itself (the GPU row step's DecodeMetadata)"
+    if not native_rows(attn):
+        return f"a draft tree wider than {cpu_decode.MAX_NEW} new tokens"
+    return None
+
+
+def layer_reason(layer, cache) -> str | None:
+    """Why ``layer`` (a DecoderLayer) keeps its PyTorch forward (None: the native layer computes it)."""
+    att, mlp = layer.self_attn, layer.mlp
+    if att.qkv is None or mlp.gate_up is None:
+        return "q/k/v or gate/up not fused (training)"
+    if any(b is not None for b in (att.qkv.bias, att.o_proj.bias, mlp.gate_up.bias, mlp.down_proj.bias)):
+        return "biases"
+    if att.q_norm is not None:
+        return "qk_norm"
+    if att.sliding_window is not None:
+        return "sliding window"
+    if att.o_proj.tp.world != 1:
+        return "tensor parallelism"
+    weights = (att.qkv.weight, att.o_proj.weight, mlp.gate_up.weight, mlp.down_proj.weight, cache[0])
+    if any(w.dtype != torch.float32 for w in weights + (layer.input_layernorm.weight,)):
+        return "weights or cache not fp32"
+    shape = cpu_layer.LayerShape(att.o_proj.weight.shape[0], att.heads, att.kv_heads, att.head_dim, mlp.down_proj.weight.shape[1])
+    return cpu_layer.supported(shape)
+
+
+def unfused_reason(layer, h: torch.Tensor, attn: AttentionMetadata, cache) -> str | None:
+    """Why this layer of this forward keeps the PyTorch layer (None: it takes the native one)."""
+    return forward_reason(h, attn, cache) or layer_reason(layer, cache)
+
+
+def forward(layer, h: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, cache) -> torch.Tensor | None:
+    """``layer`` applied to h [T, H] in one native call -> [T, H], or None where :func:`unfused_reason` says no."""
+    step = attn.layouts.get(_STEP) if isinstance(attn, AttentionMetadata) else forward_reason(h, attn, cache)
+    if step is None:
+        step = attn.layouts[_STEP] = forward_reason(h, attn, cache) or _NOT_YET
+    if isinstance(step, str) and step is not _NOT_YET:
+        return None
+    weights = _weights(layer, cache)
+    if weights is None:
+        return None
+    if step is _NOT_YET:
+        step = attn.layouts[_STEP] = cpu_layer.step(_step_inputs(layer, positions, attn), weights.shape)
+    return cpu_layer.decoder_layer(h, step, weights)
+
+
+_NOT_YET = "the forward may fuse; its step is made by its first fused layer"
+
+
+def _weights(layer, cache) -> cpu_layer.LayerWeights | None:
+    """The layer's kernel weights (kept on it while current), or None where :func:`layer_reason` says no."""
+    att, mlp = layer.self_attn, layer.mlp
+    held = getattr(layer, _WEIGHTS, None)
+    if held is not None and att.qkv is not None and mlp.gate_up is not None:
+        sources = (
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight, att.qkv.weight, att.o_proj.weight,
+            mlp.gate_up.weight, mlp.down_proj.weight,
+        )  # fmt: skip
+        if held.current(sources, cache[0], cache[1]):
+            return held
+    if layer_reason(layer, cache) is not None:
+        return None
+    held = cpu_layer.layer_weights(_params(layer, cache))
+    setattr(layer, _WEIGHTS, held)
+    return held
+
+
+def _params(layer, cache) -> cpu_layer.LayerParams:
+    att, mlp = layer.self_attn, layer.mlp
+    n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+    return cpu_layer.LayerParams(
+        n1.weight, n2.weight, att.qkv.weight, att.o_proj.weight, mlp.gate_up.weight, mlp.down_proj.weight,
+        cache[0], cache[1], n1.eps, n2.eps, att.scale,
+    )  # fmt: skip
+
+
+def _step_inputs(layer, positions: torch.Tensor, attn: AttentionMetadata) -> cpu_layer.StepInputs:
+    cos, sin = layer.self_attn.rotary.cos_sin(positions, torch.float32)  # [T, 1, D] each
+    d = cos.shape[-1]
+    return cpu_layer.StepInputs(
+        cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous(), attn.slot_mapping.contiguous(),
+        attn.block_tables.contiguous(), row_keys(attn), attn.block_size,
+    )  # fmt: skip

@@ -1,0 +1,127 @@
+"""The native decoder layer (kernels/cpu_layer.c) against its PyTorch reference: values (atol 1e-4, rtol 1e-4 on
+outputs of magnitude ~1-10; the K/V it writes to 1e-5), each row bitwise the same alone, in any batch and on any
+thread count (what keeps greedy speculation lossless), and the checked wrapper."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagleray.kernels import cpu_decode, cpu_decode_build, cpu_layer
+from eagleray.kernels.errors import KernelInputError
+
+pytestmark = pytest.mark.skipif(
+    cpu_decode_build.unsupported() is not None, reason=f"native CPU kernels: {cpu_decode_build.unsupported()}"
+)
+
+H, HQ, HKV, D, INTER, BS = 70, 6, 2, 32, 100, 4  # H and INTER with tails past 16 lanes and 48-column panels
+TABLES = torch.tensor([[7, 2, 9, 0, 5], [1, 11, 3, -1, -1]], dtype=torch.int32)  # non-contiguous blocks
+# rows: sequence 0 verifies 3 causal rows after 5 cached tokens, sequence 1 a 3-node tree after 2
+CAUSAL = [(0, 5 + i) for i in range(3)]  # (sequence, cache index)
+TREE = [(1, 2 + i, vis) for i, vis in enumerate([(0,), (0, 1), (0, 2)])]
+
+
+@pytest.fixture
+def threads():
+    before = cpu_decode.threads()
+    yield cpu_decode.set_threads
+    cpu_decode.set_threads(before)
+
+
+def _params(seed: int = 0) -> cpu_layer.LayerParams:
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    nqkv = (HQ + 2 * HKV) * D
+    return cpu_layer.LayerParams(
+        1 + 0.1 * rnd(H), 1 + 0.1 * rnd(H), 0.3 * rnd(nqkv, H), 0.2 * rnd(H, HQ * D), 0.2 * rnd(2 * INTER, H),
+        0.1 * rnd(H, INTER), rnd(12, BS, HKV, D), rnd(12, BS, HKV, D), 1e-5, 1e-6, D**-0.5,
+    )  # fmt: skip
+
+
+def _inputs(rows: list[int]) -> cpu_layer.StepInputs:
+    """Step inputs of the chosen rows (indices into CAUSAL + TREE)."""
+    seq, ctx, nnew, mask, idx = [], [], [], [], []
+    for r in rows:
+        if r < len(CAUSAL):
+            s, i = CAUSAL[r]
+            seq.append(s), ctx.append(i + 1), nnew.append(0), mask.append(0), idx.append(i)  # keys 0..i, all cached
+        else:
+            s, i, vis = TREE[r - len(CAUSAL)]
+            seq.append(s), ctx.append(2), nnew.append(3), mask.append(sum(1 << j for j in vis)), idx.append(i)
+    table = TABLES.long()
+    slots = torch.tensor([int(table[s, i // BS]) * BS + i % BS for s, i in zip(seq, idx)])  # [T]
+    pos = torch.tensor(idx, dtype=torch.float32) + 3.0  # [T] positions (any: rotary only)
+    freqs = pos[:, None] * (1e4 ** (-torch.arange(0, D, 2) / D))[None]  # [T, D/2]
+    emb = torch.cat([freqs, freqs], -1)  # [T, D]
+    keys = cpu_decode.RowKeys(*(torch.tensor(v, dtype=torch.int64) for v in (seq, ctx, nnew, mask)))
+    return cpu_layer.StepInputs(emb.cos(), emb.sin(), slots, TABLES, keys, BS)
+
+
+def _run(params, rows, h):
+    inputs = _inputs(rows)
+    return cpu_layer.decoder_layer(h, cpu_layer.step(inputs, params.shape()), cpu_layer.layer_weights(params))
+
+
+ALL = list(range(len(CAUSAL) + len(TREE)))
+
+
+def test_matches_the_reference_and_writes_the_same_kv():
+    p, ref = _params(), _params()
+    h = 3 * torch.randn(len(ALL), H, generator=torch.Generator().manual_seed(1))  # [T, H]
+    out = _run(p, ALL, h)
+    want = cpu_layer.decoder_layer_reference(h, _inputs(ALL), ref)
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(p.k_cache, ref.k_cache, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(p.v_cache, ref.v_cache, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(p.k_cache, _params().k_cache), "the rows' K must be written"
+    assert (out - h).abs().max() > 0.1, "the layer changes h"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_each_row_is_bitwise_the_same_alone_in_any_batch_and_thread_count(n, threads):
+    """A row sees only cached keys and its own: run the whole batch first (its K/V in the cache), then rows alone and
+    in other batches (each writes its K/V again, bitwise the same) on n threads."""
+    h = 3 * torch.randn(len(ALL), H, generator=torch.Generator().manual_seed(2))
+    threads(1)
+    p = _params()
+    full = _run(p, ALL, h)  # [T, H]
+    k_after = p.k_cache.clone()
+    threads(n)
+    for r in ALL:
+        assert torch.equal(_run(p, [r], h[r : r + 1].contiguous())[0], full[r]), f"row {r} alone, {n} threads"
+    for rows in ([5, 0, 3], [1, 2], ALL[::-1]):
+        got = _run(p, rows, h[rows].contiguous())
+        assert torch.equal(got, full[rows]), f"rows {rows} together, {n} threads"
+    assert torch.equal(p.k_cache, k_after), "rewriting a row's K/V gives the same bits"
+
+
+def test_the_wrapper_refuses_what_the_kernel_does_not_take():
+    p = _params()
+    step = cpu_layer.step(_inputs(ALL), p.shape())
+    w = cpu_layer.layer_weights(p)
+    with pytest.raises(KernelInputError, match="h"):
+        cpu_layer.decoder_layer(torch.zeros(len(ALL) + 1, H), step, w)
+    with pytest.raises(KernelInputError, match="h"):
+        cpu_layer.decoder_layer(torch.zeros(len(ALL), H, dtype=torch.float64), step, w)
+    wider = cpu_layer.LayerParams(**{**p.__dict__, "down": torch.zeros(H, INTER + 16), "gate_up": torch.zeros(2 * INTER + 32, H)})
+    with pytest.raises(KernelInputError, match="weights"):  # a layer of another shape than the step's
+        cpu_layer.decoder_layer(torch.zeros(1, H), cpu_layer.step(_inputs([0]), p.shape()), cpu_layer.layer_weights(wider))
+    with pytest.raises(KernelInputError, match="params.qkv"):
+        cpu_layer.layer_weights(cpu_layer.LayerParams(**{**p.__dict__, "qkv": p.qkv[:-1]}))
+    with pytest.raises(KernelInputError, match="head_dim 24"):
+        cpu_layer.step(_inputs(ALL), cpu_layer.LayerShape(H, HQ, HKV, 24, INTER))
+    bad = _inputs(ALL)
+    bad.cos = bad.cos.t().contiguous().t()  # [T, D] with the wrong strides
+    with pytest.raises(KernelInputError, match="cos"):
+        cpu_layer.step(bad, p.shape())
+
+
+def test_a_handle_is_current_until_a_weight_or_the_cache_changes():
+    p = _params()
+    w = cpu_layer.layer_weights(p)
+    sources = (p.in_norm, p.post_norm, p.qkv, p.o, p.gate_up, p.down)
+    assert w.current(sources, p.k_cache, p.v_cache)
+    assert not w.current(sources, p.k_cache.clone(), p.v_cache), "another cache"
+    assert not w.current((p.in_norm.clone(), *sources[1:]), p.k_cache, p.v_cache), "another tensor"
+    p.down.mul_(2)  # in place: its packed copy is made again
+    assert not w.current(sources, p.k_cache, p.v_cache)
