@@ -254,7 +254,7 @@ class OpenAIIngress:
     def __init__(self, engine: Any, serving: dict[str, Any]):
         """``engine``: the engine deployment's handle, or an :class:`EngineClient` (the engine in this replica)."""
         global _errors, _probe
-        self.engine: EngineClient = engine if isinstance(engine, LocalClient) else HandleClient(engine)
+        self.engine: EngineClient = engine if isinstance(engine, (LocalClient, HandleClient)) else HandleClient(engine)
         self.cfg = parse_config(ServingConfig, serving, prefix="serving")
         _errors = ErrorCounter(self.cfg.model_name)
         self.probe = _probe = HealthProbe(self.engine)
