@@ -68,7 +68,9 @@ def unfused_reason(layer, h: torch.Tensor, attn: AttentionMetadata, cache) -> st
 
 def forward(layer, h: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, cache) -> torch.Tensor | None:
     """``layer`` applied to h [T, H] in one native call -> [T, H], or None where :func:`unfused_reason` says no."""
-    step = attn.layouts.get(_STEP) if isinstance(attn, AttentionMetadata) else forward_reason(h, attn, cache)
+    if not isinstance(attn, AttentionMetadata):
+        return None  # the GPU row step's metadata computes attention itself (forward_reason says so too)
+    step = attn.layouts.get(_STEP)
     if step is None:
         step = attn.layouts[_STEP] = forward_reason(h, attn, cache) or _NOT_YET
     if isinstance(step, str) and step is not _NOT_YET:
