@@ -11,7 +11,9 @@ Stages (each also a subcommand, each resumable from the files of ``--work``):
   lost, duplicated, wall_s, generated_tokens, target).
 - ``train``: one process per data fraction, concurrently on the GPU: the training loop of ``eagleray train``
   (:func:`eagleray.training.loop.train_worker`, local session: Ray is not on the GPU image) with the target
-  computing hidden states online, every assistant turn learned; the same number of steps for every fraction.
+  computing hidden states online, every assistant turn learned; the same number of steps for every fraction, or
+  with ``--epochs`` the same number of passes over each fraction's data. ``--given 1=DIR`` puts a draft trained
+  elsewhere on the same answers (e.g. the shipped champion) in a fraction's place: evaluated, not retrained.
 - ``eval``: per draft, with ``LLMEngine`` (what Serve runs): τ on MT-bench and HumanEval (chain k, T=0,
   batch 8), lossless (greedy spec == plain), the batch-1 speedup on MT-bench; for the best draft also the
   tree, T=1 and the 32k/8k-vocab comparison when present -> ``scaling.json`` (one record per draft).
@@ -53,6 +55,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fractions", default=",".join(map(str, FRACTIONS)), help="train: data fractions")
     p.add_argument("--fraction", type=float, default=1.0, help="train-one: the data fraction")
     p.add_argument("--steps", type=int, default=1500, help="train: optimizer steps per draft (same for every fraction)")
+    p.add_argument(
+        "--epochs",
+        type=float,
+        default=None,
+        help="train: passes over each fraction's conversations instead of --steps (steps = epochs x conversations / "
+        "--train-batch: every fraction is trained the same number of times over its data, so larger ones take more steps)",
+    )
+    p.add_argument(
+        "--given",
+        action="append",
+        default=[],
+        metavar="FRACTION=DIR",
+        help="train: a draft trained elsewhere on this FRACTION of the same answers (its final-draft directory, e.g. the "
+        "shipped champion for 1): not trained again, evaluated beside the others",
+    )
+    p.add_argument(
+        "--b1",
+        default="all",
+        choices=["all", "largest"],
+        help="eval: the batch-1 speedup for every draft, or only the largest fraction's (which also gets tree and T=1)",
+    )
     p.add_argument(
         "--train-minutes",
         type=float,
@@ -190,8 +213,9 @@ def _shared_options(args: argparse.Namespace) -> list[str]:
         ["--train-minutes", str(args.train_minutes)] if args.train_minutes else []
     )
     out += ["--eval-prompts", args.eval_prompts, "--eval-max-tokens", str(args.eval_max_tokens), "--k", str(args.k)]
-    out += ["--eval-max-model-len", str(args.eval_max_model_len), "--fractions", args.fractions]
-    return out
+    out += ["--eval-max-model-len", str(args.eval_max_model_len), "--fractions", args.fractions, "--b1", args.b1]
+    out += ["--epochs", str(args.epochs)] if args.epochs is not None else []
+    return out + [x for g in args.given for x in ("--given", g)]
 
 
 def _wait(procs: list[subprocess.Popen], progress, name: str, every: float = 30.0, deadline: float | None = None) -> None:
@@ -281,13 +305,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "regen" or (args.stage == "all" and not (args.work / "regen.json").is_file()):
         regen(args)  # `all` reuses answers already in --work (regen.json + conversations.jsonl, e.g. carried in)
     if args.stage in ("all", "train", "train-one"):
-        from eagleray.jobs.bench.draft_scaling_train import train_all, train_one
+        from eagleray.jobs.bench.draft_scaling_train import given_drafts, train_all, train_one
 
         if args.stage == "train-one":
             train_one(args)
         else:
             train_all(args)
-            _pack_draft(args, max(_fractions(args)), args.work / "early")  # at once, before the evaluation
+            trained = [f for f in _fractions(args) if f not in given_drafts(args)]
+            if trained:
+                _pack_draft(args, max(trained), args.work / "early")  # at once, before the evaluation
     if args.stage in ("all", "eval", "eval-one"):
         from eagleray.jobs.bench.draft_scaling_eval import evaluate, evaluate_one
 

@@ -50,21 +50,26 @@ def evaluate(args: argparse.Namespace) -> list[dict]:
         baselines.write_bytes(pickle.dumps(plain))
     records = []
     for f in _fractions(args):
-        if not (_draft_dir(args, f) / "final-draft").is_dir():
-            continue
-        for path in ("auto", "varlen"):
-            out = args.work / f"eval-{f:g}.json"
-            cmd = [sys.executable, "-m", "eagleray.jobs.bench.draft_scaling", "eval-one", "--fraction", str(f)]
-            cmd += ["--decode-path", path] + _shared_options(args) + (["--tree"] if f == max(_fractions(args)) else [])
-            code = subprocess.run(
-                cmd, stdout=open(args.work / f"eval-{f:g}-{path}.log", "w"), stderr=subprocess.STDOUT
-            ).returncode
-            if code == 0:
-                records.append(json.loads(out.read_text()))
-                break
-            log(f"eval {f:g}: decode_path {path} failed (exit {code}; eval-{f:g}-{path}.log)")
+        out = args.work / f"eval-{f:g}.json"
+        if out.is_file():  # measured by an earlier `eval` of this run (a resumed run measures only what is missing)
+            records.append(json.loads(out.read_text()))
+        elif (_draft_dir(args, f) / "final-draft").is_dir():
+            records += _measure(args, f, out)
         _write(args.work / "scaling.json", records)
     return records
+
+
+def _measure(args: argparse.Namespace, f: float, out) -> list[dict]:
+    """One draft in its own process: the row path, then (after a failure) the eager varlen path."""
+    for path in ("auto", "varlen"):
+        cmd = [sys.executable, "-m", "eagleray.jobs.bench.draft_scaling", "eval-one", "--fraction", str(f)]
+        cmd += ["--decode-path", path] + _shared_options(args) + (["--tree"] if f == max(_fractions(args)) else [])
+        with open(args.work / f"eval-{f:g}-{path}.log", "w") as log_file:
+            code = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT).returncode
+        if code == 0:
+            return [json.loads(out.read_text())]
+        log(f"eval {f:g}: decode_path {path} failed (exit {code}; eval-{f:g}-{path}.log)")
+    return []
 
 
 def evaluate_one(args: argparse.Namespace) -> dict:
@@ -87,14 +92,16 @@ def evaluate_one(args: argparse.Namespace) -> dict:
         return spec_run(target, draft, tok, cfg, tp, params, outs, sec)
 
     rec = {"data_fraction": f, "decode_path": args.decode_path, **_train_facts(args, f)}
-    r = spec("mtbench", 1, False)  # first: the number the run is for
-    rec.update(speedup_h200_b1=r["speedup"], lossless_b1=r["lossless"], spec_tok_s_b1=r["spec"]["tokens_per_s"])
-    rec.update(plain_tok_s_b1=r["plain"]["tokens_per_s"], tau_mtbench_b1=r["tau"])
+    rec.update(dict.fromkeys(("speedup_h200_b1", "lossless_b1", "spec_tok_s_b1", "plain_tok_s_b1", "tau_mtbench_b1")))
+    if args.b1 == "all" or args.tree:  # first: the number the run is for (--b1 largest: the largest draft only)
+        r = spec("mtbench", 1, False)
+        rec.update(speedup_h200_b1=r["speedup"], lossless_b1=r["lossless"], spec_tok_s_b1=r["spec"]["tokens_per_s"])
+        rec.update(plain_tok_s_b1=r["plain"]["tokens_per_s"], tau_mtbench_b1=r["tau"])
     for suite in suites:
         r = spec(suite, 8, False)
         rec[f"tau_{suite}_chain"], rec[f"lossless_{suite}_chain"] = r["tau"], r["lossless"]
         rec[f"acceptance_{suite}_chain"] = r["acceptance_per_pos"]
-    rec["lossless"] = bool(rec["lossless_mtbench_chain"] and rec["lossless_humaneval_chain"] and rec["lossless_b1"])
+    rec["lossless"] = bool(rec["lossless_mtbench_chain"] and rec["lossless_humaneval_chain"] and rec["lossless_b1"] is not False)
     rec["tau_mtbench_chain_t1"] = rec["tau_mtbench_tree"] = rec["lossless_mtbench_tree"] = None
     if args.tree:  # the largest draft only: the tree verifies on the eager path (slow)
         rec["tau_mtbench_chain_t1"] = spec("mtbench", 8, True)["tau"]
@@ -127,6 +134,7 @@ def _train_facts(args, f: float) -> dict:
         "sim_tau_heldout": m.get("eval/sim_tau"),
         "loss_tokens": _loss_tokens(args).get(f"{f:g}"),
         "train_tokens_per_s": m.get("tokens_per_s"),
+        **({"given": t["given"]} if "given" in t else {}),
     }
 
 

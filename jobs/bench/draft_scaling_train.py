@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -13,14 +14,48 @@ import threading
 import time
 from pathlib import Path
 
-from eagleray.jobs.bench.draft_scaling import _draft_dir, _shared_options, _wait, _write, log
+from eagleray.jobs.bench.draft_scaling import _draft_dir, _fractions, _shared_options, _wait, _write, log
 
 BACKSTOP_S = 180.0  # a trainer still running this long past its --train-minutes budget is stopped
+
+
+def fraction_steps(args: argparse.Namespace, fraction: float, rows: int) -> int:
+    """Optimizer steps for one fraction: ``--steps``, or with ``--epochs`` that many passes over its conversations."""
+    if args.epochs is None:
+        return args.steps
+    return max(1, math.ceil(args.epochs * max(1, int(rows * fraction)) / args.train_batch))
+
+
+def given_drafts(args: argparse.Namespace) -> dict[float, Path]:
+    """``--given FRACTION=DIR`` options -> {fraction: draft dir}; each must name a listed fraction and a draft."""
+    out = {}
+    for item in args.given:
+        frac, sep, path = item.partition("=")
+        try:
+            f = float(frac)
+        except ValueError:
+            f = None
+        if not sep or f is None or f not in _fractions(args):
+            raise SystemExit(f"--given {item!r}: expected FRACTION=DIR with FRACTION one of --fractions {args.fractions}")
+        if not (Path(path) / "config.json").is_file():
+            raise SystemExit(f"--given {item!r}: {path} has no config.json (pass a draft directory in the vLLM format)")
+        out[f] = Path(path)
+    return out
+
+
+def place_given(args: argparse.Namespace, fraction: float, src: Path) -> None:
+    """A draft trained elsewhere becomes this fraction's final draft; train.json says where it came from."""
+    final = _draft_dir(args, fraction) / "final-draft"
+    shutil.rmtree(final, ignore_errors=True)
+    shutil.copytree(src, final)
+    _write(_draft_dir(args, fraction) / "train.json", {"data_fraction": fraction, "given": str(src)})
+    log(f"train {fraction:g}: given ({src}), not trained here")
 
 
 def train_config(args: argparse.Namespace, fraction: float, rows: int):
     from eagleray.platform.config.schemas import TrainingConfig
 
+    steps = fraction_steps(args, fraction, rows)
     return TrainingConfig(
         data_dir="online",
         online={
@@ -34,16 +69,16 @@ def train_config(args: argparse.Namespace, fraction: float, rows: int):
         draft_vocab_size=args.draft_vocab,
         ttt_steps=args.ttt_steps,
         learning_rate=args.lr,
-        warmup_steps=min(100, args.steps // 10),
+        warmup_steps=min(100, steps // 10),
         min_lr_ratio=args.min_lr_ratio,
-        max_steps=args.steps,
+        max_steps=steps,
         max_minutes=args.train_minutes,
         batch_size=args.train_batch,
         max_seq_len=args.train_seq_len,
         shuffle_buffer=256,
         eval_fraction=0.02,
         eval_batches=20,
-        checkpoint_every=max(args.steps // 12, 1) if args.train_minutes is None else 500,
+        checkpoint_every=max(steps // 12, 1) if args.train_minutes is None else 500,
         log_every=50,
         backend="local",
         use_gpu=args.device == "cuda",
@@ -83,11 +118,15 @@ def train_one(args: argparse.Namespace) -> dict:
 
 
 def train_all(args: argparse.Namespace) -> list[dict]:
-    fractions = [float(f) for f in args.fractions.split(",")]
+    fractions = _fractions(args)
+    given = given_drafts(args)
+    for f, src in given.items():
+        place_given(args, f, src)
     procs = []
     base = [sys.executable, "-m", "eagleray.jobs.bench.draft_scaling", "train-one"]
     opts = _shared_options(args)
-    for f in fractions:
+    trained = [f for f in fractions if f not in given]
+    for f in trained:
         d = _draft_dir(args, f)
         d.mkdir(parents=True, exist_ok=True)
         log_file = open(d / "train.log", "a")
@@ -95,8 +134,8 @@ def train_all(args: argparse.Namespace) -> list[dict]:
     counter = threading.Thread(target=_count_loss_tokens, args=(args, fractions), daemon=True)
     counter.start()
     deadline = time.perf_counter() + 60 * args.train_minutes + BACKSTOP_S if args.train_minutes else None
-    _wait(procs, lambda: _train_progress(args, fractions), "train", deadline=deadline)
-    for f, p in zip(fractions, procs):
+    _wait(procs, lambda: _train_progress(args, trained), "train", deadline=deadline)
+    for f, p in zip(trained, procs):
         if p.returncode != 0:
             _keep_latest(args, f, p.returncode)
     counter.join()

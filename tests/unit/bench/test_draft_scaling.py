@@ -3,6 +3,8 @@
 import argparse
 import json
 
+import pytest
+
 from eagleray.jobs.bench import draft_scaling as ds
 from eagleray.jobs.bench import draft_scaling_train as dst
 
@@ -51,3 +53,45 @@ def test_expected_turns_counts_user_turns_per_conversation(tmp_path):
     rows = [{"messages": [{"role": "user", "content": f"a{i}"}, {"role": "user", "content": "b"}]} for i in range(3)]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert sorted(ds._expected_turns(src, None).values()) == [2, 2, 2] and len(ds._expected_turns(src, 2)) == 2
+
+
+def test_epochs_give_each_fraction_the_same_passes_over_its_own_data(tmp_path):
+    args = _args(tmp_path, epochs=2.2, train_batch=16)
+    steps = {f: dst.train_config(args, f, 16329).max_steps for f in (0.125, 0.25, 0.5, 1.0)}
+    assert steps == {0.125: 281, 0.25: 562, 0.5: 1123, 1.0: 2246}  # ceil(2.2 * int(16329 f) / 16)
+    assert dst.train_config(args, 0.125, 16329).warmup_steps == 28
+    assert dst.train_config(_args(tmp_path, steps=700), 0.125, 16329).max_steps == 700  # without --epochs: --steps
+
+
+def test_a_given_draft_takes_its_fractions_place_and_bad_options_name_the_fix(tmp_path):
+    src = tmp_path / "champion"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    args = _args(tmp_path / "w", given=[f"1={src}"], fractions="0.5,1")
+    assert dst.given_drafts(args) == {1.0: src}
+    dst.place_given(args, 1.0, src)
+    assert (ds._draft_dir(args, 1.0) / "final-draft" / "config.json").is_file()
+    assert json.loads((ds._draft_dir(args, 1.0) / "train.json").read_text())["given"] == str(src)
+    for bad, says in ((f"0.25={src}", "one of --fractions"), ("1", "FRACTION=DIR"), (f"1={tmp_path}", "no config.json")):
+        with pytest.raises(SystemExit, match=says):
+            dst.given_drafts(_args(tmp_path, given=[bad], fractions="0.5,1"))
+
+
+def test_child_processes_see_the_same_epochs_given_and_b1(tmp_path):
+    args = _args(tmp_path, epochs=2.2, given=["1=/x"], b1="largest")
+    child = argparse.ArgumentParser()
+    ds.add_arguments(child)
+    seen = child.parse_args(["train-one", *ds._shared_options(args)])
+    assert (seen.epochs, seen.given, seen.b1) == (2.2, ["1=/x"], "largest")
+
+
+def test_a_resumed_eval_measures_only_the_drafts_without_a_record(tmp_path):
+    from eagleray.jobs.bench import draft_scaling_eval as dse
+
+    args = _args(tmp_path, fractions="0.5,1")
+    (tmp_path / "plain.pkl").write_bytes(b"")  # baselines exist: no target is loaded
+    for f in (0.5, 1.0):
+        (tmp_path / f"eval-{f:g}.json").write_text(json.dumps({"data_fraction": f}))
+    args.eval_prompts = "mtbench,humaneval"
+    assert [r["data_fraction"] for r in dse.evaluate(args)] == [0.5, 1.0]
+    assert json.loads((tmp_path / "scaling.json").read_text()) == [{"data_fraction": 0.5}, {"data_fraction": 1.0}]
