@@ -9,7 +9,12 @@
 #                                                  # earlier lease if present (then `all` trains on them, no regen)
 #   bash jobs/bench/draft_scaling_h200.sh start ARGS # .stage3 carried: last GGUF third (sha256-checked), then the
 #                                                  # run in the background (setsid), ARGS passed to `all`
-#   bash jobs/bench/draft_scaling_h200.sh wait N    # follow the run's log for N seconds (keeps the lease busy)
+#   bash jobs/bench/draft_scaling_h200.sh wait N    # follow the run's log for N seconds (keeps the lease busy);
+#                                                  # brings back the answers, the JSON so far and the logs
+#
+# The fractions at the champion's recipe (issue 15, third run): start --procs 6 --batch 192 --kv-cache-gib 12
+#   --fractions 0.125,0.25,0.5,1 --given 1=$SRC/eagleray/platform/checkpoints/shipped/<champion> --epochs 2.2
+#   --train-batch 16 --lr 8e-4 --min-lr-ratio 0.05 --train-minutes 8 --b1 largest
 #   bash jobs/bench/draft_scaling_h200.sh collect   # JSON, logs and the best draft (bf16, split) into $OUT
 #
 # Prepared here: .stage1/ = gguf.part00, gguf.sha256, convs.jsonl.xz (`eagleray regenerate --config
@@ -82,6 +87,9 @@ wait)
   grep -v watchdog $ROOT/ds/run.log | tail -n 25
   for f in $ROOT/ds/drafts/*/train.log; do echo "== $f"; grep -v watchdog "$f" | tail -n 3; done
   cp $ROOT/ds/early/* $OUT/ 2>/dev/null || true   # the answers, as soon as they exist (a lease may end first)
+  cp $ROOT/ds/regen.json $OUT/regen-sharegpt-h200.json 2>/dev/null || true   # and whatever is measured so far
+  cp $ROOT/ds/scaling.json $OUT/scaling-h200.json 2>/dev/null || true
+  (cd $ROOT/ds && tar -cJf $OUT/logs.tar.xz run.log $(ls regen/*.log drafts/*/train.log drafts/*/train.json eval-*.log 2>/dev/null)) || true
   ;;
 collect)
   cp $ROOT/ds/regen.json $OUT/regen-sharegpt-h200.json
