@@ -53,7 +53,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
     )
     lib.paged_attention_f32.restype = ctypes.c_int
-    lib.decoder_layer_f32.argtypes = [ctypes.c_void_p] * 4
+    lib.decoder_layer_f32.argtypes = [ctypes.c_void_p] * 5
     lib.decoder_layer_f32.restype = ctypes.c_int
 
 

@@ -1,20 +1,24 @@
-// eagleray: a Llama decoder layer of a decode-sized forward (decode, verification) in one call, fp32, AVX-512.
+// eagleray: a Llama decoder layer of a decode-sized forward (decode, verification) in one call, fp32, AVX-512; also
+// the EAGLE-3 draft's layer (a second input and norm).
 //
 // For T rows h [T, H]: x = RMSNorm(h) -> qkv = x Wqkv^T -> RoPE on q, k (cos/sin [T, D] given) -> k, v written to
 // the paged cache at slots[t] -> paged attention (each row's keys as RowKeys describe) -> h1 = h + att Wo^T ->
 // x = RMSNorm(h1) -> gu = x Wgu^T -> a = silu(gate) * up -> out = h1 + a Wdown^T. No biases, no qk-norm, no sliding
 // window, one tensor-parallel rank (the caller falls back to the PyTorch layer for those).
+// The EAGLE-3 draft's layer (w->hid_norm set) takes the token embeddings e [T, H] too: q/k/v read the 2H features
+// x = [RMSNorm_in(e), RMSNorm_hid(h)] (qkv = x Wqkv^T, Wqkv [(Hq + 2 Hkv) D, 2H]) and the residual of the o product is
+// h, or RMSNorm_hid(h) with norm_residual (vLLM's norm_before_residual); the rest is the Llama layer's.
 //
 // Every phase is row-wise: the products are the packed-panel linear of cpu_decode.c (one FMA chain over k in order
 // per output), attention takes one row at a time, the norms, RoPE and SiLU one row each on one thread; so a row's
 // output is bitwise the same whatever the other rows are and however many threads run (greedy speculation stays
 // lossless). Phases run on cpu_decode.c's thread pool, each ending when all its chunks are done.
-// Reference: kernels/cpu_layer.py decoder_layer_reference (the same layer in PyTorch).
+// Reference: kernels/cpu_layer.py decoder_layer_reference, draft_layer_reference (the same layers in PyTorch).
 #define _GNU_SOURCE
 #include "cpu_decode.h"
 #include <string.h>
 
-// One forward's inputs, the same for every layer. Scratch rows: xn [T, H], qkv [T, (Hq + 2 Hkv) D], att [T, Hq D],
+// One forward's inputs, the same for every layer. Scratch rows: xn [T, H] ([T, 2H] for a draft layer), qkv [T, (Hq + 2 Hkv) D], att [T, Hq D],
 // h1 [T, H], gu [T, 2 I], act [T, I].
 typedef struct {
     int64_t T, H, Hq, Hkv, D, I, bs, bt_w, threads;
@@ -25,20 +29,23 @@ typedef struct {
     float *xn, *qkv, *att, *h1, *gu, *act;      // scratch
 } layer_step_t;
 
-// One layer's weights: the norms [H], the products packed in panels (cpu_decode.pack), its K/V cache.
+// One layer's weights: the norms [H], the products packed in panels (cpu_decode.pack), its K/V cache; a draft
+// layer's hidden norm (NULL: a Llama layer) and whether its normed hidden is the residual.
 typedef struct {
     const float *in_norm, *post_norm, *qkv, *o, *gate_up, *down;
     float *kc, *vc;                             // [num_blocks, bs, Hkv, D] each
-    float in_eps, post_eps, scale;
+    const float* hid_norm;                      // [H] or NULL
+    float in_eps, post_eps, scale, hid_eps;
+    int32_t norm_residual;
 } layer_weights_t;
 
-typedef struct { const float *x, *w; float* y; int64_t H; float eps; } norm_t;
+typedef struct { const float *x, *w; float* y; int64_t H, ldy; float eps; } norm_t;  // y rows ldy floats apart
 
 // y[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * w: sum of squares in 16 lanes over k in order, then a fixed tree.
 static void norm_row(const void* vctx, int64_t t) {
     const norm_t* n = (const norm_t*)vctx;
     const float* x = n->x + t * n->H;
-    float* y = n->y + t * n->H;
+    float* y = n->y + t * n->ldy;
     int64_t H = n->H, k = 0;
     __m512 ss = _mm512_setzero_ps();
     for (; k + 16 <= H; k += 16) { __m512 v = _mm512_loadu_ps(x + k); ss = _mm512_fmadd_ps(v, v, ss); }
@@ -52,8 +59,9 @@ static void norm_row(const void* vctx, int64_t t) {
                                                           _mm512_maskz_loadu_ps(tail, n->w + k)));
 }
 
-static void norm_rows(const float* x, const float* w, float* y, int64_t T, int64_t H, float eps, int threads) {
-    norm_t n = {x, w, y, H, eps};
+// y [T, ldy] (its first H columns) = RMSNorm(x [T, H]).
+static void norm_rows(const float* x, const float* w, float* y, int64_t ldy, int64_t T, int64_t H, float eps, int threads) {
+    norm_t n = {x, w, y, H, ldy, eps};
     parallel_run(norm_row, &n, T, threads);
 }
 
@@ -94,28 +102,49 @@ static void silu_mul_row(const void* vctx, int64_t t) {
     }
 }
 
-// y [T, N] = x [T, K] @ W^T (+ r [T, N], a residual, or NULL), W packed; rows of x, y, r contiguous.
-static void product(const float* x, const float* p, const float* r, float* y, int64_t T, int64_t N, int64_t K,
-                    int threads) {
-    plinear_t l = {x, p, NULL, r, y, T, N, K, K, N, N, 0, 0};
+// y [T, N] = x [T, K] @ W^T (+ r [T, N] rows ldr floats apart, a residual, or NULL), W packed; x, y contiguous.
+static void product(const float* x, const float* p, const float* r, int64_t ldr, float* y, int64_t T, int64_t N,
+                    int64_t K, int threads) {
+    plinear_t l = {x, p, NULL, r, y, T, N, K, K, N, ldr, 0, 0};
     parallel_run(plinear_chunk, &l, plinear_plan(&l, threads), threads);
 }
 
-// out [T, H] = the layer applied to h [T, H] (out must not be h). Returns 0, or -1 for shapes it does not handle.
-int decoder_layer_f32(const layer_step_t* s, const layer_weights_t* w, const float* h, float* out) {
+// xn [T, Kin] <- the q/k/v input: RMSNorm(h) (Kin = H) or, for a draft layer, [RMSNorm(e), RMSNorm_hid(h)] (Kin = 2H).
+// Returns the o product's residual: h, or the normed hidden (rows 2H apart: *ldr) with norm_residual.
+static const float* qkv_input(const layer_step_t* s, const layer_weights_t* w, const float* e, const float* h,
+                              int64_t* ldr) {
+    int64_t T = s->T, H = s->H;
+    int th = (int)s->threads;
+    *ldr = H;
+    if (e == NULL) {
+        norm_rows(h, w->in_norm, s->xn, H, T, H, w->in_eps, th);
+        return h;
+    }
+    norm_rows(e, w->in_norm, s->xn, 2 * H, T, H, w->in_eps, th);
+    norm_rows(h, w->hid_norm, s->xn + H, 2 * H, T, H, w->hid_eps, th);
+    if (!w->norm_residual) return h;
+    *ldr = 2 * H;
+    return s->xn + H;
+}
+
+// out [T, H] = the layer applied to h [T, H] (out must not be h, nor e); e [T, H]: a draft layer's token embeddings
+// (w->hid_norm set), NULL for a Llama layer. Returns 0, or -1 for shapes or inputs it does not handle.
+int decoder_layer_f32(const layer_step_t* s, const layer_weights_t* w, const float* h, const float* e, float* out) {
     int64_t T = s->T, H = s->H, Hq = s->Hq, Hkv = s->Hkv, D = s->D, I = s->I, nqkv = (Hq + 2 * Hkv) * D;
-    if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_G || D % 16 || D > MAX_D || out == h) return -1;
+    if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_G || D % 16 || D > MAX_D || out == h || out == e) return -1;
+    if ((e == NULL) != (w->hid_norm == NULL)) return -1;
     int th = (int)s->threads;
     layer_t lt = {s, w};
-    norm_rows(h, w->in_norm, s->xn, T, H, w->in_eps, th);
-    product(s->xn, w->qkv, NULL, s->qkv, T, nqkv, H, th);
+    int64_t ldr;
+    const float* res = qkv_input(s, w, e, h, &ldr);
+    product(s->xn, w->qkv, NULL, 0, s->qkv, T, nqkv, e == NULL ? H : 2 * H, th);
     parallel_run(rope_write_row, &lt, T, th);
     attn_t a = {s->qkv, w->kc, w->vc, s->att, s->bt, s->bt_w, s->seq, s->ctx, s->nnew, s->mask, Hq, Hkv, D, s->bs, nqkv, w->scale};
     parallel_run(attn_item, &a, T * Hkv, th);
-    product(s->att, w->o, h, s->h1, T, H, Hq * D, th);
-    norm_rows(s->h1, w->post_norm, s->xn, T, H, w->post_eps, th);
-    product(s->xn, w->gate_up, NULL, s->gu, T, 2 * I, H, th);
+    product(s->att, w->o, res, ldr, s->h1, T, H, Hq * D, th);
+    norm_rows(s->h1, w->post_norm, s->xn, H, T, H, w->post_eps, th);
+    product(s->xn, w->gate_up, NULL, 0, s->gu, T, 2 * I, H, th);
     parallel_run(silu_mul_row, &lt, T, th);
-    product(s->act, w->down, s->h1, out, T, H, I, th);
+    product(s->act, w->down, s->h1, H, out, T, H, I, th);
     return 0;
 }

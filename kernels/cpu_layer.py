@@ -5,6 +5,8 @@
     step = cpu_layer.step(cpu_layer.StepInputs(cos, sin, slots, tables, keys, block_size), params.shape())  # once a forward
     out = cpu_layer.decoder_layer(h, step, cpu_layer.layer_weights(params))                          # per layer
     ref = cpu_layer.decoder_layer_reference(h, step_inputs, params)                                  # PyTorch
+    draft = cpu_layer.LayerParams(..., hidden_norm=hidden_norm, hidden_eps=eps)  # the EAGLE-3 draft's layer
+    out = cpu_layer.decoder_layer(hidden, step, cpu_layer.layer_weights(draft), embeds)   # draft_layer_reference
 
 For T rows h [T, H]: RMSNorm, the q/k/v product, RoPE, the K/V write into the paged cache, paged attention, the o
 product + residual, RMSNorm, the gate/up product, SiLU(gate) * up, the down product + residual: the work of the PyTorch
@@ -12,6 +14,10 @@ layer (``platform/models/layers.DecoderLayer``) without its ~15 small torch ops 
 the 2-core CPU). The products are :mod:`cpu_decode`'s packed-panel linear, the attention its paged attention; every
 phase is row-wise, so a row's output is bitwise the same alone, beside other rows or on another thread count. No
 biases, qk-norm, sliding window or tensor parallelism: the caller uses the PyTorch layer for those.
+
+The EAGLE-3 draft's layer (``platform/models/eagle3.Eagle3Layer``) is the same kernel with a second input: for the
+token embeddings e and the fc-combined hidden h [T, H], q/k/v read [RMSNorm(e), hidden_norm(h)] [T, 2H] and the o
+product's residual is h (hidden_norm(h) with ``norm_residual``); the rest is the Llama layer's.
 
 ``step`` holds what every layer of a forward shares (cos/sin, slots, the rows' keys, scratch rows), ``layer_weights``
 one layer's packed weights and cache (kept between forwards while :meth:`LayerWeights.current`).
@@ -30,7 +36,7 @@ from eagleray.kernels.reference_ops import rotate_half, write_kv
 
 _STEP_INTS = ("T", "H", "Hq", "Hkv", "D", "I", "bs", "bt_w", "threads")
 _STEP_PTRS = ("cos", "sin", "slots", "bt", "seq", "ctx", "nnew", "mask", "xn", "qkv", "att", "h1", "gu", "act")
-_WEIGHT_PTRS = ("in_norm", "post_norm", "qkv", "o", "gate_up", "down", "kc", "vc")
+_WEIGHT_PTRS = ("in_norm", "post_norm", "qkv", "o", "gate_up", "down", "kc", "vc", "hid_norm")
 
 
 class _Step(ctypes.Structure):  # layer_step_t
@@ -38,7 +44,11 @@ class _Step(ctypes.Structure):  # layer_step_t
 
 
 class _Weights(ctypes.Structure):  # layer_weights_t
-    _fields_ = [(n, ctypes.c_void_p) for n in _WEIGHT_PTRS] + [(n, ctypes.c_float) for n in ("in_eps", "post_eps", "scale")]
+    _fields_ = (
+        [(n, ctypes.c_void_p) for n in _WEIGHT_PTRS]
+        + [(n, ctypes.c_float) for n in ("in_eps", "post_eps", "scale", "hid_eps")]
+        + [("norm_residual", ctypes.c_int32)]
+    )
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,7 @@ class LayerShape:
     kv_heads: int  # Hkv
     head_dim: int  # D
     intermediate: int  # I
+    inputs: int = 1  # 1: a Llama layer (q/k/v read RMSNorm(h), H features); 2: an EAGLE-3 draft layer (2H features)
 
 
 @dataclass
@@ -64,11 +75,11 @@ class StepInputs:
 
 @dataclass
 class LayerParams:
-    """One layer's weights (unpacked, as the model holds them) and K/V cache."""
+    """One layer's weights (unpacked, as the model holds them) and K/V cache; ``hidden_norm`` makes it a draft layer."""
 
     in_norm: torch.Tensor  # [H]
     post_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]: q, k, v stacked
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H] ([.., 2H] for a draft layer): q, k, v stacked
     o: torch.Tensor  # [H, Hq D]
     gate_up: torch.Tensor  # [2 I, H]: gate, up stacked
     down: torch.Tensor  # [H, I]
@@ -77,10 +88,19 @@ class LayerParams:
     in_eps: float
     post_eps: float
     scale: float
+    hidden_norm: torch.Tensor | None = None  # [H]: the draft layer's norm of the fc-combined hidden (None: Llama)
+    hidden_eps: float = 0.0
+    norm_residual: bool = False  # the draft layer's residual is hidden_norm(h) (vLLM's norm_before_residual), not h
 
     def shape(self) -> LayerShape:
         d, hkv = self.k_cache.shape[3], self.k_cache.shape[2]
-        return LayerShape(self.in_norm.shape[0], self.o.shape[1] // max(d, 1), hkv, d, self.down.shape[1])
+        inputs = 1 if self.hidden_norm is None else 2
+        return LayerShape(self.in_norm.shape[0], self.o.shape[1] // max(d, 1), hkv, d, self.down.shape[1], inputs)
+
+    def sources(self) -> tuple:
+        """The unpacked weights a :class:`LayerWeights` is made from (what :meth:`LayerWeights.current` compares)."""
+        held = (self.in_norm, self.post_norm, self.qkv, self.o, self.gate_up, self.down)
+        return held if self.hidden_norm is None else (*held, self.hidden_norm)
 
 
 @dataclass
@@ -97,8 +117,8 @@ class LayerStep:
 class LayerWeights:
     shape: LayerShape
     struct: _Weights
-    key: tuple  # data pointers of what struct points into, then eps, eps, scale
-    sources: tuple  # the unpacked weights (in_norm, post_norm, qkv, o, gate_up, down) struct was made from
+    key: tuple  # data pointers of what struct points into (hidden_norm's 0 if none), then the eps, scale, norm_residual
+    sources: tuple  # the unpacked weights (LayerParams.sources) struct was made from
     keep: tuple
     block_size: int = 0
     address: int = 0  # of struct
@@ -106,7 +126,8 @@ class LayerWeights:
     def current(self, sources: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         """Whether this handle still holds these weights (the same tensors, unchanged) and this cache."""
         return (
-            all(a is b for a, b in zip(sources, self.sources))
+            len(sources) == len(self.sources)
+            and all(a is b for a, b in zip(sources, self.sources))
             and all(cpu_decode.packed(w).data_ptr() == k for w, k in zip(sources[2:], self.key[2:6]))
             and k_cache.data_ptr() == self.key[6]
             and v_cache.data_ptr() == self.key[7]
@@ -149,7 +170,7 @@ def step(inputs: StepInputs, shape: LayerShape) -> LayerStep:
              f"{list(bt.shape)} {bt.dtype}", "pass the metadata's block tables")  # fmt: skip
     cpu_decode.check_rows(inputs.keys, t)
     nqkv = (s.heads + 2 * s.kv_heads) * s.head_dim
-    sizes = (s.hidden, nqkv, s.heads * s.head_dim, s.hidden, 2 * s.intermediate, s.intermediate)
+    sizes = (s.inputs * s.hidden, nqkv, s.heads * s.head_dim, s.hidden, 2 * s.intermediate, s.intermediate)
     scratch = [torch.empty(t, n, dtype=torch.float32) for n in sizes]  # xn, qkv, att, h1, gu, act: [T, n] each
     threads = cpu_decode.threads() or torch.get_num_threads()
     ints = (t, s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, inputs.block_size, bt.shape[1], threads)
@@ -161,40 +182,63 @@ def step(inputs: StepInputs, shape: LayerShape) -> LayerStep:
 def layer_weights(params: LayerParams) -> LayerWeights:
     """One layer's packed weights and cache as the kernel reads them (keep it while :meth:`LayerWeights.current`)."""
     p = params
-    packed = [cpu_decode.packed(w) for w in (p.qkv, p.o, p.gate_up, p.down)]
-    held = (p.in_norm, p.post_norm, *packed, p.k_cache, p.v_cache)
-    key = tuple(x.data_ptr() for x in held) + (p.in_eps, p.post_eps, p.scale)
     s = p.shape()
     reason = supported(s)
     _require(reason is None, "params", "a layer shape the native layer handles", reason, "use the PyTorch layer")
     nqkv = (s.heads + 2 * s.kv_heads) * s.head_dim
     for name, w, want in (("in_norm", p.in_norm, (s.hidden,)), ("post_norm", p.post_norm, (s.hidden,)),
-                          ("qkv", p.qkv, (nqkv, s.hidden)), ("o", p.o, (s.hidden, s.heads * s.head_dim)),
+                          ("qkv", p.qkv, (nqkv, s.inputs * s.hidden)), ("o", p.o, (s.hidden, s.heads * s.head_dim)),
                           ("gate_up", p.gate_up, (2 * s.intermediate, s.hidden)), ("down", p.down, (s.hidden, s.intermediate)),
                           ("v_cache", p.v_cache, tuple(p.k_cache.shape)), ("k_cache", p.k_cache, tuple(p.k_cache.shape))):  # fmt: skip
         _f32(w, want, f"params.{name}")
-    struct = _Weights(*key[:8], p.in_eps, p.post_eps, p.scale)
-    sources = (p.in_norm, p.post_norm, p.qkv, p.o, p.gate_up, p.down)
-    return LayerWeights(s, struct, key, sources, held, p.k_cache.shape[1], ctypes.addressof(struct))
+    if p.hidden_norm is not None:
+        _f32(p.hidden_norm, (s.hidden,), "params.hidden_norm")
+    packed = [cpu_decode.packed(w) for w in (p.qkv, p.o, p.gate_up, p.down)]
+    held = (p.in_norm, p.post_norm, *packed, p.k_cache, p.v_cache) + (() if p.hidden_norm is None else (p.hidden_norm,))
+    pointers = tuple(x.data_ptr() for x in held) + ((0,) if p.hidden_norm is None else ())  # hid_norm NULL: Llama
+    key = pointers + (p.in_eps, p.post_eps, p.scale, p.hidden_eps, int(p.norm_residual))
+    struct = _Weights(*(x or None for x in pointers), p.in_eps, p.post_eps, p.scale, p.hidden_eps, int(p.norm_residual))
+    return LayerWeights(s, struct, key, p.sources(), held, p.k_cache.shape[1], ctypes.addressof(struct))
 
 
-def decoder_layer(h: torch.Tensor, step: LayerStep, weights: LayerWeights) -> torch.Tensor:
-    """h [T, H] fp32 -> the layer's output [T, H] (new tensor); writes the rows' K/V into the layer's cache."""
+def decoder_layer(h: torch.Tensor, step: LayerStep, weights: LayerWeights, embeds: torch.Tensor | None = None) -> torch.Tensor:
+    """h [T, H] fp32 -> the layer's output [T, H] (new tensor); writes the rows' K/V into the layer's cache.
+    ``embeds`` [T, H] fp32: a draft layer's token embeddings (given exactly when ``weights`` is a draft layer's)."""
     if h.dtype != torch.float32 or h.shape != step.h_shape or not h.is_contiguous() or h.device.type != "cpu":
         _f32(h, tuple(step.h_shape), "h")
     if weights.shape != step.shape or weights.block_size != step.struct.bs:
         raise KernelInputError("weights", f"a layer of shape {step.shape}, block size {step.struct.bs}",
                                f"{weights.shape}, block size {weights.block_size}", "make one step per layer shape and cache")  # fmt: skip
+    if (embeds is not None) != (weights.shape.inputs == 2):
+        raise KernelInputError("embeds", "token embeddings for a draft layer, None for a Llama layer",
+                               "None" if embeds is None else "a tensor", "pass embeds exactly to a draft layer")  # fmt: skip
+    if embeds is not None:
+        _f32(embeds, tuple(step.h_shape), "embeds")
     out = torch.empty_like(h)  # [T, H]
-    rc = cpu_decode.library().decoder_layer_f32(step.address, weights.address, h.data_ptr(), out.data_ptr())
+    e = None if embeds is None else embeds.data_ptr()  # NULL: a Llama layer
+    rc = cpu_decode.library().decoder_layer_f32(step.address, weights.address, h.data_ptr(), e, out.data_ptr())
     _require(rc == 0, "weights", "a shape the native layer handles", weights.shape, "check supported() first")
     return out
 
 
 def decoder_layer_reference(h: torch.Tensor, inputs: StepInputs, p: LayerParams) -> torch.Tensor:
     """The same layer in PyTorch (the model's ops; tests): h [T, H] -> [T, H]; writes the K/V into the cache."""
-    s, t = p.shape(), h.shape[0]
-    x = torch.nn.functional.rms_norm(h, (s.hidden,), p.in_norm, p.in_eps)  # [T, H]
+    x = torch.nn.functional.rms_norm(h, (p.shape().hidden,), p.in_norm, p.in_eps)  # [T, H]
+    return _attention_mlp_reference(x, h, inputs, p)
+
+
+def draft_layer_reference(embeds: torch.Tensor, h: torch.Tensor, inputs: StepInputs, p: LayerParams) -> torch.Tensor:
+    """The EAGLE-3 draft's layer in PyTorch (``eagle3.Eagle3Layer``'s ops; tests): token embeddings, fc-combined
+    hidden [T, H] -> [T, H] (pre-norm); writes the K/V into the cache."""
+    n = (p.shape().hidden,)
+    normed = torch.nn.functional.rms_norm(h, n, p.hidden_norm, p.hidden_eps)  # [T, H]
+    x = torch.cat([torch.nn.functional.rms_norm(embeds, n, p.in_norm, p.in_eps), normed], dim=-1)  # [T, 2H]
+    return _attention_mlp_reference(x, normed if p.norm_residual else h, inputs, p)
+
+
+def _attention_mlp_reference(x: torch.Tensor, residual: torch.Tensor, inputs: StepInputs, p: LayerParams) -> torch.Tensor:
+    """x [T, Kin] (the normed q/k/v input), residual [T, H] -> attention + residual, then + MLP: [T, H]."""
+    s, t = p.shape(), x.shape[0]
     q, k, v = torch.nn.functional.linear(x, p.qkv).split([s.heads * s.head_dim, *[s.kv_heads * s.head_dim] * 2], -1)
     cos, sin = inputs.cos[:, None], inputs.sin[:, None]  # [T, 1, D]
     q = q.reshape(t, s.heads, s.head_dim)  # [T, Hq, D]
@@ -202,7 +246,7 @@ def decoder_layer_reference(h: torch.Tensor, inputs: StepInputs, p: LayerParams)
     q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
     write_kv(p.k_cache, p.v_cache, k, v.reshape(t, s.kv_heads, s.head_dim), inputs.slots)
     att = cpu_decode.paged_attention_reference(q, p.k_cache, p.v_cache, inputs.block_tables, inputs.keys, p.scale)
-    h1 = h + torch.nn.functional.linear(att.reshape(t, -1), p.o)  # [T, H]
+    h1 = residual + torch.nn.functional.linear(att.reshape(t, -1), p.o)  # [T, H]
     x = torch.nn.functional.rms_norm(h1, (s.hidden,), p.post_norm, p.post_eps)  # [T, H]
     gate, up = torch.nn.functional.linear(x, p.gate_up).chunk(2, -1)  # [T, I] each
     return h1 + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, p.down)  # [T, H]

@@ -11,8 +11,10 @@ kernel's rows are batch-invariant). :func:`unfused_reason` says why a layer or f
 - the layer: q/k/v or gate/up not fused, biases, qk-norm, a sliding window, tensor parallelism, non-fp32 weights or
   cache, or head shapes the attention kernel does not take.
 
-The EAGLE-3 draft's layer (``eagle3.Eagle3Layer``) is another class and keeps its PyTorch forward. What every layer
-of a forward shares (cos/sin, slots, row keys, scratch) is made once, on the forward's metadata (``layouts``).
+The EAGLE-3 draft's layer (``eagle3.Eagle3Layer``: a second input, the token embeddings, and its ``hidden_norm``) takes
+the same kernel by the same rule, the draft's forwards being decode-sized too (catch-up over the accepted tokens, the
+chain's steps, a tree's levels); its hidden norm must be fp32 as well. What every layer of one shape in a forward
+shares (cos/sin, slots, row keys, scratch) is made once, on the forward's metadata (``layouts``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch
 from eagleray.kernels import cpu_decode, cpu_layer
 from eagleray.platform.models.attention import AttentionMetadata, native_rows, row_keys
 
-_STEP = "cpu_layer"  # key of the forward's step (or the reason it has none) in AttentionMetadata.layouts
+_REASON = "cpu_layer"  # key of why the forward keeps the PyTorch layers (None: it may fuse) in AttentionMetadata.layouts
+_STEP = "cpu_layer.step"  # (_STEP, LayerShape): key of the forward's step for layers of that shape
 _WEIGHTS = "_eagleray_cpu_layer"  # attribute of a layer: its kernel weights handle, kept between forwards
 
 
@@ -42,7 +45,8 @@ def forward_reason(h: torch.Tensor, attn: AttentionMetadata, cache) -> str | Non
 
 
 def layer_reason(layer, cache) -> str | None:
-    """Why ``layer`` (a DecoderLayer) keeps its PyTorch forward (None: the native layer computes it)."""
+    """Why ``layer`` (a DecoderLayer, or an Eagle3Layer: it has a ``hidden_norm``) keeps its PyTorch forward (None: the
+    native layer computes it)."""
     att, mlp = layer.self_attn, layer.mlp
     if att.qkv is None or mlp.gate_up is None:
         return "q/k/v or gate/up not fused (training)"
@@ -55,10 +59,24 @@ def layer_reason(layer, cache) -> str | None:
     if att.o_proj.tp.world != 1:
         return "tensor parallelism"
     weights = (att.qkv.weight, att.o_proj.weight, mlp.gate_up.weight, mlp.down_proj.weight, cache[0])
-    if any(w.dtype != torch.float32 for w in weights + (layer.input_layernorm.weight,)):
+    if any(w.dtype != torch.float32 for w in weights + _norms(layer)):
         return "weights or cache not fp32"
-    shape = cpu_layer.LayerShape(att.o_proj.weight.shape[0], att.heads, att.kv_heads, att.head_dim, mlp.down_proj.weight.shape[1])
-    return cpu_layer.supported(shape)
+    return cpu_layer.supported(_shape(layer))
+
+
+def _norms(layer) -> tuple:
+    """The layer's norm weights: input, post-attention (and a draft layer's hidden norm)."""
+    hidden = getattr(layer, "hidden_norm", None)
+    held = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    return held if hidden is None else (*held, hidden.weight)
+
+
+def _shape(layer) -> cpu_layer.LayerShape:
+    att, mlp = layer.self_attn, layer.mlp
+    inputs = 1 if getattr(layer, "hidden_norm", None) is None else 2
+    return cpu_layer.LayerShape(
+        att.o_proj.weight.shape[0], att.heads, att.kv_heads, att.head_dim, mlp.down_proj.weight.shape[1], inputs
+    )
 
 
 def unfused_reason(layer, h: torch.Tensor, attn: AttentionMetadata, cache) -> str | None:
@@ -66,24 +84,29 @@ def unfused_reason(layer, h: torch.Tensor, attn: AttentionMetadata, cache) -> st
     return forward_reason(h, attn, cache) or layer_reason(layer, cache)
 
 
-def forward(layer, h: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, cache) -> torch.Tensor | None:
-    """``layer`` applied to h [T, H] in one native call -> [T, H], or None where :func:`unfused_reason` says no."""
+def forward(
+    layer, h: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, cache, embeds: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``layer`` applied to h [T, H] in one native call -> [T, H], or None where :func:`unfused_reason` says no.
+    ``embeds`` [T, H]: a draft layer's token embeddings (h is then its fc-combined hidden)."""
     if not isinstance(attn, AttentionMetadata):
         return None  # the GPU row step's metadata computes attention itself (forward_reason says so too)
-    step = attn.layouts.get(_STEP)
-    if step is None:
-        step = attn.layouts[_STEP] = forward_reason(h, attn, cache) or _NOT_YET
-    if isinstance(step, str) and step is not _NOT_YET:
+    reason = attn.layouts.get(_REASON, _NOT_YET)
+    if reason is _NOT_YET:
+        reason = attn.layouts[_REASON] = forward_reason(h, attn, cache)
+    if reason is not None:
         return None
     weights = _weights(layer, cache)
     if weights is None:
         return None
-    if step is _NOT_YET:
-        step = attn.layouts[_STEP] = cpu_layer.step(_step_inputs(layer, positions, attn), weights.shape)
-    return cpu_layer.decoder_layer(h, step, weights)
+    key = (_STEP, weights.shape)
+    step = attn.layouts.get(key)
+    if step is None:
+        step = attn.layouts[key] = cpu_layer.step(_step_inputs(layer, positions, attn), weights.shape)
+    return cpu_layer.decoder_layer(h, step, weights, None if embeds is None else embeds.contiguous())
 
 
-_NOT_YET = "the forward may fuse; its step is made by its first fused layer"
+_NOT_YET = "the forward's rule is not checked yet"
 
 
 def _weights(layer, cache) -> cpu_layer.LayerWeights | None:
@@ -91,10 +114,8 @@ def _weights(layer, cache) -> cpu_layer.LayerWeights | None:
     att, mlp = layer.self_attn, layer.mlp
     held = getattr(layer, _WEIGHTS, None)
     if held is not None and att.qkv is not None and mlp.gate_up is not None:
-        sources = (
-            layer.input_layernorm.weight, layer.post_attention_layernorm.weight, att.qkv.weight, att.o_proj.weight,
-            mlp.gate_up.weight, mlp.down_proj.weight,
-        )  # fmt: skip
+        norms = _norms(layer)
+        sources = (*norms[:2], att.qkv.weight, att.o_proj.weight, mlp.gate_up.weight, mlp.down_proj.weight, *norms[2:])
         if held.current(sources, cache[0], cache[1]):
             return held
     if layer_reason(layer, cache) is not None:
@@ -106,10 +127,11 @@ def _weights(layer, cache) -> cpu_layer.LayerWeights | None:
 
 def _params(layer, cache) -> cpu_layer.LayerParams:
     att, mlp = layer.self_attn, layer.mlp
-    n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+    n1, n2, nh = layer.input_layernorm, layer.post_attention_layernorm, getattr(layer, "hidden_norm", None)
     return cpu_layer.LayerParams(
         n1.weight, n2.weight, att.qkv.weight, att.o_proj.weight, mlp.gate_up.weight, mlp.down_proj.weight,
-        cache[0], cache[1], n1.eps, n2.eps, att.scale,
+        cache[0], cache[1], n1.eps, n2.eps, att.scale, None if nh is None else nh.weight,
+        0.0 if nh is None else nh.eps, bool(getattr(layer, "norm_before_residual", False)),
     )  # fmt: skip
 
 

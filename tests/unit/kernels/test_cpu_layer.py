@@ -1,6 +1,7 @@
 """The native decoder layer (kernels/cpu_layer.c) against its PyTorch reference: values (atol 1e-4, rtol 1e-4 on
 outputs of magnitude ~1-10; the K/V it writes to 1e-5), each row bitwise the same alone, in any batch and on any
-thread count (what keeps greedy speculation lossless), and the checked wrapper."""
+thread count (what keeps greedy speculation lossless), and the checked wrapper; the same for the EAGLE-3 draft's
+layer (token embeddings and fc-combined hidden in, q/k/v over 2H features, either residual)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,15 @@ def _params(seed: int = 0) -> cpu_layer.LayerParams:
     )  # fmt: skip
 
 
+def _draft_params(norm_residual: bool = False, seed: int = 4) -> cpu_layer.LayerParams:
+    """A draft layer's: q/k/v read 2H features, a hidden norm (its own eps, so a swapped eps shows)."""
+    g = torch.Generator().manual_seed(seed)
+    p = _params(seed)
+    qkv = 0.3 * torch.randn(p.qkv.shape[0], 2 * H, generator=g)  # [(Hq + 2 Hkv) D, 2H]
+    return cpu_layer.LayerParams(**{**p.__dict__, "qkv": qkv, "hidden_norm": 1 + 0.3 * torch.randn(H, generator=g),
+                                    "hidden_eps": 1e-2, "norm_residual": norm_residual})  # fmt: skip
+
+
 def _inputs(rows: list[int]) -> cpu_layer.StepInputs:
     """Step inputs of the chosen rows (indices into CAUSAL + TREE)."""
     seq, ctx, nnew, mask, idx = [], [], [], [], []
@@ -57,9 +67,9 @@ def _inputs(rows: list[int]) -> cpu_layer.StepInputs:
     return cpu_layer.StepInputs(emb.cos(), emb.sin(), slots, TABLES, keys, BS)
 
 
-def _run(params, rows, h):
+def _run(params, rows, h, embeds=None):
     inputs = _inputs(rows)
-    return cpu_layer.decoder_layer(h, cpu_layer.step(inputs, params.shape()), cpu_layer.layer_weights(params))
+    return cpu_layer.decoder_layer(h, cpu_layer.step(inputs, params.shape()), cpu_layer.layer_weights(params), embeds)
 
 
 ALL = list(range(len(CAUSAL) + len(TREE)))
@@ -93,6 +103,60 @@ def test_each_row_is_bitwise_the_same_alone_in_any_batch_and_thread_count(n, thr
         got = _run(p, rows, h[rows].contiguous())
         assert torch.equal(got, full[rows]), f"rows {rows} together, {n} threads"
     assert torch.equal(p.k_cache, k_after), "rewriting a row's K/V gives the same bits"
+
+
+def _draft_rows(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token embeddings [T, H] (magnitude ~0.1, as an embedding table's) and fc-combined hidden [T, H] (~3)."""
+    g = torch.Generator().manual_seed(seed)
+    return 0.1 * torch.randn(len(ALL), H, generator=g), 3 * torch.randn(len(ALL), H, generator=g)
+
+
+@pytest.mark.parametrize("norm_residual", [False, True])
+def test_the_draft_layer_matches_its_reference_and_writes_the_same_kv(norm_residual):
+    p, ref = _draft_params(norm_residual), _draft_params(norm_residual)
+    e, h = _draft_rows(5)
+    out = _run(p, ALL, h, e)
+    want = cpu_layer.draft_layer_reference(e, h, _inputs(ALL), ref)
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(p.k_cache, ref.k_cache, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(p.v_cache, ref.v_cache, atol=1e-5, rtol=1e-5)
+    other = cpu_layer.draft_layer_reference(e, h, _inputs(ALL), _draft_params(not norm_residual))
+    assert (out - other).abs().max() > 0.1, "the two residuals differ, and the test tells them apart"
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_each_draft_row_is_bitwise_the_same_alone_in_any_batch_and_thread_count(n, threads):
+    e, h = _draft_rows(6)
+    threads(1)
+    p = _draft_params()
+    full = _run(p, ALL, h, e)  # [T, H]
+    threads(n)
+    for r in ALL:
+        assert torch.equal(_run(p, [r], h[r : r + 1].contiguous(), e[r : r + 1].contiguous())[0], full[r]), f"row {r}"
+    for rows in ([5, 0, 3], ALL[::-1]):
+        assert torch.equal(_run(p, rows, h[rows].contiguous(), e[rows].contiguous()), full[rows]), f"rows {rows}"
+
+
+def test_the_wrapper_gives_embeds_exactly_to_a_draft_layer():
+    p, d = _params(), _draft_params()
+    llama_step, draft_step = cpu_layer.step(_inputs(ALL), p.shape()), cpu_layer.step(_inputs(ALL), d.shape())
+    e, h = _draft_rows(7)
+    with pytest.raises(KernelInputError, match="embeds"):
+        cpu_layer.decoder_layer(h, draft_step, cpu_layer.layer_weights(d))  # a draft layer without its embeddings
+    with pytest.raises(KernelInputError, match="embeds"):
+        cpu_layer.decoder_layer(h, llama_step, cpu_layer.layer_weights(p), e)  # embeddings to a Llama layer
+    with pytest.raises(KernelInputError, match="embeds"):
+        cpu_layer.decoder_layer(h, draft_step, cpu_layer.layer_weights(d), e[:-1])
+    with pytest.raises(KernelInputError, match="weights"):  # a Llama step (scratch of H features) for a draft layer
+        cpu_layer.decoder_layer(h, llama_step, cpu_layer.layer_weights(d), e)
+    with pytest.raises(KernelInputError, match="params.qkv"):  # a Llama q/k/v (H features) with a hidden norm
+        cpu_layer.layer_weights(cpu_layer.LayerParams(**{**d.__dict__, "qkv": p.qkv}))
+    with pytest.raises(KernelInputError, match="params.hidden_norm"):
+        cpu_layer.layer_weights(cpu_layer.LayerParams(**{**d.__dict__, "hidden_norm": d.hidden_norm.double()}))
+    w = cpu_layer.layer_weights(d)
+    assert w.current(d.sources(), d.k_cache, d.v_cache)
+    assert not w.current(d.sources()[:-1], d.k_cache, d.v_cache), "a Llama layer's sources"
+    assert not w.current((*d.sources()[:-1], d.hidden_norm.clone()), d.k_cache, d.v_cache), "another hidden norm"
 
 
 def test_the_wrapper_refuses_what_the_kernel_does_not_take():
