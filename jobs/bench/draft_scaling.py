@@ -123,6 +123,7 @@ def regen(args: argparse.Namespace) -> dict:
     }
     (work / "config.yaml").write_text(yaml.safe_dump(cfg))
     parts = [work / f"part{i}.jsonl" for i in range(args.procs)]
+    resumed = _regen_turns(parts)  # answers of an earlier lease brought back and carried in: they are kept
     t0 = time.perf_counter()
     procs = [
         subprocess.Popen(
@@ -163,6 +164,7 @@ def regen(args: argparse.Namespace) -> dict:
         "generation": manifests[0]["generation"],
         "max_prompt_tokens": manifests[0]["max_prompt_tokens"],
         "per_process": [m["this_run"] for m in manifests],
+        "resumed_turns": resumed,  # answered by an earlier lease (wall_s and generated_tokens count this run only)
     }
     result["tokens_per_s"] = round(result["generated_tokens"] / max(wall, 1e-9), 1)
     _write(args.work / "regen.json", result)
@@ -186,13 +188,18 @@ def _expected_turns(prompts: Path, limit: int | None) -> dict[str, int]:
     return out
 
 
-def _regen_progress(parts: list[Path]) -> str:
+def _regen_turns(parts: list[Path]) -> int:
+    """User turns answered so far in the regen's output parts."""
     turns = 0
     for p in parts:
         if p.is_file():
             with p.open(encoding="utf-8") as fh:
                 turns += sum(line.count('"role": "user"') for line in fh)
-    return f"{turns} turns written"
+    return turns
+
+
+def _regen_progress(parts: list[Path]) -> str:
+    return f"{_regen_turns(parts)} turns written"
 
 
 # ----------------------------------------------------------------------------------------------- train

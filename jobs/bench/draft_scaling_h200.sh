@@ -11,6 +11,8 @@
 #                                                  # run in the background (setsid), ARGS passed to `all`
 #   bash jobs/bench/draft_scaling_h200.sh wait N    # follow the run's log for N seconds (keeps the lease busy);
 #                                                  # brings back the answers, the JSON so far and the logs
+# `start` and `wait` bring back the regen's parts while it runs (regen-parts.tar.xz.part*): a lease taken back mid-regen
+# resumes in the next one with them in .stage2/ (stage2 unpacks them; `regenerate` skips the conversations answered).
 #
 # The fractions at the champion's recipe (issue 15, third run): start --procs 6 --batch 192 --kv-cache-gib 12
 #   --fractions 0.125,0.25,0.5,1 --given 1=$SRC/eagleray/platform/checkpoints/shipped/<champion> --epochs 2.2
@@ -33,6 +35,16 @@ OUT=${OUT:-$ROOT/out}
 sync_src() {  # a copy of this tree that the background run imports from (calls re-sync the checkout)
   mkdir -p $SRC && rm -rf $SRC/eagleray && mkdir $SRC/eagleray
   tar --exclude=./.stage1 --exclude=./.stage2 --exclude=./.whl --exclude=./.git -cf - . | tar -xf - -C $SRC/eagleray
+}
+
+bring_back() {  # into $OUT: what a lease taken back at any moment would lose
+  cp $ROOT/ds/early/* $OUT/ 2>/dev/null || true   # the answers, as soon as they exist
+  if [ ! -f $ROOT/ds/regen.json ] && ls $ROOT/ds/regen/part*.jsonl > /dev/null 2>&1; then   # mid-regen: the parts so far
+    (cd $ROOT/ds && tar -cf - regen/part*.jsonl regen/part*.manifest.json 2>/dev/null | xz -T0 -3 | split -b 15M -d - $OUT/regen-parts.tar.xz.part)
+  fi
+  cp $ROOT/ds/regen.json $OUT/regen-sharegpt-h200.json 2>/dev/null || true   # and whatever is measured so far
+  cp $ROOT/ds/scaling.json $OUT/scaling-h200.json 2>/dev/null || true
+  (cd $ROOT/ds && tar -cJf $OUT/logs.tar.xz run.log $(ls regen/*.log drafts/*/train.log drafts/*/train.json eval-*.log 2>/dev/null)) || true
 }
 
 case "${1:-}" in
@@ -65,6 +77,14 @@ stage2)
   if [ -f $ROOT/stage/regen-conversations.jsonl.xz ]; then   # `all` skips regen when regen.json is in --work
     xz -dc $ROOT/stage/regen-conversations.jsonl.xz > $ROOT/ds/conversations.jsonl && cp $ROOT/stage/regen.json $ROOT/ds/
     wc -l $ROOT/ds/conversations.jsonl
+  elif ls $ROOT/stage/regen-parts.tar.xz.part* > /dev/null 2>&1; then   # a lease taken back mid-regen: resume it
+    cat $(ls $ROOT/stage/regen-parts.tar.xz.part* | sort -V) | xz -dc | tar -xf - -C $ROOT/ds   # (same --procs)
+    python3 -c "
+import glob
+for f in glob.glob('$ROOT/ds/regen/part*.jsonl'):  # a line cut by the copy is dropped (its conversation is redone)
+    b = open(f, 'rb').read(); n = b.rfind(b'\\n') + 1
+    open(f, 'wb').write(b[:n]) if n != len(b) else None"
+    wc -l $ROOT/ds/regen/part*.jsonl
   fi
   ;;
 start)
@@ -80,16 +100,14 @@ start)
   setsid nohup python3 -m eagleray.jobs.bench.draft_scaling all --work $ROOT/ds --prompts $ROOT/stage/convs.jsonl \
     --eval-prompts $ROOT/stage/mtbench.jsonl,$ROOT/stage/humaneval.jsonl "$@" > $ROOT/ds/run.log 2>&1 < /dev/null &
   sleep "${WAIT:-420}"; grep -v watchdog $ROOT/ds/run.log | tail -n 20
+  bring_back
   ;;
 wait)
   end=$((SECONDS + ${2:-540}))
   while [ $SECONDS -lt $end ] && pgrep -f "draft_scaling all" > /dev/null; do sleep 10; done
   grep -v watchdog $ROOT/ds/run.log | tail -n 25
   for f in $ROOT/ds/drafts/*/train.log; do echo "== $f"; grep -v watchdog "$f" | tail -n 3; done
-  cp $ROOT/ds/early/* $OUT/ 2>/dev/null || true   # the answers, as soon as they exist (a lease may end first)
-  cp $ROOT/ds/regen.json $OUT/regen-sharegpt-h200.json 2>/dev/null || true   # and whatever is measured so far
-  cp $ROOT/ds/scaling.json $OUT/scaling-h200.json 2>/dev/null || true
-  (cd $ROOT/ds && tar -cJf $OUT/logs.tar.xz run.log $(ls regen/*.log drafts/*/train.log drafts/*/train.json eval-*.log 2>/dev/null)) || true
+  bring_back
   ;;
 collect)
   cp $ROOT/ds/regen.json $OUT/regen-sharegpt-h200.json
