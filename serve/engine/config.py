@@ -35,6 +35,10 @@ class EngineConfig(StrictModel):
         "auto",
         description="CPU fp32 linear layers and paged attention of decode/verify/draft steps: the native AVX-512 kernels (kernels/cpu_decode.c) where it builds ('auto'), forced ('native'), or PyTorch/MKL ('torch').",
     )
+    cpu_heap: Literal["auto", "retain", "default"] = Field(
+        "auto",
+        description="CPU: glibc malloc keeps freed memory for reuse ('retain': mallopt M_MMAP_THRESHOLD and M_TRIM_THRESHOLD raised, process-wide) instead of handing each large step temporary back to the kernel and faulting it in again (a 16-prompt prefill spent a quarter of its time in page faults); 'auto': retain where the C library has mallopt, 'default': leave malloc as it is.",
+    )
     decode_path: Literal["auto", "rows", "varlen"] = Field(
         "auto",
         description="How plain decode and chain verification run the target. 'rows': the batch-invariant fused step over fixed-shape row buffers, replayed from CUDA graphs on CUDA (lossless greedy speculation in bf16; on CPU the same step runs eagerly); 'varlen': the eager varlen forward; 'auto': rows on CUDA for one-rank targets without q/k norms, varlen elsewhere.",

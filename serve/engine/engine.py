@@ -30,7 +30,7 @@ from eagleray.serve.engine.scheduler import Scheduler
 from eagleray.serve.engine.sequence import Sequence
 from eagleray.serve.engine.spec_context import SeqResult
 from eagleray.serve.engine.spec_step import chain_step, tree_step
-from eagleray.serve.engine.startup import PREFILL_REPLAY_ROWS, CpuThreads, default_num_blocks, use_rows
+from eagleray.serve.engine.startup import PREFILL_REPLAY_ROWS, CpuThreads, configure_heap, default_num_blocks, use_rows
 from eagleray.serve.engine.target_steps import TargetSteps
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.device = target.norm.weight.device
         self.linear_backend = cpu_decode.configure(config.cpu_kernels) if self.device.type == "cpu" else "cuda"
+        self.heap_mmap_threshold = configure_heap(config, self.device)
         self.threads = CpuThreads(self.linear_backend == "native")
         self.max_model_len = min(
             config.target.max_model_len or target.arch.max_positions or 4096, target.arch.max_positions or 1 << 30
