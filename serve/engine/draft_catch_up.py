@@ -52,7 +52,7 @@ def draft_catch_up(
         else:
             batch = _draft_batch(seqs, tokens, [s.draft_cached for s in seqs], ctx.draft, ctx.draft.device)
             last = batch.last_index
-    with ctx.prof.phase("draft"):
+    with ctx.prof.phase("draft"), ctx.threads.for_rows(sum(lens)):
         if use_rows:
             logits, hidden = ctx.draft.decode(rows, aux.to(ctx.draft.device), from_aux=True)  # [T, Vd], [T, H]
             logits, hidden = logits[last], hidden[last]  # [B, Vd], [B, H]

@@ -16,6 +16,7 @@ from eagleray.platform.models.spec_graphs import ChainStepGraphs
 from eagleray.serve.engine.model_runner import DraftRunner, TargetRunner, row_buckets
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.spec_context import SpecContext
+from eagleray.serve.engine.startup import CpuThreads
 from eagleray.serve.engine.verify import Verifier
 
 
@@ -34,8 +35,10 @@ class DraftSlot:
         chain_steps: int,
         max_seqs: int,
         tree_depth: int = 0,
+        threads: CpuThreads | None = None,
     ):
         self.target = target
+        self.threads = threads or CpuThreads(False)
         self.max_seqs = max_seqs
         self.verify_backend = verify_backend
         self.prof = prof
@@ -69,7 +72,7 @@ class DraftSlot:
                 self.target.rows, runner.rows, verifier.chain_greedy, row_buckets(self.max_seqs), self.chain_steps + 1
             )
             graphs.capture(range(1, self.chain_steps + 2))  # CUDA: every bucket and k now, not inside requests' steps
-        self.spec = SpecContext(self.target, runner, verifier, self.prof, graphs=graphs)
+        self.spec = SpecContext(self.target, runner, verifier, self.prof, graphs=graphs, threads=self.threads)
 
     def request_rollback(self) -> bool:
         """Switch back to the previous draft before the next step; False when there is none."""

@@ -79,7 +79,9 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
         steps = k_max - 1 if self.tree is None else 0
-        self.drafts = DraftSlot(self.target, config.verify_backend, self.prof, self.use_rows, steps, config.max_num_seqs, depth)
+        self.drafts = DraftSlot(
+            self.target, config.verify_backend, self.prof, self.use_rows, steps, config.max_num_seqs, depth, self.threads
+        )
         self._last_accepted: list[int] = []  # accepted drafts per sequence of the last speculative step
         self.capture_width = 0  # > 0 after enable_capture: the target's aux rows end with its final hidden [H]
         self.policy = AdaptivePolicy(

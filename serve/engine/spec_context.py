@@ -5,7 +5,7 @@ the per-row sampling parameters."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,6 +13,7 @@ from eagleray.platform.models.spec_graphs import ChainStepGraphs
 from eagleray.serve.engine.model_runner import DraftRunner, TargetRunner
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.sequence import AuxRows, Sequence
+from eagleray.serve.engine.startup import CpuThreads
 from eagleray.serve.engine.verify import Verifier
 
 
@@ -52,6 +53,7 @@ class SpecContext:
     lag_marks: tuple | None = None  # a catch-up over more than a step's positions (after plain steps), not drafting cost
     graphs: ChainStepGraphs | None = None  # CUDA rows: greedy chain steps as two graphs per (batch bucket, k)
     measured: bool = True  # False when the last step also captured a graph (its times are not the step's cost)
+    threads: CpuThreads = field(default_factory=lambda: CpuThreads(False))  # the engine's: wide forwards' GEMM threads
 
     def __post_init__(self):
         self.clock = self.clock or StepClock(self.target.device)

@@ -107,7 +107,7 @@ def target_verify_forward(
         batch = ForwardBatch.build(
             tokens, positions, starts, [s.block_table for s in seqs], ctx.target.block_size, ctx.target.device, masks
         )
-    with ctx.prof.phase("target"):
+    with ctx.prof.phase("target"), ctx.threads.for_rows(batch.input_ids.shape[0]):
         logits, aux = ctx.target.forward(batch)  # [T, V], [T, A]
     sizes = [len(t) for t in tokens]
     return list(logits.split(sizes)), (AuxRows.split(aux, sizes) if aux is not None else [None] * len(seqs))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -115,6 +115,12 @@ class CpuThreads:
         finally:
             torch.set_num_threads(before)
             cpu_decode.set_threads(kernels)
+
+    def for_rows(self, rows: int):
+        """A forward of ``rows`` rows inside a step: past the native kernels' ``MAX_ROWS`` its GEMMs are MKL's, so they
+        get torch's threads back as a prefill's do (a draft's catch-up over 16 joined prompts and a 32-sequence k=4
+        verification ran them on one thread inside the step)."""
+        return self.for_gemm() if rows > cpu_decode.MAX_ROWS else nullcontext()
 
     @contextmanager
     def for_gemm(self):

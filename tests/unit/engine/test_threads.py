@@ -51,3 +51,29 @@ def test_torch_backend_leaves_threads_alone(target, tokenizer):
         assert engine.linear_backend == "torch (configured)" and torch.get_num_threads() == before
     finally:
         cpu_decode.configure("auto")
+
+
+@native
+def test_wide_forwards_inside_a_step_get_torch_threads_back(target, tokenizer, random_draft):
+    """A verification of 30 sequences x (k=4 + 1) rows and the draft's catch-up over their prompts are past the
+    native kernels' MAX_ROWS: their GEMMs are MKL's, on every thread (as a prefill's); narrow forwards keep one."""
+    from .conftest import PROMPTS
+
+    seen = {"target": [], "draft": []}
+    hooks = [
+        layer.register_forward_pre_hook(lambda m, a, name=name: seen[name].append((a[0].shape[0], torch.get_num_threads())))
+        for name, layer in (("target", target.layers[0]), ("draft", random_draft.midlayer))
+    ]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = make_engine(target, tokenizer, random_draft, k=4, max_num_seqs=32)
+        engine.generate((PROMPTS * 8)[:30], SamplingParams(max_tokens=3, ignore_eos=True))
+    finally:
+        torch.set_num_threads(before)
+        for h in hooks:
+            h.remove()
+    wide = cpu_decode.MAX_ROWS
+    assert (30 * 5, 2) in seen["target"], "the wide verification runs on both threads"
+    assert any(rows > wide and n == 2 for rows, n in seen["draft"]), "the catch-up over the prompts too"
+    assert all(n == 1 for rows, n in seen["draft"] if rows <= wide), "narrow draft forwards stay on one thread"
