@@ -106,7 +106,31 @@ def test_disabled_policy_never_speculates():
     policy.disable("test")
     assert _drive(policy, 100, accepted=lambda k: [k]) == [0] * 100
     policy.enable()
-    assert policy.choose(1) == 4 and policy.accept == [1.0] * 4
+    assert policy.choose(1) == 1 and policy.accept == [1.0] * 4  # a new draft: measured from k=1 again
+
+
+def test_an_untrained_draft_is_judged_on_k1_steps_and_probed_with_k1():
+    """Before any acceptance is known a step drafts 1 (position 0 bounds the rest; on a CPU a first k=4 step at 32
+    sequences verified 160 rows, 5x a plain step); 32 rejected sequences are enough to stop, and later probes of the
+    hopeless draft draft 1 as well."""
+    policy = AdaptivePolicy(k_max=4, probe_interval=8, max_probe_interval=64)
+    chosen = _drive(policy, 600, batch=32, plain=0.060, verify=0.085, accepted=lambda k: [0] * 32)
+    assert chosen[0] == 1 and chosen[1] == 0 and policy._hopeless()
+    assert set(chosen) == {0, 1} and sum(chosen) <= 1 + 600 // 64 + 1
+
+
+def test_a_paying_draft_measured_at_k1_first_goes_on_to_k_max():
+    policy = AdaptivePolicy(k_max=4)
+    chosen = _drive(policy, 12, batch=32, accepted=lambda k: [k] * 32)
+    assert chosen[0] == 1 and 4 in chosen[1:4] and chosen[-1] == 4
+
+
+def test_expected_tokens_bound_each_position_by_the_ones_before():
+    policy = AdaptivePolicy(k_max=4)
+    policy.accept = [0.1, 1.0, 1.0, 1.0]  # position 0 measured, the rest at the optimistic prior
+    assert policy.expected_tokens(4) == pytest.approx(1.4)
+    policy.accept = [0.5, 0.3, 0.4, 0.2]
+    assert policy.expected_tokens(4) == pytest.approx(1 + 0.5 + 0.3 + 0.3 + 0.2)
 
 
 def test_not_adaptive_always_drafts_k_max():
@@ -160,7 +184,7 @@ def test_one_unlucky_start_at_batch_1_does_not_turn_a_useful_draft_off():
     it = iter(pattern * 100)
     policy = AdaptivePolicy(k_max=4)
     chosen = _drive(policy, 600, plain=0.030, verify=0.031, draft=0.0025, accepted=lambda k: [next(it)])
-    assert chosen[:2] == [4, 4] and not policy._hopeless()
+    assert chosen[:2] == [1, 1] and not policy._hopeless()  # measured at k=1 before any acceptance is known
     assert sum(k > 0 for k in chosen) > 500, "speculation pays here (E(2)=1.6 at 36 ms vs a 30 ms plain step)"
     assert policy.best(1)[0] in (1, 2, 3)
 
