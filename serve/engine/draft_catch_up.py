@@ -52,12 +52,13 @@ def draft_catch_up(
         else:
             batch = _draft_batch(seqs, tokens, [s.draft_cached for s in seqs], ctx.draft, ctx.draft.device)
             last = batch.last_index
-    with ctx.prof.phase("draft"), ctx.threads.for_rows(sum(lens)):
+    with ctx.prof.phase("draft"):
         if use_rows:
             logits, hidden = ctx.draft.decode(rows, aux.to(ctx.draft.device), from_aux=True)  # [T, Vd], [T, H]
             logits, hidden = logits[last], hidden[last]  # [B, Vd], [B, H]
         else:
-            normed, hidden = ctx.draft.forward(batch, aux.to(ctx.draft.device), from_aux=True)  # [T, H] each
+            with ctx.threads.for_rows(sum(lens)):  # the wide forward; its B rows of logits stay decode-sized
+                normed, hidden = ctx.draft.forward(batch, aux.to(ctx.draft.device), from_aux=True)  # [T, H] each
             logits, hidden = ctx.draft.logits(normed[last]), hidden[last]  # [B, Vd], [B, H]
     for s in seqs:
         s.draft_cached = s.num_tokens - 1

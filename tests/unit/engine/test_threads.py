@@ -59,10 +59,14 @@ def test_wide_forwards_inside_a_step_get_torch_threads_back(target, tokenizer, r
     native kernels' MAX_ROWS: their GEMMs are MKL's, on every thread (as a prefill's); narrow forwards keep one."""
     from .conftest import PROMPTS
 
-    seen = {"target": [], "draft": []}
+    seen = {"target": [], "draft": [], "draft_logits": []}
     hooks = [
         layer.register_forward_pre_hook(lambda m, a, name=name: seen[name].append((a[0].shape[0], torch.get_num_threads())))
-        for name, layer in (("target", target.layers[0]), ("draft", random_draft.midlayer))
+        for name, layer in (
+            ("target", target.layers[0]),
+            ("draft", random_draft.midlayer),
+            ("draft_logits", random_draft.lm_head),
+        )
     ]
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -77,3 +81,6 @@ def test_wide_forwards_inside_a_step_get_torch_threads_back(target, tokenizer, r
     assert (30 * 5, 2) in seen["target"], "the wide verification runs on both threads"
     assert any(rows > wide and n == 2 for rows, n in seen["draft"]), "the catch-up over the prompts too"
     assert all(n == 1 for rows, n in seen["draft"] if rows <= wide), "narrow draft forwards stay on one thread"
+    # the catch-up's logits are its sequences' last rows: decode-sized, native (inside the wide context they went to
+    # oneDNN, whose first use packed the 49k-vocab head: 0.5 s and another copy of its weight)
+    assert seen["draft_logits"] and all(n == 1 for _, n in seen["draft_logits"])
