@@ -105,3 +105,14 @@ def hf_model():
         return cache[path]
 
     return get
+
+
+@pytest.fixture
+def native():
+    """The native CPU kernels forced on for the test (the process's setting restored after)."""
+    from eagleray.kernels import cpu_decode
+
+    before = cpu_decode.status()
+    cpu_decode.configure("native")
+    yield
+    cpu_decode.configure("auto" if before == "native" else "torch")

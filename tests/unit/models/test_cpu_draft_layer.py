@@ -30,14 +30,6 @@ TABLES = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
 
 
 @pytest.fixture
-def native():
-    before = cpu_decode.status()
-    cpu_decode.configure("native")
-    yield
-    cpu_decode.configure("auto" if before == "native" else "torch")
-
-
-@pytest.fixture
 def calls(monkeypatch):
     """(rows, has embeds) of every native layer call (the real kernel runs)."""
     seen: list[tuple[int, bool]] = []

@@ -33,14 +33,6 @@ NEW = torch.randint(0, 96, (3, 6), generator=torch.Generator().manual_seed(1))  
 
 
 @pytest.fixture
-def native():
-    before = cpu_decode.status()
-    cpu_decode.configure("native")
-    yield
-    cpu_decode.configure("auto" if before == "native" else "torch")
-
-
-@pytest.fixture
 def calls(monkeypatch):
     """Row counts of the native layer's calls (the real kernel runs)."""
     seen: list[int] = []
