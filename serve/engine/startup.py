@@ -19,10 +19,8 @@ logger = logging.getLogger(__name__)
 
 PREFILL_REPLAY_ROWS = 256  # prompt rows one replay of the row step scores (engine.prefill_rows, capped)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
-HEAP_MMAP_THRESHOLDS = (
-    256 << 20,
-    32 << 20,
-)  # the first the C library takes (some glibc cap it at 32 MiB); a KV cache stays mapped
+# mmap threshold: the first of these the C library takes (some glibc cap it at 32 MiB); a KV cache stays mapped
+HEAP_MMAP_THRESHOLDS = (256 << 20, 32 << 20)
 HEAP_TRIM_THRESHOLD = 512 << 20  # freed memory kept at the top of the heap before it goes back to the kernel
 
 
