@@ -12,7 +12,8 @@
 #   bash jobs/bench/draft_scaling_h200.sh wait N    # follow the run's log for N seconds (keeps the lease busy);
 #                                                  # brings back the answers, the JSON so far and the logs
 # `start` and `wait` bring back the regen's parts while it runs (regen-parts.tar.xz.part*): a lease taken back mid-regen
-# resumes in the next one with them in .stage2/ (stage2 unpacks them; `regenerate` skips the conversations answered).
+# resumes in the next one with them in .stage4/, carried by a second stage2 call (stage2 unpacks them once they are
+# there; `regenerate` skips the conversations answered; keep --procs the same).
 #
 # The fractions at the champion's recipe (issue 15, third run): start --procs 6 --batch 192 --kv-cache-gib 12
 #   --fractions 0.125,0.25,0.5,1 --given 1=$SRC/eagleray/platform/checkpoints/shipped/<champion> --epochs 2.2
@@ -71,8 +72,8 @@ stage)
   wait
   grep -h '"step_ms"' $OUT/train-probe-*.json
   ;;
-stage2)
-  cp .stage2/* $ROOT/stage/
+stage2)   # a call each for .stage2 and, when there are answers to resume, .stage4 (a call carries <= 64 MiB)
+  for d in .stage2 .stage4; do if [ -d $d ]; then cp $d/* $ROOT/stage/; fi; done
   mkdir -p $ROOT/ds
   if [ -f $ROOT/stage/regen-conversations.jsonl.xz ]; then   # `all` skips regen when regen.json is in --work
     xz -dc $ROOT/stage/regen-conversations.jsonl.xz > $ROOT/ds/conversations.jsonl && cp $ROOT/stage/regen.json $ROOT/ds/
