@@ -102,6 +102,11 @@ void parallel_run(work_fn fn, const void* ctx, int64_t nchunks, int threads) {
         atomic_fetch_add_explicit(&done, 1, memory_order_acq_rel);
     }
     while (atomic_load_explicit(&done, memory_order_acquire) < nchunks) _mm_pause();
+    // Close the generation before the job may be rewritten: a helper woken for it late may pass the NEXT job's
+    // nchunks (written before the next generation is published) to its claim; with the counter left at nchunks
+    // that claim succeeded past this job's end and ran a chunk of a half-written job (SIGSEGV in plinear_chunk,
+    // helpers preempted on a busy box). A closed generation refuses every claim.
+    atomic_store_explicit(&state, ((uint64_t)gen << 32) | 0xffffffffu, memory_order_release);
     pthread_mutex_unlock(&call_lock);
 }
 
