@@ -34,11 +34,11 @@ class DraftSlot:
         draft_rows: bool,
         chain_steps: int,
         max_seqs: int,
-        tree_depth: int = 0,
-        threads: CpuThreads | None = None,
+        tree_depth: int,
+        threads: CpuThreads,
     ):
         self.target = target
-        self.threads = threads or CpuThreads(False)
+        self.threads = threads
         self.max_seqs = max_seqs
         self.verify_backend = verify_backend
         self.prof = prof
@@ -72,7 +72,7 @@ class DraftSlot:
                 self.target.rows, runner.rows, verifier.chain_greedy, row_buckets(self.max_seqs), self.chain_steps + 1
             )
             graphs.capture(range(1, self.chain_steps + 2))  # CUDA: every bucket and k now, not inside requests' steps
-        self.spec = SpecContext(self.target, runner, verifier, self.prof, graphs=graphs, threads=self.threads)
+        self.spec = SpecContext(self.target, runner, verifier, self.prof, self.threads, graphs=graphs)
 
     def request_rollback(self) -> bool:
         """Switch back to the previous draft before the next step; False when there is none."""

@@ -5,7 +5,7 @@ the per-row sampling parameters."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +44,7 @@ class SpecContext:
     draft: DraftRunner
     verifier: Verifier
     prof: StepProfiler
+    threads: CpuThreads  # the engine's: a wide forward's GEMMs get torch's threads (for_rows)
     aux_checked: bool = False
     draft_seconds: float = 0.0  # the last step's drafting (catch-up + chain or tree), for the adaptive policy
     lag_seconds: float = 0.0  # the last step's catch-up over plain steps' positions (kept out of drafting)
@@ -53,7 +54,6 @@ class SpecContext:
     lag_marks: tuple | None = None  # a catch-up over more than a step's positions (after plain steps), not drafting cost
     graphs: ChainStepGraphs | None = None  # CUDA rows: greedy chain steps as two graphs per (batch bucket, k)
     measured: bool = True  # False when the last step also captured a graph (its times are not the step's cost)
-    threads: CpuThreads = field(default_factory=lambda: CpuThreads(False))  # the engine's: wide forwards' GEMM threads
 
     def __post_init__(self):
         self.clock = self.clock or StepClock(self.target.device)
