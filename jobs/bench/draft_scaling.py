@@ -17,6 +17,8 @@ Stages (each also a subcommand, each resumable from the files of ``--work``):
 - ``eval``: per draft, with ``LLMEngine`` (what Serve runs): τ on MT-bench and HumanEval (chain k, T=0,
   batch 8), lossless (greedy spec == plain), the batch-1 speedup on MT-bench; for the best draft also the
   tree, T=1 and the 32k/8k-vocab comparison when present -> ``scaling.json`` (one record per draft).
+- ``plot`` (here, after a lease): ``scaling.json`` -> τ against the loss tokens trained on (``--out``, a PNG), and with
+  ``--mlflow-experiment`` the PNG, the JSON and τ per data size (step = loss tokens) logged to a new MLflow run.
 
 Progress lines go to stdout with ETAs; the JSON files are rewritten after each record.
 """
@@ -39,10 +41,11 @@ def log(msg: str) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("stage", choices=["all", "regen", "train", "train-one", "eval", "eval-one", "pack"])
+    p.add_argument("stage", choices=["all", "regen", "train", "train-one", "eval", "eval-one", "pack", "plot"])
     p.add_argument("--tree", action="store_true", help="eval-one: also the tree (eager verification) and T=1")
     p.add_argument("--decode-path", default="auto", choices=["auto", "rows", "varlen"], help="eval-one: engine.decode_path")
-    p.add_argument("--out", type=Path, default=None, help="pack: where the best draft (bf16, split) and the answers go")
+    p.add_argument("--out", type=Path, default=None, help="pack: where the best draft (bf16, split) and the answers go; plot: the PNG")
+    p.add_argument("--mlflow-experiment", default=None, help="plot: also log the PNG, the JSON and τ per data size to MLflow")
     p.add_argument("--work", type=Path, required=True, help="working directory (answers, drafts, JSON)")
     p.add_argument("--target", default="smollm2", help="target model: smollm2 or a HF directory")
     p.add_argument("--prompts", default=None, help="conversations JSONL (regen input; `eagleray regenerate --prompts-only`)")
@@ -327,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
         evaluate_one(args) if args.stage == "eval-one" else evaluate(args)
     if args.stage == "pack":
         pack(args)
+    if args.stage == "plot":
+        from eagleray.jobs.bench.draft_scaling_plot import plot_run
+
+        plot_run(args.work / "scaling.json", args.out or args.work / "scaling.png", args.mlflow_experiment)
     return 0
 
 

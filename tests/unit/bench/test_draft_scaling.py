@@ -95,3 +95,43 @@ def test_a_resumed_eval_measures_only_the_drafts_without_a_record(tmp_path):
     args.eval_prompts = "mtbench,humaneval"
     assert [r["data_fraction"] for r in dse.evaluate(args)] == [0.5, 1.0]
     assert json.loads((tmp_path / "scaling.json").read_text()) == [{"data_fraction": 0.5}, {"data_fraction": 1.0}]
+
+
+def _scaling_records():
+    return [  # out of order on purpose; the 'run 1' leftover has no loss_tokens and is not a curve point
+        {"data_fraction": 1.0, "loss_tokens": 8000, "tau_mtbench_chain": 1.9, "tau_humaneval_chain": 2.3, "sim_tau_heldout": 3.9},
+        {"data_fraction": 0.25, "loss_tokens": 2000, "tau_mtbench_chain": 1.5, "tau_humaneval_chain": 1.4, "sim_tau_heldout": None},
+        {"data_fraction": 0.5, "loss_tokens": 4000, "tau_mtbench_chain": 1.6, "tau_humaneval_chain": 1.6, "sim_tau_heldout": 2.6},
+        {"data_fraction": 0.75, "loss_tokens": None, "tau_mtbench_chain": None},
+    ]
+
+
+def test_the_scaling_plot_orders_drafts_by_data_and_logs_tau_per_data_size_to_mlflow(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("EAGLERAY_HOME", str(tmp_path / "home"))
+    (tmp_path / "scaling.json").write_text(json.dumps(_scaling_records()))
+    ds.main(["plot", "--work", str(tmp_path), "--out", str(tmp_path / "s.png"), "--mlflow-experiment", "scaling-test"])
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+    client = mlflow.MlflowClient()
+    exp = client.get_experiment_by_name("scaling-test")
+    (run,) = client.search_runs([exp.experiment_id])
+    history = client.get_metric_history(run.info.run_id, "tau_mtbench_chain")
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [(2000, 1.5), (4000, 1.6), (8000, 1.9)]
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"s.png", "scaling.json"}
+
+
+def test_tau_rises_only_when_every_doubling_gains_and_an_unmeasured_draft_is_refused():
+    from eagleray.jobs.bench import draft_scaling_plot as dsp
+
+    rows = dsp.curve(_scaling_records())
+    assert [r["data_fraction"] for r in rows] == [0.25, 0.5, 1.0] and dsp.rises(rows)
+    rows[1]["tau_mtbench_chain"] = 1.5  # flat from 1/4 to 1/2
+    assert not dsp.rises(rows)
+    bad = _scaling_records()[:3]
+    bad[0]["tau_mtbench_chain"] = None
+    with pytest.raises(SystemExit, match="unmeasured \\[1.0\\]"):
+        dsp.curve(bad)
+    with pytest.raises(SystemExit, match="need >= 2 drafts"):
+        dsp.curve(bad[:1])

@@ -1,0 +1,92 @@
+"""The data-scaling run's picture (:mod:`eagleray.jobs.bench.draft_scaling` ``plot``): τ on MT-bench and HumanEval
+(chain, T=0, measured with the engine) and the held-out simulated τ against the loss tokens each draft trained on,
+one point per draft; optionally logged to MLflow with τ as metrics whose step is the data size."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from eagleray.jobs.bench.draft_scaling import log
+
+SERIES = (  # (record key, label, style)
+    ("tau_mtbench_chain", "τ MT-bench (chain k=4, engine)", "o-"),
+    ("tau_humaneval_chain", "τ HumanEval (chain k=4, engine)", "s-"),
+    ("sim_tau_heldout", "simulated τ, held-out ShareGPT answers", "^:"),
+)
+
+
+def curve(records: list[dict]) -> list[dict]:
+    """The drafts with a loss-token count, smallest data first; every record must have been measured on MT-bench."""
+    rows = sorted((r for r in records if r.get("loss_tokens")), key=lambda r: r["loss_tokens"])
+    missing = [r["data_fraction"] for r in rows if r.get("tau_mtbench_chain") is None]
+    if len(rows) < 2 or missing:
+        raise SystemExit(f"plot: need >= 2 drafts with loss_tokens and tau_mtbench_chain (got {len(rows)}, unmeasured {missing})")
+    return rows
+
+
+def rises(rows: list[dict], key: str = "tau_mtbench_chain") -> bool:
+    """Whether τ grows from every data size to the next."""
+    taus = [r[key] for r in rows]
+    return all(b > a for a, b in zip(taus, taus[1:]))
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [r["loss_tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for key, label, style in SERIES:
+        pts = [(x, r[key]) for x, r in zip(xs, rows) if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), style, label=label)
+    for x, r in zip(xs, rows):
+        ax.annotate(f"{r['data_fraction']:g}", (x, r["tau_mtbench_chain"]), textcoords="offset points", xytext=(4, -12), fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("loss-masked tokens trained on (fraction of ShareGPT's regenerated answers)")
+    ax.set_ylabel("mean acceptance length τ")
+    ax.set_title("SmolLM2-135M EAGLE-3 draft vs data (H200, bf16)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def log_to_mlflow(rows: list[dict], png: Path, experiment: str) -> str:
+    """A run holding the PNG, the records and τ (MT-bench, HumanEval) with step = loss tokens; returns its id."""
+    import mlflow
+
+    from eagleray.platform import registry
+
+    registry.configure(None, experiment)
+    client = mlflow.MlflowClient()
+    exp = client.get_experiment_by_name(experiment).experiment_id
+    run = client.create_run(exp, run_name="draft-scaling", tags={"eagleray.job": "bench draft_scaling"})
+    for r in rows:
+        for key in ("tau_mtbench_chain", "tau_humaneval_chain"):
+            if r.get(key) is not None:
+                client.log_metric(run.info.run_id, key, r[key], step=int(r["loss_tokens"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "scaling.json"
+        out.write_text(json.dumps(rows, indent=1))
+        client.log_artifact(run.info.run_id, str(out))
+    client.log_artifact(run.info.run_id, str(png))
+    client.set_terminated(run.info.run_id)
+    return run.info.run_id
+
+
+def plot_run(records_path: Path, png: Path, experiment: str | None) -> Path:
+    rows = curve(json.loads(records_path.read_text()))
+    plot(rows, png)
+    taus = ", ".join(f"{r['data_fraction']:g}: {r['tau_mtbench_chain']}" for r in rows)
+    log(f"plot: τ MT-bench by data fraction {taus}; rises with every doubling: {rises(rows)}; {png}")
+    if experiment:
+        log(f"plot: logged to MLflow run {log_to_mlflow(rows, png, experiment)} (experiment {experiment})")
+    return png
