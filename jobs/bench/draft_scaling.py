@@ -44,7 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("stage", choices=["all", "regen", "train", "train-one", "eval", "eval-one", "pack", "plot"])
     p.add_argument("--tree", action="store_true", help="eval-one: also the tree (eager verification) and T=1")
     p.add_argument("--decode-path", default="auto", choices=["auto", "rows", "varlen"], help="eval-one: engine.decode_path")
-    p.add_argument("--out", type=Path, default=None, help="pack: where the best draft (bf16, split) and the answers go; plot: the PNG")
+    p.add_argument(
+        "--out", type=Path, default=None, help="pack: where the best draft (bf16, split) and the answers go; plot: the PNG"
+    )
     p.add_argument("--mlflow-experiment", default=None, help="plot: also log the PNG, the JSON and τ per data size to MLflow")
     p.add_argument("--work", type=Path, required=True, help="working directory (answers, drafts, JSON)")
     p.add_argument("--target", default="smollm2", help="target model: smollm2 or a HF directory")

@@ -100,7 +100,13 @@ def test_a_resumed_eval_measures_only_the_drafts_without_a_record(tmp_path):
 def _scaling_records():
     return [  # out of order on purpose; the 'run 1' leftover has no loss_tokens and is not a curve point
         {"data_fraction": 1.0, "loss_tokens": 8000, "tau_mtbench_chain": 1.9, "tau_humaneval_chain": 2.3, "sim_tau_heldout": 3.9},
-        {"data_fraction": 0.25, "loss_tokens": 2000, "tau_mtbench_chain": 1.5, "tau_humaneval_chain": 1.4, "sim_tau_heldout": None},
+        {
+            "data_fraction": 0.25,
+            "loss_tokens": 2000,
+            "tau_mtbench_chain": 1.5,
+            "tau_humaneval_chain": 1.4,
+            "sim_tau_heldout": None,
+        },
         {"data_fraction": 0.5, "loss_tokens": 4000, "tau_mtbench_chain": 1.6, "tau_humaneval_chain": 1.6, "sim_tau_heldout": 2.6},
         {"data_fraction": 0.75, "loss_tokens": None, "tau_mtbench_chain": None},
     ]
