@@ -26,7 +26,7 @@ from eagleray.serve.engine.outputs import CapturedHidden, Detokenizer, RequestOu
 from eagleray.serve.engine.policy import AcceptanceWatchdog, AdaptivePolicy
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.sampling import SamplingParams
-from eagleray.serve.engine.scheduler import Scheduler
+from eagleray.serve.engine.scheduler import ScheduledBatch, Scheduler
 from eagleray.serve.engine.sequence import Sequence
 from eagleray.serve.engine.spec_context import SeqResult
 from eagleray.serve.engine.spec_step import chain_step, tree_step
@@ -229,7 +229,20 @@ class LLMEngine:
             if rollback is not None:
                 self.swap_draft(*rollback)  # drafts may read different target layers
             k = self.policy.choose(max(len(self.scheduler.running), 1)) if self.drafts.spec is not None else 0
-            return k, self.scheduler.schedule(self._lookahead(k))
+            batch = self.scheduler.schedule(self._lookahead(k))
+            if k and batch is not None and not batch.is_prefill:
+                batch = self._measuring(batch)
+            return k, batch
+
+    def _measuring(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """The sequences that speculate this step: all, or while acceptance is unknown the few whose draft catch-up
+        is shortest (:meth:`AdaptivePolicy.measuring_seqs`; the rest wait one step)."""
+        n = self.policy.measuring_seqs(len(batch.seqs))
+        if n >= len(batch.seqs):
+            return batch
+        unseen = sorted(range(len(batch.seqs)), key=lambda i: batch.seqs[i].num_tokens - batch.seqs[i].draft_cached)
+        keep = sorted(unseen[:n])
+        return ScheduledBatch([batch.seqs[i] for i in keep], is_prefill=False)
 
     def _run(self, batch, k: int) -> tuple[list[SeqResult], float]:
         """Prefill, plain decode or a speculative step -> one result per sequence, and the seconds it took."""

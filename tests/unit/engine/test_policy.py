@@ -480,3 +480,46 @@ def test_a_plain_decision_is_kept_a_few_steps_and_rescored_after_a_speculative_s
         p.observe_spec(8, 4, 0.200, 0.010, [4] * 8, 0.0)
     assert p.best(8)[0] == 0 and p.best(1)[0] > 0
     assert p.choose(1) > 0  # acceptance changed: batch 1's kept plain decision is stale
+
+
+def test_while_acceptance_is_unknown_a_large_step_speculates_on_a_few_sequences():
+    from eagleray.serve.engine.policy import EVIDENCE, MEASURE_SEQS
+
+    policy = AdaptivePolicy(k_max=4)
+    assert policy.measuring_seqs(32) == MEASURE_SEQS and policy.measuring_seqs(MEASURE_SEQS) == MEASURE_SEQS
+    assert policy.measuring_seqs(3) == 3
+    policy.observe_spec(MEASURE_SEQS, 1, 0.01, 0.002, [0] * MEASURE_SEQS)
+    assert policy.measuring_seqs(32) == MEASURE_SEQS  # 8 of EVIDENCE sequences verified
+    policy.observe_spec(MEASURE_SEQS, 1, 0.01, 0.002, [0] * (EVIDENCE - MEASURE_SEQS))
+    assert policy.measuring_seqs(32) == 32  # acceptance known: every sequence speculates
+    assert AdaptivePolicy(k_max=4, adaptive=False).measuring_seqs(32) == 32  # a fixed k speculates on all
+
+
+def test_an_untrained_draft_is_measured_on_a_few_sequences_and_the_large_batch_decodes_plain(
+    target, tokenizer, random_draft, monkeypatch
+):
+    """12 sequences with an untrained draft (adaptive): the speculative steps that learn it is never accepted run on
+    the MEASURE_SEQS sequences whose draft catch-up is shortest (the others wait), so the draft never catches up
+    over the other prompts; every step after is plain, and the output is plain greedy decoding's."""
+    from eagleray.serve.engine import engine as engine_mod
+    from eagleray.serve.engine.policy import EVIDENCE, MEASURE_SEQS
+
+    prompts = [f"{p} {i}" * (1 + i % 3) for i, p in enumerate(PROMPTS * 3)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    plain = make_engine(target, tokenizer, max_num_seqs=16).generate(prompts, params)
+    sizes, caught_up = [], []
+    real = engine_mod.chain_step
+
+    def spy(ctx, seqs, k):
+        sizes.append(len(seqs))
+        out = real(ctx, seqs, k)
+        caught_up.append(sum(s.draft_cached > 0 for s in engine.scheduler.running))
+        return out
+
+    monkeypatch.setattr(engine_mod, "chain_step", spy)
+    engine = make_engine(target, tokenizer, random_draft, k=4, policy={"adaptive": True}, max_num_seqs=16)
+    spec = engine.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert sizes[: EVIDENCE // MEASURE_SEQS] == [MEASURE_SEQS] * (EVIDENCE // MEASURE_SEQS)
+    assert max(caught_up) == MEASURE_SEQS  # the other 4 sequences' prompts were never fed to the draft
+    assert engine.metrics.plain.steps >= 8 and 12 not in sizes  # judged hopeless: no full-batch speculation
