@@ -126,21 +126,23 @@ def restore(ckpt: Path | None, model: TTTModel, opt, sched) -> int:
 
 @torch.no_grad()
 def evaluate(model: TTTModel, batches: Iterable[TTTBatch], device: torch.device, amp: bool) -> dict[str, float]:
-    """Held-out ploss_i, acc_i, sim_tau (see training.ttt) prefixed ``eval/``."""
+    """Held-out ploss_i, acc_i, sim_tau and chain_tau (see training.ttt) prefixed ``eval/``."""
     model.eval()
     stats = torch.zeros(model.ttt_steps, 4, device=device)
     tau = torch.zeros(2, device=device)
+    walk = torch.zeros(2, device=device)
     n = 0
     for batch in batches:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             out = model(batch.to(device))
         stats += out.stats
         tau += out.tau
+        walk += out.walk
         n += 1
     model.train()
     if n == 0:
         return {}
-    return {f"eval/{k}": v for k, v in summarize(stats.cpu(), tau.cpu(), model.loss_decay).items()}
+    return {f"eval/{k}": v for k, v in summarize(stats.cpu(), tau.cpu(), model.loss_decay, walk.cpu()).items()}
 
 
 class Meter:

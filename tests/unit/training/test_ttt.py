@@ -162,3 +162,34 @@ def test_bf16_autocast_on_cpu_trains_and_keeps_fp32_soft_labels(model):
     grads = [p.grad for p in m.draft.parameters() if p.requires_grad]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
     m.zero_grad(set_to_none=True)
+
+
+def test_chain_walk_steps_by_accepted_length_inside_each_answer_span():
+    """Hand-walked: one row, T=10, answers at tokens 2-5 and 8-9 (loss_mask), k=2 drafts a step.
+
+    Span 1 starts at slot 1: correct_0 = 1, correct_1 = 1 -> accepts 2 (+1) -> slot 4: correct_0 = 0 -> 1 ->
+    slot 5: the span has ended (mask[6] = 0). Span 2 starts at slot 7: accepts 1 (+1) -> slot 9: past the row.
+    Steps: 3 + 1 + 2 = 6 over 3 steps -> chain_tau 2.0; sim_tau counts every slot of both spans instead."""
+    from eagleray.training.ttt import _sim_tau, chain_walk
+
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0, 1, 1]], dtype=torch.float32)  # [1, 10]
+    c0 = torch.tensor([[0, 1, 1, 1, 0, 0, 0, 1, 0]], dtype=torch.float32)  # [1, 9]: draft 0 right at slot t
+    c1 = torch.tensor([[0, 1, 0, 1, 0, 0, 0, 0, 0]], dtype=torch.float32)
+    assert chain_walk([c0, c1], mask).tolist() == [6.0, 3.0]
+    sums = _sim_tau([c0, c1], mask).tolist()  # slots 1-4 and 7-8: 3, 2, 3, 1, 2, 1
+    assert sums == [12.0, 6.0]
+    m = summarize(torch.zeros(2, 4), torch.tensor(sums), 0.8, chain_walk([c0, c1], mask))
+    assert m["chain_tau"] == 2.0 and m["sim_tau"] == 2.0
+    c0[0, 4] = 1.0  # slot 4 now accepts its first draft: the walk takes 2 there and still stops at the span's end
+    assert chain_walk([c0, c1], mask).tolist() == [7.0, 3.0]
+
+
+def test_held_out_evaluation_reports_chain_tau_and_training_steps_do_not_walk(model):
+    m, spec = model
+    out = m(_batch(spec))
+    assert out.walk is not None and out.walk[1] >= 1  # eval mode (the fixture): the walk is taken
+    m.train()
+    try:
+        assert m(_batch(spec)).walk is None  # a training step: no host sync for the walk
+    finally:
+        m.eval()
