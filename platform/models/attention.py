@@ -278,14 +278,12 @@ def paged_attention(
     if meta.slot_mapping is None:
         raise EaglerayError("attention: a KV cache was passed but the metadata has no block_tables")
     write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
-    if meta.tree_masks is None and sliding_window is None and not any(meta.context_lens):
-        # a prefill from position 0: the keys are the new tokens themselves - causal SDPA (flash), no gather and no mask
-        # (a masked SDPA runs the math backend: 0.4 ms of host time a layer on the H200). On the CPU too: the native
-        # row kernel reads each row's keys from the paged cache on its own (33 ms of a 250 ms 140-token prefill of
-        # SmolLM2, 2 cores; flash over the prompt's own K/V: ~3 ms)
-        return _causal_prefill(q, k, v, meta.query_lens, scale)
     if native_rows(meta) and cpu_decode.attention_supported(q, cache[0], sliding_window):
         return cpu_decode.paged_attention(q.contiguous(), cache[0], cache[1], meta.block_tables, row_keys(meta), scale)
+    if meta.tree_masks is None and sliding_window is None and not any(meta.context_lens):
+        # a prefill from position 0: the keys are the new tokens themselves - causal SDPA (flash on GPU), no gather and
+        # no mask (a masked SDPA runs the math backend: 0.4 ms of host time a layer on the H200)
+        return _causal_prefill(q, k, v, meta.query_lens, scale)
     lay = batch_layout(meta, positions, sliding_window)
     bsz, hq, d = len(meta.query_lens), q.shape[1], q.shape[2]
     kb = cache[0].view(-1, *cache[0].shape[2:])[lay.kv_slots].to(q.dtype)  # [B, Lmax, Hkv, D]

@@ -82,34 +82,29 @@ def test_paged_prefill_chunk_and_decode_equal_full_forward(variant, tiny_dirs):
             torch.testing.assert_close(last[b], full[0, -1], atol=ATOL, rtol=0)
 
 
-def test_long_prompts_prefill_unpadded_fresh_on_flash_and_continued_on_the_native_attention(tiny_dirs):
-    """Prompts longer than a row mask can describe (MAX_NEW) beside a short one, twice: from position 0 (causal SDPA
-    over each prompt's own K/V, batched by equal length: no rows) and continued after 4 cached tokens (the native
-    kernel reads the paged cache in place: rows). Both unpadded, and their logits match the full forward."""
+def test_long_prompts_prefill_unpadded_through_the_native_attention(tiny_dirs):
+    """Prompts longer than a row mask can describe (MAX_NEW) beside a short one: one varlen prefill reads
+    the paged cache in place (no padded SDPA), and its logits match the full forward."""
     from eagleray.kernels import cpu_decode
 
     model = LlamaModel.from_dir(tiny_dirs["llama_tied"])
     g = torch.Generator().manual_seed(5)
     seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in (cpu_decode.MAX_NEW + 37, 9)]
+    cache = model.make_kv_cache(num_blocks=40, block_size=4)
     tables = [list(range(39, 13, -1)), [0, 5, 9] + [-1] * 23]  # 26 and 3 blocks, non-contiguous, -1 = unused
-    ends = [len(seqs[0]) - 1, len(seqs[0]) + len(seqs[1]) - 1]
-    fulls = [model.forward_full(s.unsqueeze(0))[0] for s in seqs]  # [1, T, V] each
-    for ctx in (0, 4):
-        cache = model.make_kv_cache(num_blocks=40, block_size=4)
-        with torch.inference_mode():
-            if ctx:
-                _paged_forward(model, [s[:ctx] for s in seqs], [0, 0], tables, 4, cache)
-            attn = AttentionMetadata.build([len(s) - ctx for s in seqs], [ctx, ctx], tables, 4)
-            positions = torch.cat([torch.arange(ctx, len(s)) for s in seqs])  # [T]
-            hidden, _ = model(torch.cat([s[ctx:] for s in seqs]), positions, attn, cache)  # [T, H]
-            logits = model.compute_logits(hidden)  # [T, V]
-        native = cpu_decode.status() == "native"
-        assert ("rows" in attn.layouts) == (native and ctx > 0), "fresh prompts: flash; after a cached prefix: native"
-        at = [e - (ctx if b == 0 else 2 * ctx) for b, e in enumerate(ends)]
-        for b, full in enumerate(fulls):
-            torch.testing.assert_close(logits[at[b]], full[0, -1], atol=ATOL, rtol=0)
-            back = 70 if b == 0 else 3
-            torch.testing.assert_close(logits[at[b] - back], full[0, -1 - back], atol=ATOL, rtol=0)
+    with torch.inference_mode():
+        attn = AttentionMetadata.build([len(s) for s in seqs], [0, 0], tables, 4)
+        positions = torch.cat([torch.arange(len(s)) for s in seqs])  # [T]
+        hidden, _ = model(torch.cat(seqs), positions, attn, cache)  # [T, H]
+        logits = model.compute_logits(hidden)  # [T, V]
+        assert ("rows" in attn.layouts) == (cpu_decode.status() == "native"), "the native kernel takes long prompts"
+        ends = [len(seqs[0]) - 1, len(seqs[0]) + len(seqs[1]) - 1]
+        for b, s in enumerate(seqs):
+            full, _ = model.forward_full(s.unsqueeze(0))  # [1, T, V]
+            torch.testing.assert_close(logits[ends[b]], full[0, -1], atol=ATOL, rtol=0)
+            torch.testing.assert_close(
+                logits[ends[b] - 70 if b == 0 else ends[b] - 3], full[0, -71 if b == 0 else -4], atol=ATOL, rtol=0
+            )
 
 
 def test_tree_mask_forward_equals_chain_forwards(tiny_dirs):
