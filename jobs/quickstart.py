@@ -148,7 +148,7 @@ def _datagen(work: Path, args: argparse.Namespace) -> Path:
         output_dir=str(work / "datagen"),
         limit=args.prompts,
         shuffle_seed=0,
-        backend="transformers",
+        backend="eagleray",
         generation=GenerationConfig(max_tokens=args.max_tokens),
         max_seq_len=512,
         rows_per_shard=16,
