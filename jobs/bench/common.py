@@ -139,3 +139,41 @@ def run_suite(
         write_json(result, args.json, indent=2)
         print(f"wrote {args.json}")
     return result
+
+
+def rises(values: Sequence[float]) -> bool:
+    """Whether every value is above the one before it (τ against data sizes, smallest first)."""
+    return all(b > a for a, b in zip(values, values[1:]))
+
+
+def log_bench_run(
+    experiment: str,
+    run_name: str,
+    job: str,
+    metrics: Iterable[tuple[str, float, int]],
+    record: tuple[str, object],
+    png: Path | None,
+) -> str:
+    """A new MLflow run ``run_name`` (tag eagleray.job = ``job``) in ``experiment`` (the eagleray registry's tracking
+    URI) with ``metrics`` as (key, value, step), the ``record`` (file name, JSON-able object) and ``png`` as
+    artifacts; returns the run id."""
+    import tempfile
+
+    import mlflow
+
+    from eagleray.platform import registry
+
+    registry.configure(None, experiment)
+    client = mlflow.MlflowClient()
+    exp = client.get_experiment_by_name(experiment).experiment_id
+    run = client.create_run(exp, run_name=run_name, tags={"eagleray.job": job})
+    for key, value, step in metrics:
+        client.log_metric(run.info.run_id, key, value, step=step)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / record[0]
+        out.write_text(json.dumps(record[1], indent=2))
+        client.log_artifact(run.info.run_id, str(out))
+    if png is not None:
+        client.log_artifact(run.info.run_id, str(png))
+    client.set_terminated(run.info.run_id)
+    return run.info.run_id

@@ -5,9 +5,10 @@ one point per draft; optionally logged to MLflow with τ as metrics whose step i
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
+from eagleray.jobs.bench import common
+from eagleray.jobs.bench.common import log_bench_run
 from eagleray.jobs.bench.draft_scaling import log
 
 SERIES = (  # (record key, label, style)
@@ -28,8 +29,7 @@ def curve(records: list[dict]) -> list[dict]:
 
 def rises(rows: list[dict], key: str = "tau_mtbench_chain") -> bool:
     """Whether τ grows from every data size to the next."""
-    taus = [r[key] for r in rows]
-    return all(b > a for a, b in zip(taus, taus[1:]))
+    return common.rises([r[key] for r in rows])
 
 
 def plot(rows: list[dict], path: Path) -> Path:
@@ -63,25 +63,9 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 def log_to_mlflow(rows: list[dict], png: Path, experiment: str) -> str:
     """A run holding the PNG, the records and τ (MT-bench, HumanEval) with step = loss tokens; returns its id."""
-    import mlflow
-
-    from eagleray.platform import registry
-
-    registry.configure(None, experiment)
-    client = mlflow.MlflowClient()
-    exp = client.get_experiment_by_name(experiment).experiment_id
-    run = client.create_run(exp, run_name="draft-scaling", tags={"eagleray.job": "bench draft_scaling"})
-    for r in rows:
-        for key in ("tau_mtbench_chain", "tau_humaneval_chain"):
-            if r.get(key) is not None:
-                client.log_metric(run.info.run_id, key, r[key], step=int(r["loss_tokens"]))
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "scaling.json"
-        out.write_text(json.dumps(rows, indent=1))
-        client.log_artifact(run.info.run_id, str(out))
-    client.log_artifact(run.info.run_id, str(png))
-    client.set_terminated(run.info.run_id)
-    return run.info.run_id
+    keys = ("tau_mtbench_chain", "tau_humaneval_chain")
+    metrics = [(k, r[k], int(r["loss_tokens"])) for r in rows for k in keys if r.get(k) is not None]
+    return log_bench_run(experiment, "draft-scaling", "bench draft_scaling", metrics, ("scaling.json", rows), png)
 
 
 def plot_run(records_path: Path, png: Path, experiment: str | None) -> Path:

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import platform as std_platform
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from eagleray.jobs.bench.common import add_engine_arguments, prompt_messages, run_suite
+from eagleray.jobs.bench.common import add_engine_arguments, log_bench_run, prompt_messages, rises, run_suite
 from eagleray.platform.checkpoints.draft import DraftCheckpoint
 from eagleray.platform.checkpoints.guard import ensure_compatible
 from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
@@ -97,7 +96,7 @@ def measure_args(args) -> dict:
         "date": time.strftime("%Y-%m-%d"),
         "plain": rows[0]["plain"],
         "drafts": rows,
-        "tau_rises_with_data": all(b > a for a, b in zip(taus, taus[1:])),
+        "tau_rises_with_data": rises(taus),
         "lossless": all(r["lossless"] for r in rows),
     }
 
@@ -133,29 +132,9 @@ def plot(result: dict, path: Path) -> Path:
 
 def log_to_mlflow(result: dict, experiment: str, png: Path | None) -> str:
     """A run holding the JSON, the PNG and τ / acc_0 with step = loss tokens trained on; returns its id."""
-    import json
-
-    import mlflow
-
-    from eagleray.platform import registry
-
-    registry.configure(None, experiment)
-    client = mlflow.MlflowClient()
-    run = client.create_run(
-        client.get_experiment_by_name(experiment).experiment_id, run_name="bench-scaling", tags={"eagleray.job": "bench scaling"}
-    )
-    for r in result["drafts"]:
-        step = int(r["data_loss_tokens"])
-        client.log_metric(run.info.run_id, "tau", r["tau"], step=step)
-        client.log_metric(run.info.run_id, "acc_0", r["acceptance_per_pos"][0], step=step)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "bench-scaling.json"
-        out.write_text(json.dumps(result, indent=2))
-        client.log_artifact(run.info.run_id, str(out))
-    if png is not None:
-        client.log_artifact(run.info.run_id, str(png))
-    client.set_terminated(run.info.run_id)
-    return run.info.run_id
+    steps = [(r, int(r["data_loss_tokens"])) for r in result["drafts"]]
+    metrics = [(k, v, step) for r, step in steps for k, v in (("tau", r["tau"]), ("acc_0", r["acceptance_per_pos"][0]))]
+    return log_bench_run(experiment, "bench-scaling", "bench scaling", metrics, ("bench-scaling.json", result), png)
 
 
 def print_table(r: dict) -> None:

@@ -54,6 +54,16 @@ class BlockManager:
         self._release(seq, extra)
         return len(extra)
 
+    def compaction(self, seq: Sequence, src_positions: list[int], start: int) -> list[tuple[int, int]]:
+        """(from slot, to slot) moves that bring the KV of ``src_positions`` to positions ``start``, ``start`` + 1, ...
+        (an accepted tree path, contiguous after the moves); positions already in place are left out."""
+        bs = self.block_size
+
+        def slot(pos: int) -> int:
+            return seq.block_table[pos // bs] * bs + pos % bs
+
+        return [(slot(s), slot(start + i)) for i, s in enumerate(src_positions) if s != start + i]
+
     def free(self, seq: Sequence) -> None:
         """Release every block of a finished or preempted sequence."""
         self._release(seq, seq.block_table)

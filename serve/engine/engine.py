@@ -23,7 +23,7 @@ from eagleray.serve.engine.draft_slot import DraftSlot
 from eagleray.serve.engine.metrics import EngineMetrics
 from eagleray.serve.engine.model_runner import TargetRunner
 from eagleray.serve.engine.outputs import CapturedHidden, Detokenizer, RequestOutput, make_output
-from eagleray.serve.engine.policy import AcceptanceWatchdog, AdaptivePolicy
+from eagleray.serve.engine.policy import AdaptivePolicy
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.sampling import SamplingParams
 from eagleray.serve.engine.scheduler import ScheduledBatch, Scheduler
@@ -32,6 +32,7 @@ from eagleray.serve.engine.spec_context import SeqResult
 from eagleray.serve.engine.spec_step import chain_step, tree_step
 from eagleray.serve.engine.startup import PREFILL_REPLAY_ROWS, CpuThreads, configure_heap, default_num_blocks, use_rows
 from eagleray.serve.engine.target_steps import TargetSteps
+from eagleray.serve.engine.watchdog import AcceptanceWatchdog
 
 logger = logging.getLogger(__name__)
 Prompt = str | list[int] | list[dict]  # text, token ids, or OpenAI chat messages
@@ -309,7 +310,9 @@ class LLMEngine:
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         if res.src_positions is not None:
-            self._compact(seq, res.src_positions[: len(kept)], old_cached)
+            moves = self.blocks.compaction(seq, res.src_positions[: len(kept)], old_cached)  # a tree's accepted path
+            if moves:
+                self.target.move_kv(*(torch.tensor(x, dtype=torch.int64, device=self.device) for x in zip(*moves)))
         seq.num_cached = seq.num_tokens - 1
         if self.drafts.spec is not None and res.aux is not None:
             seq.append_aux(res.aux.head(seq.num_cached - old_cached))  # the newly committed positions' rows
@@ -330,26 +333,11 @@ class LLMEngine:
             self._seqs.pop(seq.request_id, None)
         out = make_output(seq, kept, text, delta_text)
         if out.finished and seq.captured is not None:
-            out.hidden = self._captured(seq)
+            out.hidden = CapturedHidden.take(seq, self.capture_width, self.aux_layer_ids)
         cb = self._callbacks.pop(out.request_id, None) if out.finished else self._callbacks.get(out.request_id)
         if cb is not None:
             cb(out)
         return out
-
-    def _captured(self, seq: Sequence) -> CapturedHidden:
-        """A finished captured sequence's rows, split into the draft's aux and the target's final state."""
-        rows = torch.cat(seq.captured)  # [T, A + H]; never empty: the prefill committed the prompt's rows
-        seq.captured = None
-        h = self.capture_width
-        return CapturedHidden(rows[:, :-h], rows[:, -h:], list(self.target.model.aux_layer_ids))
-
-    def _compact(self, seq: Sequence, src_positions: list[int], start: int) -> None:
-        bs = self.blocks.block_size
-        slot = lambda pos: seq.block_table[pos // bs] * bs + pos % bs  # noqa: E731
-        pairs = [(slot(s), slot(start + i)) for i, s in enumerate(src_positions) if s != start + i]
-        if pairs:
-            src, dst = (torch.tensor(x, dtype=torch.int64, device=self.device) for x in zip(*pairs))
-            self.target.move_kv(src, dst)
 
     def close(self) -> None:
         """Release the target's tensor-parallel workers (idempotent; no-op for one rank)."""

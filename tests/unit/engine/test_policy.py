@@ -8,7 +8,8 @@ import pytest
 
 from eagleray.platform.config.schemas import PolicyConfig
 from eagleray.serve.engine import SamplingParams
-from eagleray.serve.engine.policy import AcceptanceWatchdog, AdaptivePolicy, bucket
+from eagleray.serve.engine.policy import AdaptivePolicy, bucket
+from eagleray.serve.engine.watchdog import AcceptanceWatchdog
 
 from .conftest import PROMPTS, make_engine
 
