@@ -87,12 +87,8 @@ class TargetRunner:
     def __init__(
         self, model: LlamaModel, num_blocks: int, block_size: int, max_rows: int = 0, max_blocks: int = 0, tail_width: int = 0
     ):
-        self.model = fuse_for_inference(model)
+        self.model, self.device, self.kv = prepare_for_steps(model, num_blocks, block_size)
         self.block_size = block_size
-        self.device = model.norm.weight.device
-        if self.device.type == "cpu" and cpu_decode.status() == "native":
-            pack_for_cpu(self.model)  # at load, not in the first request's steps
-        self.kv: KVCache = model.make_kv_cache(num_blocks, block_size)
         self.workers = getattr(model, "tp_workers", None)  # TPWorkers on rank 0 of a tensor-parallel target
         self.runner_id = None
         if self.workers is not None:
@@ -174,12 +170,8 @@ class DraftRunner:
     def __init__(
         self, draft: Eagle3Draft, num_blocks: int, block_size: int, max_rows: int = 0, max_blocks: int = 0, tail_width: int = 0
     ):
-        self.draft = fuse_for_inference(draft)
+        self.draft, self.device, self.kv = prepare_for_steps(draft, num_blocks, block_size)
         self.block_size = block_size
-        self.device = draft.norm.weight.device
-        if self.device.type == "cpu" and cpu_decode.status() == "native":
-            pack_for_cpu(self.draft)
-        self.kv: KVCache = draft.make_kv_cache(num_blocks, block_size)
         self.max_rows = max_rows
         self.rows: DraftGraphRunner | None = None
         if max_rows > 0:
@@ -211,6 +203,20 @@ class DraftRunner:
     @property
     def d2t(self) -> torch.Tensor:
         return self.draft.d2t
+
+
+def prepare_for_steps(
+    module: LlamaModel | Eagle3Draft, num_blocks: int, block_size: int
+) -> tuple[LlamaModel | Eagle3Draft, torch.device, KVCache]:
+    """A target or draft made ready for engine steps -> (the module fused for inference, its device, its paged
+    KV cache of ``num_blocks`` x ``block_size``). On a CPU with the native kernels its weights are packed here,
+    at load, not in the first request's steps."""
+    module = fuse_for_inference(module)
+    device = module.norm.weight.device
+    if device.type == "cpu" and cpu_decode.status() == "native":
+        pack_for_cpu(module)
+    kv: KVCache = module.make_kv_cache(num_blocks, block_size)
+    return module, device, kv
 
 
 def row_buckets(max_rows: int) -> tuple[int, ...]:
