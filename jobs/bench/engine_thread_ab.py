@@ -3,7 +3,7 @@ Serve config, plain), 8 chat prompts of ~150 tokens, prefill and batch-1 decode 
 built in the main thread and stepped in a worker thread (the Serve replica before AsyncEngine.build) or built and
 stepped in the worker. Each mode in its own process, alternating, OMP_NUM_THREADS=1 as Ray sets it for a replica.
 
-    python docs/bench/engine_thread_ab.py --rounds 3 --json docs/bench/engine-thread-ab.json
+    python -m eagleray.jobs.bench.engine_thread_ab --rounds 3 --json docs/bench/engine-thread-ab.json
 """
 
 from __future__ import annotations

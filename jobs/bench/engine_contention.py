@@ -10,7 +10,7 @@ step timed while something else runs beside it:
 
 Modes alternate within a round; each round is one process (the engine built once, in its stepping thread).
 
-    python docs/bench/engine_contention.py --rounds 2 --json docs/bench/engine-contention.json
+    python -m eagleray.jobs.bench.engine_contention --rounds 2 --json docs/bench/engine-contention.json
 """
 
 from __future__ import annotations
