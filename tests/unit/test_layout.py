@@ -233,3 +233,31 @@ def test_pyproject_lists_exactly_the_package_folders():
     found = {"eagleray"} | {"eagleray." + ".".join(p.parent.relative_to(REPO).parts) for p in _modules()}
     found.add("eagleray.jobs.configs")  # package data only (the shipped YAML configs)
     assert listed == found, f"missing from pyproject: {sorted(found - listed)}; listed but absent: {sorted(listed - found)}"
+
+
+def undocumented_modules(doc: str, paths: list[Path]) -> list[str]:
+    """Modules whose name docs/architecture.md does not mention (a bench module as ``_train`` counts for
+    ``draft_scaling_train``: the page names a family's members by their suffix)."""
+    words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", doc))
+    missing = []
+    for p in paths:
+        stem = p.stem
+        if stem in ("__init__", "__main__") or stem in words:
+            continue
+        if any(stem.endswith(w) and w.startswith("_") and stem.removesuffix(w) in words for w in words):
+            continue
+        missing.append(str(p.relative_to(REPO)))
+    return missing
+
+
+def test_architecture_page_names_every_module():
+    """docs/architecture.md describes the tree that is there: every product module and test-support module is named."""
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    paths = _modules(TOP + ["tests/support"])
+    missing = undocumented_modules(doc, paths)
+    assert not missing, f"name these modules (what each holds) in docs/architecture.md: {missing}"
+
+
+def test_architecture_page_check_catches_a_new_module():
+    paths = [REPO / "serve" / "engine" / "brand_new_part.py", REPO / "jobs" / "bench" / "draft_scaling_train.py"]
+    assert undocumented_modules("`draft_scaling` (+ `_train`)", paths) == ["serve/engine/brand_new_part.py"]
