@@ -17,7 +17,7 @@ from eagleray.serve.engine.model_runner import DraftRunner, TargetRunner, row_bu
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.spec_context import SpecContext
 from eagleray.serve.engine.startup import CpuThreads
-from eagleray.serve.engine.verify import Verifier
+from eagleray.serve.engine.verifier import Verifier
 
 
 class DraftSlot:

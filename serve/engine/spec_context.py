@@ -14,7 +14,7 @@ from eagleray.serve.engine.model_runner import DraftRunner, TargetRunner
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.sequence import AuxRows, Sequence
 from eagleray.serve.engine.startup import CpuThreads
-from eagleray.serve.engine.verify import Verifier
+from eagleray.serve.engine.verifier import Verifier
 
 
 class StepClock:

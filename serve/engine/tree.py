@@ -7,7 +7,7 @@ the row step - as M+1 rows (:func:`tree_rows`): node i's K/V go to the sequence'
 past the committed tokens), and its row, at position start + depth, reads its ancestors there through its tail,
 so its logits are bitwise a plain row's at that position; the accepted path's K/V are then moved to their positions.
 
-Verification is the kernels' ``verify_tree`` (see :meth:`eagleray.serve.engine.verify.Verifier.tree`).
+Verification is the kernels' ``verify_tree`` (see :meth:`eagleray.serve.engine.verifier.Verifier.tree`).
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def test_sampled_spec_follows_target(target, tokenizer, copy_draft, exact, tree,
 
 
 def test_broken_verifier_is_detected(target, tokenizer, copy_draft, exact, monkeypatch):
-    from eagleray.serve.engine.verify import Verifier
+    from eagleray.serve.engine.verifier import Verifier
 
     real = Verifier.chain
 
