@@ -30,7 +30,7 @@ from torch import nn
 
 from eagleray.platform.checkpoints.draft import DraftCheckpoint
 from eagleray.platform.errors import EaglerayError
-from eagleray.platform.models import cpu_layer
+from eagleray.platform.models import native_layer
 from eagleray.platform.models.arch import LlamaArch, parse_dtype
 from eagleray.platform.models.attention import AttentionMetadata, KVCache
 from eagleray.platform.models.layers import MLP, RMSNorm, SelfAttention
@@ -86,7 +86,7 @@ class Eagle3Layer(nn.Module):
     def forward(
         self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, cache
     ) -> torch.Tensor:  # embeds, hidden [T, H] -> pre-norm [T, H]
-        fused = cpu_layer.forward(self, hidden, positions, attn, cache, embeds)  # a CPU decode step's: one native call
+        fused = native_layer.forward(self, hidden, positions, attn, cache, embeds)  # a CPU decode step's: one native call
         if fused is not None:
             return fused  # [T, H]
         normed_hidden = self.hidden_norm(hidden)  # [T, H]

@@ -7,7 +7,7 @@ from torch import nn
 
 from eagleray.kernels import cpu_decode, cpu_gemm
 from eagleray.platform.errors import EaglerayError
-from eagleray.platform.models import cpu_layer
+from eagleray.platform.models import native_layer
 from eagleray.platform.models.arch import LlamaArch
 from eagleray.platform.models.attention import AttentionMetadata, paged_attention
 from eagleray.platform.models.rope import RotaryEmbedding
@@ -136,7 +136,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, cache: KVLayer | None
     ) -> torch.Tensor:  # h [T, H] -> [T, H]
-        fused = cpu_layer.forward(self, h, positions, attn, cache)  # a CPU decode step's layer in one native call
+        fused = native_layer.forward(self, h, positions, attn, cache)  # a CPU decode step's layer in one native call
         if fused is not None:
             return fused  # [T, H]
         h = h + self.self_attn(self.input_layernorm(h), positions, attn, cache)  # [T, H]

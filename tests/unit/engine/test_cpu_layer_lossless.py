@@ -1,4 +1,4 @@
-"""The CPU engine's decode-sized forwards on the native decoder layer (platform/models/cpu_layer): plain greedy and
+"""The CPU engine's decode-sized forwards on the native decoder layer (platform/models/native_layer): plain greedy and
 speculative greedy (chain and tree) both verify every row on it, the draft's decode-sized forwards (catch-up, chain
 steps, tree levels) take it too, and the outputs are equal token for token."""
 

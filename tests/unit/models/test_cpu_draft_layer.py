@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft's layer on the CPU decode path in one native call (platform/models/cpu_layer, eagle3.Eagle3Layer):
+"""The EAGLE-3 draft's layer on the CPU decode path in one native call (platform/models/native_layer, eagle3.Eagle3Layer):
 the draft's decode-sized forwards (catch-up rows, chain rows) on it equal its PyTorch layer (atol/rtol 1e-4 on hidden
 states of magnitude ~1-10, either residual), a row is bitwise the same alone or beside others, and the draft layers
 the rule keeps on PyTorch (unfused, tensor parallelism, a non-fp32 hidden norm, head shapes, a prefill) run their own
@@ -13,7 +13,7 @@ from eagleray.kernels import cpu_decode, cpu_decode_build
 from eagleray.kernels import cpu_layer as kernel
 from eagleray.platform.checkpoints.draft_factory import make_random_draft
 from eagleray.platform.checkpoints.target import TargetSpec
-from eagleray.platform.models import cpu_layer
+from eagleray.platform.models import native_layer
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.eagle3 import Eagle3Draft, Eagle3Layer
 from eagleray.platform.models.layers import fuse_for_inference
@@ -85,7 +85,7 @@ def _forward(draft: Eagle3Draft, kv, query_lens: list[int], seed: int = 1):
 
 
 def _pytorch_layer(monkeypatch):
-    monkeypatch.setattr(cpu_layer, "forward", lambda *a: None)
+    monkeypatch.setattr(native_layer, "forward", lambda *a: None)
 
 
 @pytest.mark.parametrize("norm_before_residual", [False, True])
@@ -131,12 +131,12 @@ def _bf16_hidden_norm(draft):
 def test_draft_layers_the_rule_keeps_on_pytorch(draft, case):
     layer, reason = case(draft)
     cache = (torch.zeros(12, 4, 2, 16), torch.zeros(12, 4, 2, 16))
-    assert reason in (cpu_layer.layer_reason(layer, cache) or "")
+    assert reason in (native_layer.layer_reason(layer, cache) or "")
 
 
 def test_a_draft_of_an_unsupported_head_dim_runs_its_own_forward(tmp_path_factory, native, calls, monkeypatch):
     wide = _make_draft(tmp_path_factory, hidden=96)  # 4 heads of 24
-    assert "head_dim 24" in (cpu_layer.layer_reason(wide.midlayer, (wide.make_kv_cache(12, 4).k[0],) * 2) or "")
+    assert "head_dim 24" in (native_layer.layer_reason(wide.midlayer, (wide.make_kv_cache(12, 4).k[0],) * 2) or "")
     g = torch.Generator().manual_seed(3)
     ids, h = torch.randint(0, 96, (3,), generator=g), torch.randn(3, 96, generator=g)
     meta = lambda: AttentionMetadata.build([1, 1, 1], [0] * 3, TABLES, 4)  # noqa: E731
@@ -150,5 +150,5 @@ def test_a_draft_of_an_unsupported_head_dim_runs_its_own_forward(tmp_path_factor
 def test_the_draft_prefill_keeps_the_pytorch_layer(draft, native, calls):
     _prefilled(draft)
     assert calls == [], "a prefill (BLAS GEMMs) is not decode-sized: the forward rule keeps PyTorch"
-    assert cpu_layer.unfused_reason(draft.midlayer, torch.zeros(3, 64), AttentionMetadata.build([1] * 3, [PROMPT] * 3, TABLES, 4),
+    assert native_layer.unfused_reason(draft.midlayer, torch.zeros(3, 64), AttentionMetadata.build([1] * 3, [PROMPT] * 3, TABLES, 4),
                                     (torch.zeros(12, 4, 2, 16),) * 2) is None  # fmt: skip

@@ -1,4 +1,4 @@
-"""The CPU decode step's decoder layer in one native call (platform/models/cpu_layer): the model's decode and
+"""The CPU decode step's decoder layer in one native call (platform/models/native_layer): the model's decode and
 verification forwards on it equal the PyTorch layers (atol/rtol 1e-4 on hidden states of magnitude ~1-10), and the
 rule that keeps the PyTorch layer for what it does not cover (prefill, biases, qk-norm, sliding window, tensor
 parallelism, other dtypes, autograd, no cache, wide trees, head shapes), each case taking the path it names."""
@@ -13,7 +13,7 @@ import torch
 
 from eagleray.kernels import cpu_decode, cpu_decode_build
 from eagleray.kernels import cpu_layer as kernel
-from eagleray.platform.models import cpu_layer
+from eagleray.platform.models import native_layer
 from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.layers import DecoderLayer, fuse_for_inference
 from eagleray.platform.models.llama import LlamaModel
@@ -64,7 +64,7 @@ def _forward(model, kv, query_lens, tree_masks=None):
 
 
 def _pytorch_layers(monkeypatch):
-    monkeypatch.setattr(cpu_layer, "forward", lambda *a: None)
+    monkeypatch.setattr(native_layer, "forward", lambda *a: None)
 
 
 TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
@@ -118,7 +118,7 @@ def test_forwards_the_rule_keeps_on_the_pytorch_layers(native, case):
     if kw.get("mode"):
         cpu_decode.configure(kw["mode"])
     with torch.enable_grad(), cpu_decode.blas_gemms() if case == "prefill" else contextlib.nullcontext():
-        got = cpu_layer.forward_reason(h, meta, cache)
+        got = native_layer.forward_reason(h, meta, cache)
     assert got is not None and reason in got, got
 
 
@@ -126,7 +126,7 @@ def test_the_rule_takes_the_native_layer_for_a_plain_llama_decode(native):
     model = _model()
     meta = AttentionMetadata.build([1, 1], [PROMPT] * 2, TABLES[:2], 4)
     cache = (torch.zeros(12, 4, 2, 16), torch.zeros(12, 4, 2, 16))
-    assert cpu_layer.unfused_reason(model.layers[0], torch.zeros(2, 64), meta, cache) is None
+    assert native_layer.unfused_reason(model.layers[0], torch.zeros(2, 64), meta, cache) is None
 
 
 LAYER_CASES = {
@@ -147,7 +147,7 @@ def test_layers_the_rule_keeps_on_pytorch_run_their_own_forward(native, calls, m
     kv = _prefilled(model, cache_dtype)
     cache = (kv.k[0], kv.v[0])
     meta = AttentionMetadata.build([1, 1, 1], [PROMPT] * 3, TABLES, 4)
-    assert reason in (cpu_layer.unfused_reason(model.layers[0], torch.zeros(3, model.arch.hidden_size), meta, cache) or "")
+    assert reason in (native_layer.unfused_reason(model.layers[0], torch.zeros(3, model.arch.hidden_size), meta, cache) or "")
     got = _forward(model, kv, [2, 2, 2])
     assert calls == [], "the native layer must not run"
     _pytorch_layers(monkeypatch)
@@ -158,8 +158,8 @@ def test_tensor_parallel_and_unfused_layers_keep_pytorch(native):
     arch = _model().arch
     tp_layer = fuse_for_inference(DecoderLayer(arch, TPInfo(rank=0, world=2)))
     cache = (torch.zeros(12, 4, 1, 16), torch.zeros(12, 4, 1, 16))
-    assert cpu_layer.layer_reason(tp_layer, cache) == "tensor parallelism"
-    assert cpu_layer.layer_reason(DecoderLayer(arch, TPInfo()), cache).startswith("q/k/v or gate/up not fused")
-    assert cpu_layer.layer_reason(fuse_for_inference(DecoderLayer(replace(arch, dtype=torch.bfloat16), TPInfo())), cache) == (
+    assert native_layer.layer_reason(tp_layer, cache) == "tensor parallelism"
+    assert native_layer.layer_reason(DecoderLayer(arch, TPInfo()), cache).startswith("q/k/v or gate/up not fused")
+    assert native_layer.layer_reason(fuse_for_inference(DecoderLayer(replace(arch, dtype=torch.bfloat16), TPInfo())), cache) == (
         "weights or cache not fp32"
     )
