@@ -81,15 +81,18 @@ def trained_until(cfg: AdaptConfig) -> int:
 
 
 def held_out_prompts(snapshot: Path, fraction: float, limit: int) -> list[list[int]]:
-    """Prompt token ids (the tokens before the answer) of the held-out captured requests."""
+    """Prompt token ids (the tokens before the answer) of the held-out captured requests, each prompt once
+    (requests of one prompt, e.g. several sampled answers, would weigh it several times in a greedy gate)."""
     from eagleray.training.data import iter_rows, shard_files
 
-    out = []
+    out, seen = [], set()
     for row in iter_rows(shard_files(snapshot), split="eval", eval_fraction=fraction, shuffle=False):
         mask = row["loss_mask"]
         start = next((i for i, m in enumerate(mask) if m), len(mask))
-        if start:
-            out.append(list(row["input_ids"][:start]))
+        prompt = tuple(row["input_ids"][:start])
+        if start and prompt not in seen:
+            seen.add(prompt)
+            out.append(list(prompt))
         if len(out) >= limit:
             break
     return out

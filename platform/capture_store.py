@@ -10,7 +10,8 @@ reads a time window of them as a training dataset. Layout of a capture directory
                                           fingerprints, aux_layer_ids, hidden_size, first_ms, last_ms
     adapt/last.json                       the adaptation loop's last decision (read by serving metrics)
 
-A row is a request: ``prompt_id`` its request id, ``source`` 'traffic', ``input_ids`` prompt +
+A row is a request: ``prompt_id`` a hash of its prompt tokens (serve/capture.prompt_key: requests of one
+prompt share it, so the hold-out split keeps them together), ``source`` 'traffic', ``input_ids`` prompt +
 output without the last output token (the target never ran it), ``loss_mask`` 1 over the output,
 ``aux_hidden`` / ``final_hidden`` the target's states the engine computed while serving it.
 :func:`snapshot` turns a window into a dataset directory ``eagleray train`` reads (manifest.json,

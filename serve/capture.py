@@ -15,11 +15,13 @@ of the rest a ``rate`` share drawn per request. What a row holds: see platform/c
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import random
 import time
 from typing import Any
 
+import numpy as np
 import ray
 from ray.exceptions import RayError
 
@@ -30,6 +32,12 @@ from eagleray.serve.prometheus import ServeMetrics
 from eagleray.serve.serving_config import CaptureConfig
 
 logger = logging.getLogger(__name__)
+
+
+def prompt_key(prompt_ids: list[int]) -> str:
+    """A row's ``prompt_id``: a hash of the prompt's tokens, so that requests of one prompt (retries, several
+    sampled answers) share it and the hold-out split by ``prompt_id`` keeps them on one side of the gate."""
+    return "prompt-" + hashlib.sha256(np.asarray(prompt_ids, dtype=np.int64).tobytes()).hexdigest()[:20]
 
 
 def shard_row(request_id: str, prompt_ids: list[int], out: RequestOutput) -> dict[str, Any] | str:
@@ -43,7 +51,7 @@ def shard_row(request_id: str, prompt_ids: list[int], out: RequestOutput) -> dic
     if len(out.token_ids) < 2:
         return "too_short"  # no answer token left to learn once the last one is cut
     return {
-        "prompt_id": request_id,
+        "prompt_id": prompt_key(prompt_ids),
         "source": "traffic",
         "response": out.text,
         "num_tokens": n,

@@ -6,6 +6,7 @@
         the first --traffic HumanEval prompts (and --code-sharegpt code requests from ShareGPT), --concurrency
         clients; throughput = generated tokens / wall time;
         --overhead-rounds R: R rounds in ABBA order, each pass on a fresh replica, tokens/s summed per mode
+    [2b] --traffic-samples S: the traffic prompts S more times, sampled (a seed per request), captured too
     [3] the adaptation loop (jobs/adapt.adapt_once) on the captured traffic: fine-tune, gate, alias
     [4] the traffic again: the app hot-swaps through its alias poller (τ over time, no failed request)
     [5] after: τ of the draft now @champion on the same held-out HumanEval prompts and MT-bench
@@ -52,6 +53,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
         default=1,
         help="rounds of one capture-off and one capture-on pass (ABBA order, a fresh replica before each pass); "
         "the last pass captures the traffic the loop trains on, earlier capture-on passes go to a scratch directory",
+    )
+    p.add_argument(
+        "--traffic-samples",
+        type=int,
+        default=0,
+        help="after the overhead rounds, the traffic prompts sent this many more times on the capturing replica "
+        "(sampled at --traffic-temperature, a seed per request, --traffic-max-tokens): more of the target's own "
+        "answers to the same prompts for the loop to train on",
+    )
+    p.add_argument("--traffic-temperature", type=float, default=0.8, help="sampling temperature of --traffic-samples")
+    p.add_argument(
+        "--traffic-max-tokens", type=int, default=None, help="max_tokens of the --traffic-samples requests (default --max-tokens)"
     )
     p.add_argument("--train-steps", type=int, default=200)
     p.add_argument("--learning-rate", type=float, default=1e-4)
@@ -122,11 +135,38 @@ def register_champion(args, work: Path, spec) -> tuple[str, Path]:
     return uri, src
 
 
-def load(url: str, prompts: list, args, phase: str, record: list[dict]) -> dict[str, float]:
-    """Send ``prompts`` with --concurrency clients; every answer recorded (time, τ, draft, status)."""
+def requests(prompts: list, max_tokens: int) -> list[dict]:
+    """Greedy chat requests of ``prompts`` (the overhead passes and the pass after the swap)."""
+    return [{"messages": m, "max_tokens": max_tokens, "temperature": 0} for m in prompts]
+
+
+def sampled_requests(prompts: list, samples: int, temperature: float, max_tokens: int) -> list[dict]:
+    """--traffic-samples: each prompt ``samples`` times, sampled with a distinct seed per request (so that repeats
+    of a prompt are different answers of the target); greedy only when ``samples`` is 1."""
+    if samples < 0:
+        raise ValueError(f"--traffic-samples must be >= 0, got {samples}")
+    if temperature < 0 or (temperature == 0 and samples > 1):
+        raise ValueError(
+            f"--traffic-temperature {temperature} with --traffic-samples {samples}: greedy repeats are identical answers; "
+            "use a temperature > 0 (or --traffic-samples 1)"
+        )
+    return [
+        {
+            "messages": m,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            **({"seed": s * len(prompts) + i} if temperature else {}),
+        }
+        for s in range(samples)
+        for i, m in enumerate(prompts)
+    ]
+
+
+def load(url: str, bodies: list[dict], args, phase: str, record: list[dict]) -> dict[str, float]:
+    """Send the request ``bodies`` with --concurrency clients; every answer recorded (time, τ, draft, status)."""
     import httpx
 
-    todo = list(enumerate(prompts))
+    todo = list(enumerate(bodies))
     lock = threading.Lock()
     tokens = failed = 0
 
@@ -136,9 +176,8 @@ def load(url: str, prompts: list, args, phase: str, record: list[dict]) -> dict[
             with lock:
                 if not todo:
                     return
-                i, msgs = todo.pop(0)
-            body = {"model": "eagleray", "messages": msgs, "max_tokens": args.max_tokens, "temperature": 0}
-            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
+                i, body = todo.pop(0)
+            r = httpx.post(url + "/v1/chat/completions", json={"model": "eagleray", **body}, timeout=600)
             ok = r.status_code == 200
             ext = r.json().get("eagleray", {}) if ok else {}
             with lock:
@@ -155,7 +194,7 @@ def load(url: str, prompts: list, args, phase: str, record: list[dict]) -> dict[
     for t in threads:
         t.join()
     seconds = time.perf_counter() - t0
-    log(f"  {phase}: {len(prompts)} requests, {tokens} tokens in {seconds:.1f}s = {tokens / seconds:.2f} tok/s, {failed} failed")
+    log(f"  {phase}: {len(bodies)} requests, {tokens} tokens in {seconds:.1f}s = {tokens / seconds:.2f} tok/s, {failed} failed")
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "failed": failed}
 
 
@@ -168,7 +207,7 @@ def adapt_config(args, capture_dir: Path, work: Path, uri: str):
             "capture_path": str(capture_dir),
             "work_dir": str(work / "adapt"),
             "target": {"model": args.target, "device": "cpu"},
-            "min_new_requests": max(1, (args.traffic + args.code_sharegpt) // 2),
+            "min_new_requests": max(1, (args.traffic + args.code_sharegpt) * (1 + args.traffic_samples) // 2),
             "held_out_fraction": 0.2,
             "max_held_out": 16,
             "control": ["mtbench"],
@@ -235,7 +274,8 @@ def plot(record: list[dict], swap_t: float | None, out: str) -> None:
 
     t0 = record[0]["t"]
     fig, ax = plt.subplots(figsize=(8, 4))
-    for phase, color in (("capture off", "grey"), ("capture on", "C0"), ("after adaptation", "C2")):
+    phases = (("capture off", "grey"), ("capture on", "C0"), ("capture on, samples", "C1"), ("after adaptation", "C2"))
+    for phase, color in phases:
         pts = [(r["t"] - t0, r["tau"]) for r in record if r["phase"] == phase and r["tau"] is not None]
         if pts:
             ax.scatter(*zip(*pts), s=10, color=color, label=phase)
@@ -270,6 +310,9 @@ def run(argv: list[str]) -> dict[str, Any]:
     traffic, held = humaneval[: args.traffic], humaneval[len(humaneval) - args.held_out :]
     traffic += sharegpt_code(args.code_sharegpt) if args.code_sharegpt else []
     mtbench = messages("mtbench", 0, args.mtbench)
+    base = requests(traffic, args.max_tokens)
+    extra = sampled_requests(traffic, args.traffic_samples, args.traffic_temperature, args.traffic_max_tokens or args.max_tokens)
+    volume = len(base) + len(extra)  # the requests the loop's capture holds
     log(f"[0] registry {work / 'mlflow.db'}: champion {args.champion}")
     uri, champ_dir = register_champion(args, work, spec)
     log(f"[1] before: τ of the champion on {len(held)} held-out HumanEval and {len(mtbench)} MT-bench prompts")
@@ -293,12 +336,16 @@ def run(argv: list[str]) -> dict[str, Any]:
             if i:  # a fresh replica before every pass, so that no pass runs on a warmer app than another
                 serve.run(build(serving(args, uri, capture_to(i))), name=APP_NAME, route_prefix="/", blocking=False)
                 wait_ready(url, None, 600)  # serve.run returned with the new replica running
-            passes[mode].append(load(url, traffic, args, f"capture {mode}", record))
+            passes[mode].append(load(url, base, args, f"capture {mode}", record))
         off, on = passes["off"], passes["on"]
         cost = overhead(off, on)
         log(f"  capture overhead {cost['overhead']:+.1%} (per round {', '.join(f'{c:+.1%}' for c in cost['per_round'])})")
+        sampled = None
+        if extra:  # the capturing replica of the last pass: more answers to the same prompts for the loop
+            log(f"[2b] {len(extra)} more traffic requests ({args.traffic_samples} per prompt), captured")
+            sampled = load(url, extra, args, "capture on, samples", record)
         deadline = time.monotonic() + 120
-        while capture_store.count_rows(capture_store.list_shards(capture_dir)) < len(traffic) and time.monotonic() < deadline:
+        while capture_store.count_rows(capture_store.list_shards(capture_dir)) < volume and time.monotonic() < deadline:
             time.sleep(1)
         captured = capture_store.count_rows(capture_store.list_shards(capture_dir))
         metrics = httpx.get(url + "/health", timeout=30).json()["metrics"]
@@ -308,7 +355,7 @@ def run(argv: list[str]) -> dict[str, Any]:
         decision = adapt_once(cfg, emit=log)
         swap_t = time.time() if decision.action == "promote" else None
         log(f"[4] the traffic again ({'the app hot-swaps to ' + decision.candidate if swap_t else 'no new draft'})")
-        again = load(url, traffic, args, "after adaptation", record)
+        again = load(url, base, args, "after adaptation", record)
     finally:
         stop_local()
     now = registry.resolve_draft("models:/shift-draft@champion", spec, tracking_uri=uri)
@@ -323,16 +370,18 @@ def run(argv: list[str]) -> dict[str, Any]:
         "tau_mtbench_after": after["mtbench"],
         "tau_code_gain": after["code"] / before["code"] - 1 if before["code"] else None,
         "tau_mtbench_change": after["mtbench"] / before["mtbench"] - 1 if before["mtbench"] else None,
-        "failed_requests": sum(p["failed"] for p in off + on + [again]),
+        "failed_requests": sum(p["failed"] for p in off + on + [again] + ([sampled] if sampled else [])),
         "captured_requests": captured,
+        "captured_tokens": decision.window.get("loss_tokens"),
         "capture_overhead": cost["overhead"],
         "capture_overhead_per_round": cost["per_round"],
-        "throughput": {"capture_off": off, "capture_on": on, "after_adaptation": again},
-        "requests_sent": sum(len(p) for p in (off, on)) * len(traffic) + len(traffic),
+        "throughput": {"capture_off": off, "capture_on": on, "samples": sampled, "after_adaptation": again},
+        "requests_sent": (len(off) + len(on) + 1) * len(base) + len(extra),
         "decision": decision.to_dict(),
         "served_draft_versions": served_versions,
-        "traffic_requests": len(traffic),
-        "traffic_sources": {"humaneval": args.traffic, "sharegpt_code": args.code_sharegpt},
+        "traffic_requests": volume,
+        "traffic_prompts": len(traffic),
+        "traffic_sources": {"humaneval": args.traffic, "sharegpt_code": args.code_sharegpt, "samples": len(extra)},
         "settings": vars(args),
         "requests": record,
         "wall_s": time.time() - t_start,

@@ -65,3 +65,23 @@ def test_code_requests_from_sharegpt_are_first_user_turns_asking_for_code(tmp_pa
     humaneval = {m[-1]["content"] for m in bench.messages("humaneval", 0, None)}
     assert not humaneval & set(texts)
     assert _cfg(tmp_path, "--traffic", "100", "--code-sharegpt", "200").min_new_requests == 150
+
+
+def test_traffic_samples_repeat_every_prompt_with_its_own_seed_and_greedy_repeats_are_refused(tmp_path):
+    """--traffic-samples S: each traffic prompt S more times, a distinct seed per request (distinct answers of the
+    target), at --traffic-max-tokens; S greedy repeats would be S identical answers, so they are refused."""
+    prompts = [[{"role": "user", "content": f"p{i}"}] for i in range(3)]
+    bodies = bench.sampled_requests(prompts, 4, 0.8, 256)
+    assert len(bodies) == 12 and [b["messages"] for b in bodies[:3]] == prompts == [b["messages"] for b in bodies[9:]]
+    assert len({b["seed"] for b in bodies}) == 12 and all(b["max_tokens"] == 256 and b["temperature"] == 0.8 for b in bodies)
+    assert bench.sampled_requests(prompts, 0, 0.8, 64) == []
+    assert "seed" not in bench.sampled_requests(prompts, 1, 0.0, 256)[0]  # one greedy pass at a longer length
+    for samples, temperature in ((2, 0.0), (-1, 0.8), (1, -0.5)):
+        try:
+            bench.sampled_requests(prompts, samples, temperature, 64)
+        except ValueError as err:
+            assert "--traffic-" in str(err)
+        else:
+            raise AssertionError(f"samples {samples}, temperature {temperature} accepted")
+    assert bench.requests(prompts, 64)[0] == {"messages": prompts[0], "max_tokens": 64, "temperature": 0}
+    assert _cfg(tmp_path, "--traffic", "100", "--traffic-samples", "3").min_new_requests == 200

@@ -102,3 +102,36 @@ def test_adapt_status_round_trip(tmp_path):
     capture_store.write_adapt_status(tmp_path, {"promoted": True, "at": 1.0})
     assert capture_store.read_adapt_status(tmp_path) == {"promoted": True, "at": 1.0}
     assert json.loads((tmp_path / "adapt" / "last.json").read_text())["promoted"] is True
+
+
+def _served(prompt: list[int], answer: list[int]):
+    from eagleray.serve.engine.outputs import CapturedHidden, RequestOutput
+
+    n = len(prompt) + len(answer) - 1
+    hidden = CapturedHidden(torch.randn(n, N_AUX * H), torch.randn(n, H), [1, 2, 3])
+    return RequestOutput("r", prompt, answer, "x", answer, "x", True, "length", hidden=hidden)
+
+
+def test_requests_of_one_prompt_share_its_id_and_one_side_of_the_gates_hold_out(tmp_path):
+    """A captured row's prompt_id is a hash of its prompt tokens, not the request id: several answers to one prompt
+    (retries, sampled repeats) are all trained on or all held out, and the gate measures a held-out prompt once."""
+    from eagleray.jobs.adapt import held_out_prompts
+    from eagleray.serve.capture import prompt_key, shard_row
+
+    assert prompt_key([1, 2, 3]) == prompt_key([1, 2, 3]) != prompt_key([1, 2, 4])
+    rows = []
+    for p in range(40):
+        prompt = [p, p + 1, p + 2]
+        for r in range(3):  # three requests of the prompt with different answers
+            got = shard_row(f"req-{p}-{r}", prompt, _served(prompt, [100 + r, 101, 102]))
+            assert isinstance(got, dict) and got["prompt_id"] == prompt_key(prompt)
+            got.pop("_aux_layer_ids")
+            rows.append(got)
+    capture_store.write_shard(tmp_path / "cap", rows, meta(1000))
+    capture_store.snapshot(capture_store.list_shards(tmp_path / "cap"), tmp_path / "snap", vocab_size=256)
+    files = data.shard_files(tmp_path / "snap")
+    held = {tuple(r["input_ids"][:3]) for r in data.iter_rows(files, split="eval", eval_fraction=0.3, shuffle=False)}
+    train = {tuple(r["input_ids"][:3]) for r in data.iter_rows(files, split="train", eval_fraction=0.3, shuffle=False)}
+    assert held and train and not held & train
+    gate = held_out_prompts(tmp_path / "snap", 0.3, limit=100)
+    assert sorted(map(tuple, gate)) == sorted(held)  # each held-out prompt once, not once per request
