@@ -111,12 +111,10 @@ _NOT_YET = "the forward's rule is not checked yet"
 
 def _weights(layer, cache) -> cpu_layer.LayerWeights | None:
     """The layer's kernel weights (kept on it while current), or None where :func:`layer_reason` says no."""
-    att, mlp = layer.self_attn, layer.mlp
     held = getattr(layer, _WEIGHTS, None)
-    if held is not None and att.qkv is not None and mlp.gate_up is not None:
-        norms = _norms(layer)
-        sources = (*norms[:2], att.qkv.weight, att.o_proj.weight, mlp.gate_up.weight, mlp.down_proj.weight, *norms[2:])
-        if held.current(sources, cache[0], cache[1]):
+    if held is not None and layer.self_attn.qkv is not None and layer.mlp.gate_up is not None:
+        params = _params(layer, cache)  # the kernel's own order of the weights it holds (LayerParams.sources)
+        if held.current(params.sources(), params.k_cache, params.v_cache):
             return held
     if layer_reason(layer, cache) is not None:
         return None
