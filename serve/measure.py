@@ -65,6 +65,8 @@ def spec_run(
         "spec_step_ms": round(1e3 * engine.metrics.speculative.seconds / max(engine.metrics.speculative.steps, 1), 4),
         "spec_whole_step_ms": round(engine.metrics.speculative.whole_step_ms, 4),
         "prefill_s": round(engine.metrics.prefill.whole_seconds, 4),  # prefill steps, whole (host work included)
+        "prefill_steps": engine.metrics.prefill.steps,  # joins one at a time where speculation desynchronised them
+        "plain_whole_step_ms_in_spec_run": round(engine.metrics.plain.whole_step_ms, 4),
         "spec_tokens_per_step": round(engine.metrics.speculative.tokens / max(engine.metrics.speculative.steps, 1), 4),
         "decode_tokens_per_s": round(_decode_rate(engine.metrics), 3),  # plain and speculative steps together
     }

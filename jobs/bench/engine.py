@@ -99,6 +99,7 @@ def _round(name, b, modes, target, draft, tok, tcfg, use, params, args) -> list[
     token_prompts, plain, t_plain, eng = plain_run(target, tok, run_cfg, use, params)
     rec = _record(name, b, "plain", 0, False, plain, t_plain, eng, None, None)
     plain_whole, plain_decode = rec["whole_step_ms"], rec["decode_tok_s"]
+    plain_prefill = f"{rec['prefill_s']} s in {rec['prefill_steps']} steps"
     rec["profile"] = eng.prof.table() if args.profile else None
     records = [rec]
     log(
@@ -127,7 +128,12 @@ def _round(name, b, modes, target, draft, tok, tcfg, use, params, args) -> list[
             "lossless": r["lossless"],
             "tau": r["tau"],
             "acceptance_per_pos": r["acceptance_per_pos"],
-            "chosen_k": {str(bk): c["k"] for bk, c in r["policy"]["buckets"].items()},
+            "chosen_k": {str(bk): c.get("k_run", c["k"]) for bk, c in r["policy"]["buckets"].items()},  # most steps' k
+            "chosen_k_end": {str(bk): c["k"] for bk, c in r["policy"]["buckets"].items()},  # the drained end's k
+            **_at_bucket(r, b),
+            "seconds": r["spec"]["seconds"],
+            "prefill_steps": r.get("prefill_steps"),
+            "plain_whole_step_ms": r.get("plain_whole_step_ms_in_spec_run"),
             "spec_steps": r["spec_steps"],
             "plain_steps": r["plain_steps_in_spec_run"],
             "policy": r["policy"],
@@ -137,9 +143,21 @@ def _round(name, b, modes, target, draft, tok, tcfg, use, params, args) -> list[
         log(
             f"{name} b{b} spec k={args.k} adaptive={adaptive}: {rec['tok_s']} tok/s ({rec['speedup']}x), "
             f"step {rec['step_ms']} ms, tau {rec['tau']}, lossless {rec['lossless']}, chosen k {rec['chosen_k']}, "
-            f"predicted {rec['predicted_speedup']}"
+            f"predicted {rec['predicted_speedup']}, at b{b}: k {rec['bucket_k_run']} (steps {rec['bucket_k_steps']}), "
+            f"predicted {rec['bucket_predicted_run']}, measured {rec['bucket_measured_speedup_by_k']}; prefill "
+            f"{rec['prefill_s']} s in {rec['prefill_steps']} steps (plain run: {plain_prefill})"
         )
     return records
+
+
+def _at_bucket(r: dict, batch: int) -> dict:
+    """The policy's run at ``batch``'s bucket: the k most of its decode steps took, the mean prediction of its
+    speculative decisions, each k's steps measured on the wall clock against its plain steps."""
+    from eagleray.serve.engine import bucket
+
+    c = r["policy"]["buckets"].get(bucket(batch)) or {}
+    keys = ("k_run", "k_steps", "predicted_run", "measured_speedup_by_k", "wall")
+    return {f"bucket_{key}": c.get(key) for key in keys}
 
 
 def _medians(rounds: list[list[dict]]) -> list[dict]:
@@ -196,6 +214,7 @@ def _record(name, b, mode, k, adaptive, outs, seconds, eng, predicted, lossless)
         "step_ms": round(1e3 * plain.seconds / max(plain.steps, 1), 4),
         "whole_step_ms": round(plain.whole_step_ms, 4),
         "prefill_s": round(eng.metrics.prefill.whole_seconds, 4),
+        "prefill_steps": eng.metrics.prefill.steps,
         "predicted_speedup": predicted,
         "lossless": lossless,
         "tokens": n,

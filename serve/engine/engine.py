@@ -31,6 +31,7 @@ from eagleray.serve.engine.sequence import Sequence
 from eagleray.serve.engine.spec_context import SeqResult
 from eagleray.serve.engine.spec_step import chain_step, tree_step
 from eagleray.serve.engine.startup import PREFILL_REPLAY_ROWS, CpuThreads, configure_heap, default_num_blocks, use_rows
+from eagleray.serve.engine.step_wall import StepWall
 from eagleray.serve.engine.target_steps import TargetSteps
 from eagleray.serve.engine.watchdog import AcceptanceWatchdog
 
@@ -71,6 +72,7 @@ class LLMEngine:
             self.target.rows.capture()  # CUDA: every bucket's graph now (a no-op on CPU)
         self.metrics = EngineMetrics()
         self.prof = StepProfiler(self.device, config.profile_steps)
+        self.wall = StepWall()  # the policy's clock: a decode step lasts until the next step starts
         self.steps = TargetSteps(self.target, self.blocks.block_size, self.device, self.prof, self.threads, self.use_rows, config)
         if self.use_rows:
             self.steps.capture()  # CUDA: the staged plain step's graph of every bucket (a no-op on CPU)
@@ -179,7 +181,7 @@ class LLMEngine:
         self._callbacks.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.wall.idle()  # waiting for requests is no step's cost
 
     # ----------------------------------------------------------------- drafts
     def swap_draft(self, draft: Eagle3Draft, aux_layer_ids: list[int] | None = None) -> None:
@@ -216,9 +218,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step; returns an output (delta) for every request that advanced."""
         with self.threads.stepping():
-            started = time.perf_counter()
+            started = self.wall.begin()  # the last decode step's interval ends here
             k, batch = self._schedule()
             if batch is None:
+                self.wall.idle()
                 return []
             results, seconds = self._run(batch, k)
             return self._postprocess(batch, k, results, seconds, started)
@@ -262,27 +265,25 @@ class LLMEngine:
             shown = [seq for seq in batch.seqs if seq.params.detokenize]
             texts = dict(zip(map(id, shown), self.detok.update_many(shown)))  # one batched decode a step
             outputs = [self._emit(seq, toks, texts.get(id(seq), ("", ""))) for seq, toks in zip(batch.seqs, kept)]
-        self._account(batch, k, sum(map(len, kept)), seconds, time.perf_counter() - started)
+        self._account(batch, k, sum(map(len, kept)), seconds, started)
         return outputs
 
-    def _account(self, batch, k: int, emitted: int, seconds: float, whole: float) -> None:
+    def _account(self, batch, k: int, emitted: int, seconds: float, started: float) -> None:
         """Metrics, the adaptive policy's cost tables and the profiler, after a step (``seconds`` of model work in a
-        ``whole`` step, scheduling and outputs included)."""
+        step that started at ``started``; its ``whole`` time inside the engine, scheduling and outputs included)."""
+        whole = self.wall.clock() - started
         n = len(batch.seqs)
         kind = "prefill" if batch.is_prefill else ("spec" if k else "plain")
         times = {"prefill": self.metrics.prefill, "spec": self.metrics.speculative, "plain": self.metrics.plain}[kind]
         times.add(emitted, seconds, whole)
-        # the policy compares whole steps: the host work of scheduling and of a step's outputs is paid per step, so a
-        # step that emits two tokens a sequence halves it (at 64 sequences on the H200 k=4 gained 1.10x in wall time
-        # while its decode steps alone lost 0.67x, and the policy, judging decode steps, decoded plain at 0.79x)
+        # the policy compares whole steps, until the next one starts (StepWall): host work is paid per step, so a step
+        # emitting two tokens a sequence halves it (at 64 sequences on the H200 k=4 gained 1.10x wall, its model 0.67x)
         if kind == "plain" and self.drafts.spec is not None and self.steps.measured:  # a capture is no measurement
-            self.policy.observe_plain(n, whole)
+            self.wall.defer(started, whole, self.policy.observe_plain, n)
         elif kind == "spec" and self.drafts.spec.measured:  # a step that captured a graph is no measurement
             spec = self.drafts.spec
-            # verifying costs the rest of the step (target, verification, the step's host work), as t_plain is a
-            # whole plain step: device time alone would make speculation look cheaper than it is
-            verify = max(whole - spec.draft_seconds - spec.lag_seconds, 0.0)
-            self.policy.observe_spec(n, k, verify, spec.draft_seconds, self._last_accepted, spec.join_seconds)
+            args = (n, k, spec.draft_seconds, spec.lag_seconds, self._last_accepted, spec.join_seconds)
+            self.wall.defer(started, whole, self.policy.observe_spec_wall, *args)
         self.prof.end_step(kind, n)
         self.metrics.current_k = self.policy.k if self.policy.speculating else 0
         self.metrics.speculation_enabled = self.drafts.spec is not None and self.policy.speculating
