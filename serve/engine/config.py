@@ -15,6 +15,11 @@ class EngineConfig(StrictModel):
     draft: DraftConfig | None = Field(None, description="The EAGLE-3 draft; None serves plain decoding.")
     max_num_seqs: int = Field(16, ge=1, description="Maximum sequences in one engine step (continuous batching).")
     max_num_batched_tokens: int = Field(8192, ge=16, description="Token budget of one prefill step.")
+    join_wait_steps: int | None = Field(
+        None,
+        ge=0,
+        description="At saturation (more requests waiting than free slots), free slots wait up to this many decode steps for max(1, max_num_seqs // 8) of them, so that finished sequences' replacements prefill in one step, not one step each (speculation finishes sequences at different steps). None: 8 on CUDA, where a short prefill's cost is mostly per step; 0 on CPU, where it is per token. 0: admit at once.",
+    )
     block_size: int = Field(16, ge=1, description="Tokens per paged KV block.")
     num_kv_blocks: int | None = Field(
         None,

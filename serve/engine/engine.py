@@ -56,7 +56,7 @@ class LLMEngine:
         k_max = (self.tree.depth if self.tree is not None else dcfg.num_speculative_tokens) if dcfg is not None else 0
         self.use_rows = use_rows(config, target, self.device)
         self.blocks = BlockManager(nblocks, config.block_size)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler.for_engine(self.blocks, config, self.device)
         # rows a step runs a sequence: a chain verifies k+1, a tree drafts topk a depth and verifies its nodes and root
         verified = k_max + 1 if self.tree is None else max(self.tree.num_draft_tokens + 1, self.tree.topk)
         rows = config.max_num_seqs * verified if self.use_rows else 0

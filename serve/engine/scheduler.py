@@ -4,7 +4,9 @@ Requests join the waiting queue at any time and leave when finished; between ste
 scheduler admits waiting requests while ``max_num_seqs``, the token budget and the free KV
 blocks allow. A decode step reserves ``lookahead`` cache positions per sequence (1 for plain
 decoding, k+1 or the tree size for speculation); when the cache is short, the newest running
-sequence is preempted (its blocks freed, recomputed later).
+sequence is preempted (its blocks freed, recomputed later). At saturation (a queue beyond the free slots) free slots
+may wait a few decode steps for company (``engine.join_wait_steps``): sequences that finish at different steps, as
+speculation makes them, then join in one prefill step instead of one step each.
 """
 
 from __future__ import annotations
@@ -13,11 +15,15 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from eagleray.platform.errors import EaglerayError
 from eagleray.serve.engine.block_manager import BlockManager
+from eagleray.serve.engine.config import EngineConfig
 from eagleray.serve.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
+JOIN_WAIT_STEPS_CUDA = 8  # engine.join_wait_steps on CUDA (see there)
 
 
 @dataclass
@@ -29,13 +35,24 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, join_wait_steps: int = 0):
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.join_wait_steps = join_wait_steps  # engine.join_wait_steps: decode steps free slots may wait for company
+        self.join_min = max(1, max_num_seqs // 8)  # free slots worth a prefill step of their own at saturation
+        self.held_steps = 0  # decode steps the free slots have waited so far
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+
+    @classmethod
+    def for_engine(cls, block_manager: BlockManager, config: EngineConfig, device: torch.device) -> Scheduler:
+        """The engine's scheduler: ``engine.join_wait_steps`` resolved (None: 8 on CUDA, 0 elsewhere)."""
+        wait = config.join_wait_steps
+        if wait is None:
+            wait = JOIN_WAIT_STEPS_CUDA if device.type == "cuda" else 0
+        return cls(block_manager, config.max_num_seqs, config.max_num_batched_tokens, wait)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -45,11 +62,24 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, lookahead: int) -> ScheduledBatch | None:
-        """Prefill first (admission), otherwise decode every running sequence."""
-        batch = self._schedule_prefill()
+        """Prefill first (admission, unless joins wait for company), otherwise decode every running sequence."""
+        batch = None if self._hold_joins() else self._schedule_prefill()
         if batch is not None:
             return batch
         return self._schedule_decode(lookahead)
+
+    def _hold_joins(self) -> bool:
+        """Whether the free slots wait one more decode step before admitting: only at saturation (more requests
+        waiting than slots free, some running), while fewer than ``join_min`` slots are free, for at most
+        ``join_wait_steps`` steps. Sequences that finish at different steps (speculation) would otherwise each
+        bring a prefill step of one join, which on a GPU costs about what a step of several does."""
+        free = self.max_num_seqs - len(self.running)
+        saturated = bool(self.running) and 0 < free < min(self.join_min, len(self.waiting))
+        if not saturated or self.held_steps >= self.join_wait_steps:
+            self.held_steps = 0
+            return False
+        self.held_steps += 1
+        return True
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         seqs: list[Sequence] = []
