@@ -6,7 +6,7 @@ throughput of a SmolLM2- and an 8B-shaped draft, jobs/bench/train_step.py). `vll
 in eagleray and in vLLM on CPU, fp32, T=0: τ, acceptance per position, tokens/s and output agreement
 side by side, jobs/bench/vllm.py). `spec` (plain vs speculative decoding in eagleray's engine vs transformers,
 jobs/bench/spec.py). `engine` (the engine on GPU: plain, speculative and adaptive per batch size, SmolLM2
-and 8B shapes, jobs/bench/engine.py). `scaling` (drafts trained on different amounts of data, one plain baseline, τ against
+and 8B shapes, jobs/bench/engine_batches.py). `scaling` (drafts trained on different amounts of data, one plain baseline, τ against
 data size as a table, JSON, PNG and an MLflow run, jobs/bench/scaling.py). `adapt_shift` (code traffic through the
 Serve app with capture on, the adaptation loop, the hot-swap: τ before/after, capture overhead, jobs/bench/adapt_shift.py).
 `cpu-linear` (the native CPU linear vs torch's matmul on SmolLM2's weights per row count, jobs/bench/cpu_linear.py). `serve` (the Serve app vs
@@ -27,7 +27,7 @@ SUITES = {
     "verify": "eagleray.jobs.bench.verify_kernels",
     "gpu": "eagleray.jobs.bench.gpu",
     "spec": "eagleray.jobs.bench.spec",
-    "engine": "eagleray.jobs.bench.engine",
+    "engine": "eagleray.jobs.bench.engine_batches",
     "train": "eagleray.jobs.bench.train_step",
     "vllm": "eagleray.jobs.bench.vllm",
     "scaling": "eagleray.jobs.bench.scaling",

@@ -18,7 +18,7 @@ import os
 import statistics
 import time
 
-from eagleray.jobs.bench.engine import full_rounds
+from eagleray.jobs.bench.engine_batches import full_rounds
 from eagleray.platform.config.schemas import DraftConfig, PolicyConfig, TargetConfig
 from eagleray.platform.prompts import load_prompts
 from eagleray.serve import measure

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from eagleray.jobs.bench.engine import _prompt_ids, full_rounds
+from eagleray.jobs.bench.engine_batches import _prompt_ids, full_rounds
 from eagleray.platform.errors import EaglerayError
 
 
@@ -36,7 +36,7 @@ def test_full_rounds_are_whole_rounds_of_the_batch_and_at_least_two(n, batch, to
 def test_a_fixed_k_run_is_predicted_at_its_own_k():
     """A fixed-k run measured only k=4: its prediction uses k=4's costs, not the k the policy would choose (whose
     costs may be interpolated guesses); an adaptive run's uses the chosen k's."""
-    from eagleray.jobs.bench.engine import _predicted
+    from eagleray.jobs.bench.engine_batches import _predicted
 
     run = {"tau": 2.0, "policy": {"buckets": {8: {"spec_ms": 1.0, "verify_ms_by_k": {4: 1.5}, "draft_ms_by_k": {4: 0.5}}}}}
     assert _predicted(run, 8, 1.0, 4) == pytest.approx(1.0)  # 2 x 1.0 / (1.5 + 0.5)
@@ -45,7 +45,7 @@ def test_a_fixed_k_run_is_predicted_at_its_own_k():
 
 
 def test_repeated_runs_report_the_median_run_and_ratios_against_the_plain_median():
-    from eagleray.jobs.bench.engine import _medians
+    from eagleray.jobs.bench.engine_batches import _medians
 
     def plain(t):
         return {"mode": "plain", "tok_s": t, "decode_tok_s": 2 * t, "lossless": None}
@@ -64,7 +64,7 @@ def test_repeated_runs_report_the_median_run_and_ratios_against_the_plain_median
 
 
 def test_repeats_below_one_are_refused_by_name():
-    from eagleray.jobs.bench.engine import run
+    from eagleray.jobs.bench.engine_batches import run
 
     with pytest.raises(EaglerayError, match="--repeats 0"):
         run(["--repeats", "0"])
