@@ -21,9 +21,9 @@ from eagleray.platform.errors import EaglerayError
 from eagleray.serve.engine.block_manager import BlockManager
 from eagleray.serve.engine.config import EngineConfig
 from eagleray.serve.engine.sequence import Sequence, SequenceStatus
+from eagleray.serve.engine.startup import join_wait_steps
 
 logger = logging.getLogger(__name__)
-JOIN_WAIT_STEPS_CUDA = 8  # engine.join_wait_steps on CUDA (see there)
 
 
 @dataclass
@@ -48,10 +48,8 @@ class Scheduler:
 
     @classmethod
     def for_engine(cls, block_manager: BlockManager, config: EngineConfig, device: torch.device) -> Scheduler:
-        """The engine's scheduler: ``engine.join_wait_steps`` resolved (None: 8 on CUDA, 0 elsewhere)."""
-        wait = config.join_wait_steps
-        if wait is None:
-            wait = JOIN_WAIT_STEPS_CUDA if device.type == "cuda" else 0
+        """The engine's scheduler, ``engine.join_wait_steps`` resolved for ``device`` (:func:`startup.join_wait_steps`)."""
+        wait = join_wait_steps(config, device)
         return cls(block_manager, config.max_num_seqs, config.max_num_batched_tokens, wait)
 
     def add(self, seq: Sequence) -> None:

@@ -18,10 +18,19 @@ from eagleray.serve.engine.config import EngineConfig
 logger = logging.getLogger(__name__)
 
 PREFILL_REPLAY_ROWS = 256  # prompt rows one replay of the row step scores (engine.prefill_rows, capped)
+JOIN_WAIT_STEPS_CUDA = 8  # engine.join_wait_steps on CUDA (see there)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 # mmap threshold: the first of these the C library takes (some glibc cap it at 32 MiB); a KV cache stays mapped
 HEAP_MMAP_THRESHOLDS = (256 << 20, 32 << 20)
 HEAP_TRIM_THRESHOLD = 512 << 20  # freed memory kept at the top of the heap before it goes back to the kernel
+
+
+def join_wait_steps(config: EngineConfig, device: torch.device) -> int:
+    """``engine.join_wait_steps`` resolved: as set, else 8 on CUDA (a short prefill costs about a step there) and 0
+    elsewhere (a CPU prefill costs its tokens)."""
+    if config.join_wait_steps is not None:
+        return config.join_wait_steps
+    return JOIN_WAIT_STEPS_CUDA if device.type == "cuda" else 0
 
 
 def use_rows(config: EngineConfig, target: LlamaModel, device: torch.device) -> bool:
