@@ -8,7 +8,8 @@ side by side, jobs/bench/vllm.py). `spec` (plain vs speculative decoding in eagl
 jobs/bench/spec.py). `engine` (the engine on GPU: plain, speculative and adaptive per batch size, SmolLM2
 and 8B shapes, jobs/bench/engine_batches.py). `scaling` (drafts trained on different amounts of data, one plain baseline, τ against
 data size as a table, JSON, PNG and an MLflow run, jobs/bench/scaling.py). `adapt_shift` (code traffic through the
-Serve app with capture on, the adaptation loop, the hot-swap: τ before/after, capture overhead, jobs/bench/adapt_shift.py).
+Serve app with capture on, the adaptation loop, the hot-swap: τ before/after, capture overhead, jobs/bench/adapt_shift.py). `capture-overhead` (that benchmark's capture-off
+vs capture-on passes alone, for a quiet window, jobs/bench/capture_overhead.py).
 `cpu-linear` (the native CPU linear vs torch's matmul on SmolLM2's weights per row count, jobs/bench/cpu_linear.py). `serve` (the Serve app vs
 `vllm serve` under vLLM's load generator, jobs/bench/serve_load.py). `serve-loop` (the Serve engine replica's step loop
 under concurrent streaming clients, plain vs a draft, without Ray or HTTP: for machines without Ray Serve,
@@ -32,6 +33,7 @@ SUITES = {
     "vllm": "eagleray.jobs.bench.vllm",
     "scaling": "eagleray.jobs.bench.scaling",
     "adapt_shift": "eagleray.jobs.bench.adapt_shift",
+    "capture-overhead": "eagleray.jobs.bench.capture_overhead",
     "cpu-linear": "eagleray.jobs.bench.cpu_linear",
     "serve": "eagleray.jobs.bench.serve_load",
     "serve-loop": "eagleray.jobs.bench.serve_loop",

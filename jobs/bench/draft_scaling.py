@@ -57,6 +57,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="regen: answer tokens per turn")
     p.add_argument("--max-seq-len", type=int, default=4096, help="regen: prompt + answer tokens (prompts cut from the left)")
     p.add_argument("--kv-cache-gib", type=float, default=16.0, help="regen: KV cache per process")
+    p.add_argument("--temperature", type=float, default=0.0, help="regen: sampling temperature (0: greedy; a seed per prompt)")
+    p.add_argument(
+        "--first-turns",
+        action="store_true",
+        help="regen: answer only each conversation's first user turn (the shape a served request has)",
+    )
+    p.add_argument(
+        "--extra-prompts",
+        default=None,
+        help="train: more answered conversations (another regen's conversations.jsonl, e.g. sampled first turns) learned "
+        "beside each fraction's (at most as many as the fraction has: online.limit counts per source)",
+    )
+    p.add_argument("--init-from", default=None, help="train: start from this draft (TrainingConfig.init_from), not a fresh one")
     p.add_argument("--fractions", default=",".join(map(str, FRACTIONS)), help="train: data fractions")
     p.add_argument("--fraction", type=float, default=1.0, help="train-one: the data fraction")
     p.add_argument("--steps", type=int, default=1500, help="train: optimizer steps per draft (same for every fraction)")
@@ -111,21 +124,8 @@ def regen(args: argparse.Namespace) -> dict:
 
     work = args.work / "regen"
     work.mkdir(parents=True, exist_ok=True)
-    cfg = {
-        "prompts": [str(Path(args.prompts).resolve())],
-        "output_dir": str(work),
-        "backend": "eagleray",
-        "split_turns": False,
-        "answer_turns": "all",
-        "hold_out_eval": False,  # the exported conversations were held out against MT-bench/HumanEval already
-        "target": {"model": args.target, "dtype": args.dtype, "device": args.device},
-        "generation": {"max_tokens": args.max_tokens, "temperature": 0.0},
-        "max_seq_len": args.max_seq_len,
-        "batch_size": args.batch,
-        "kv_cache_gib": args.kv_cache_gib,
-        "progress_seconds": 30,
-        **({"limit": args.limit} if args.limit else {}),
-    }
+    prompts = first_turns(Path(args.prompts), work / "first-turns.jsonl") if args.first_turns else Path(args.prompts)
+    cfg = regen_config(args, prompts, work)
     (work / "config.yaml").write_text(yaml.safe_dump(cfg))
     parts = [work / f"part{i}.jsonl" for i in range(args.procs)]
     resumed = _regen_turns(parts)  # answers of an earlier lease brought back and carried in: they are kept
@@ -149,7 +149,7 @@ def regen(args: argparse.Namespace) -> dict:
     with (args.work / "conversations.errors.jsonl").open("w", encoding="utf-8") as fh:
         for part in parts:
             fh.write(errors_path(part).read_text(encoding="utf-8"))
-    expected = _expected_turns(Path(args.prompts), args.limit)
+    expected = _expected_turns(prompts, args.limit)
     counts = count_output(merged, expected)  # read back from the merged files, against the input
     result = {
         "prompts_in": counts["turns_in"],
@@ -180,6 +180,38 @@ def regen(args: argparse.Namespace) -> dict:
         f"({result['tokens_per_s']} tok/s)"
     )
     return result
+
+
+def regen_config(args: argparse.Namespace, prompts: Path, work: Path) -> dict:
+    """The datagen config each regen process runs (``jobs/regenerate``)."""
+    return {
+        "prompts": [str(prompts.resolve())],
+        "output_dir": str(work),
+        "backend": "eagleray",
+        "split_turns": False,
+        "answer_turns": "all",
+        "hold_out_eval": False,  # the exported conversations were held out against MT-bench/HumanEval already
+        "target": {"model": args.target, "dtype": args.dtype, "device": args.device},
+        "generation": {"max_tokens": args.max_tokens, "temperature": args.temperature},
+        "max_seq_len": args.max_seq_len,
+        "batch_size": args.batch,
+        "kv_cache_gib": args.kv_cache_gib,
+        "progress_seconds": 30,
+        **({"limit": args.limit} if args.limit else {}),
+    }
+
+
+def first_turns(src: Path, out: Path) -> Path:
+    """``src``'s conversations cut after their first user message (a system message before it kept) -> ``out``."""
+    from eagleray.platform.prompts import iter_prompts
+
+    with out.open("w", encoding="utf-8") as fh:
+        for rec in iter_prompts(str(src)):
+            msgs = [m.to_dict() for m in rec.messages]
+            first = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
+            if first is not None:
+                fh.write(json.dumps({"messages": msgs[: first + 1]}, ensure_ascii=False) + "\n")
+    return out
 
 
 def _expected_turns(prompts: Path, limit: int | None) -> dict[str, int]:
@@ -227,6 +259,8 @@ def _shared_options(args: argparse.Namespace) -> list[str]:
     out += ["--eval-prompts", args.eval_prompts, "--eval-max-tokens", str(args.eval_max_tokens), "--k", str(args.k)]
     out += ["--eval-max-model-len", str(args.eval_max_model_len), "--fractions", args.fractions, "--b1", args.b1]
     out += ["--epochs", str(args.epochs)] if args.epochs is not None else []
+    out += ["--extra-prompts", args.extra_prompts] if args.extra_prompts else []
+    out += ["--init-from", args.init_from] if args.init_from else []
     return out + [x for g in args.given for x in ("--given", g)]
 
 

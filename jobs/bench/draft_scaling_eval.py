@@ -92,6 +92,7 @@ def evaluate_one(args: argparse.Namespace) -> dict:
         return spec_run(target, draft, tok, cfg, tp, params, outs, sec)
 
     rec = {"data_fraction": f, "decode_path": args.decode_path, **_train_facts(args, f)}
+    rec.update({k: v for k, v in (("init_from", args.init_from), ("extra_prompts", args.extra_prompts)) if v})
     rec.update(dict.fromkeys(("speedup_h200_b1", "lossless_b1", "spec_tok_s_b1", "plain_tok_s_b1", "tau_mtbench_b1")))
     if args.b1 == "all" or args.tree:  # first: the number the run is for (--b1 largest: the largest draft only)
         r = spec("mtbench", 1, False)

