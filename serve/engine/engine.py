@@ -139,7 +139,7 @@ class LLMEngine:
         if rid in self._seqs:
             raise EaglerayError(f"request_id {rid!r} is already in use\n    fix: pass a unique request_id")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        seq = Sequence(ids, params, rid, seed=seed, generator=torch.Generator(device=self.device).manual_seed(seed))
+        seq = Sequence(ids, params, rid, seed=seed, generator=torch.Generator().manual_seed(seed))
         self._seqs[rid] = seq
         if on_output is not None:
             self._callbacks[rid] = on_output

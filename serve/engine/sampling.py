@@ -84,11 +84,25 @@ def scaled_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tenso
     return (logits.float() / t[:, None]).softmax(-1)  # [N, V]
 
 
-def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row: argmax where T == 0, else a draw from softmax(logits / T). logits [N, V] -> [N]."""
+def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row from ``probs`` [M, V] by inverse CDF: one uniform from the row's own (CPU) generator, the
+    first token whose cumulative mass (fp64) passes it -> [M] int64. Exactly the row's distribution (a token of zero
+    mass is never drawn), the draw depends on the row alone (not on the rows beside it), and it costs a cumulative
+    sum, where ``torch.multinomial`` draws an exponential per vocabulary entry (1.1 ms a 49k-entry row on a CPU core)
+    and a loop over rows launches kernels per row on CUDA."""
+    u = torch.tensor([float(torch.rand((), generator=g, dtype=torch.float64)) for g in generators], dtype=torch.float64)
+    cdf = probs.double().cumsum(-1)  # [M, V]
+    x = u.to(probs.device) * cdf[:, -1]  # [M]: the mass to pass
+    return torch.searchsorted(cdf, x[:, None], right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+
+
+def sample_rows(logits: torch.Tensor, temperatures: list[float], generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row: argmax where T == 0, else a draw from softmax(logits / T) (:func:`draw`). logits [N, V] -> [N];
+    ``temperatures`` on the host, so choosing the sampled rows reads nothing back from the device."""
     out = cpu_decode.argmax_last(logits)  # [N]
-    probs = scaled_probs(logits, temperature)  # [N, V]
-    for i, gen in enumerate(generators):
-        if float(temperature[i]) > 0:
-            out[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+    rows = [i for i, t in enumerate(temperatures) if t > 0]
+    if rows:
+        idx = torch.tensor(rows, device=logits.device)  # [M]
+        temp = torch.tensor([temperatures[i] for i in rows], dtype=torch.float32, device=logits.device)  # [M]
+        out[idx] = draw(scaled_probs(logits[idx], temp), [generators[i] for i in rows])
     return out

@@ -179,7 +179,7 @@ class Sequence:
     pending_aux: PendingAux = field(default_factory=PendingAux)  # positions draft_cached..num_cached-1, in order
     finish_reason: str | None = None
     stop_text_index: int | None = None  # where a stop string cuts the text
-    generator: torch.Generator | None = None  # plain sampling draws (T > 0)
+    generator: torch.Generator | None = None  # a CPU generator: one uniform per sampled token (sampling.draw)
     seed: int = 0  # base seed of verification draws
     step: int = 0  # engine steps taken (varies the verification seed)
     spec: SpecStats = field(default_factory=SpecStats)

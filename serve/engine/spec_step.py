@@ -22,7 +22,7 @@ from eagleray.kernels import cpu_decode
 from eagleray.platform.models.row_graphs import DecodeRows
 from eagleray.serve.engine.draft_catch_up import draft_catch_up, prompt_share, settle_draft, take_aux
 from eagleray.serve.engine.model_runner import ForwardBatch, block_table_tensor
-from eagleray.serve.engine.sampling import filter_logits, scaled_probs
+from eagleray.serve.engine.sampling import draw, filter_logits, scaled_probs
 from eagleray.serve.engine.sequence import AuxRows, Sequence
 from eagleray.serve.engine.spec_context import RowParams, SeqResult, SpecContext
 from eagleray.serve.engine.tree import DraftTree, tree_rows
@@ -35,9 +35,9 @@ def sample_draft(logits: torch.Tensor, rows: RowParams, seqs: list[Sequence]) ->
     if all(s.params.temperature == 0 for s in seqs):
         return ids, None
     q = scaled_probs(logits, rows.temperature)  # [B, Vd]
-    for b, s in enumerate(seqs):
-        if s.params.temperature > 0:
-            ids[b] = torch.multinomial(q[b], 1, generator=s.generator)[0]
+    sampled = [b for b, s in enumerate(seqs) if s.params.temperature > 0]
+    if sampled:
+        ids[torch.tensor(sampled, device=ids.device)] = draw(q[sampled], [seqs[b].generator for b in sampled]).to(ids.dtype)
     return ids, q
 
 

@@ -25,8 +25,8 @@ def sample(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
     dev = logits.device
     top_k = torch.tensor([s.params.top_k for s in seqs], device=dev)
     top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)
-    temp = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32, device=dev)
-    return sample_rows(filter_logits(logits, top_k, top_p), temp, [s.generator for s in seqs]).tolist()
+    temps = [s.params.temperature for s in seqs]
+    return sample_rows(filter_logits(logits, top_k, top_p), temps, [s.generator for s in seqs]).tolist()
 
 
 class TargetSteps:
