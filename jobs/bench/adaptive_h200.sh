@@ -7,7 +7,8 @@
 #
 # sweep: per draft (random, then the shipped champion) `bench engine` over all 164 HumanEval prompts at adaptive
 # batches 1-128 (128 tokens, EOS ignored, k_max 4, one round), each under `timeout $SWEEP_S` (a cut run keeps the
-# batches it finished: the JSON is rewritten after each). JSON and logs under $OUT.
+# batches it finished: the JSON is rewritten after each). JSON and logs under $OUT. JOIN_WAITS=0,8: each speculative
+# run once per engine.join_wait_steps value, side by side (e.g. BATCHES=32,128 JOIN_WAITS=0,8,16 for the held joins).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -21,7 +22,7 @@ sweep)
     name=$([ "$d" = random ] && echo random || echo champion)
     timeout "${SWEEP_S:-275}" python3 -m eagleray.jobs.bench engine --models smollm2 --draft "$d" \
       --prompts "$STAGE/humaneval.jsonl" --limit 164 --batches "" --adaptive-batches "${BATCHES:-1,8,32,64,128}" \
-      --repeats 1 --json "$OUT/adaptive-$name.json" 2>&1 | grep -v "^Loading\|it/s\]" | tee "$OUT/adaptive-$name.log"
+      --repeats 1 ${JOIN_WAITS:+--join-wait-steps $JOIN_WAITS} --json "$OUT/adaptive-$name.json" 2>&1 | grep -v "^Loading\|it/s\]" | tee "$OUT/adaptive-$name.log"
   done
   ;;
 *)

@@ -55,6 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-path", default="auto", choices=["auto", "rows", "varlen"], help="engine.decode_path")
     p.add_argument("--kv-cache-gib", type=float, default=24.0, help="engine.kv_cache_gib of every run")
     p.add_argument("--profile", action="store_true", help="per-phase step profile (a sync per phase on CUDA)")
+    p.add_argument(
+        "--join-wait-steps",
+        default=None,
+        help="comma list of engine.join_wait_steps: each speculative run once per value, side by side (default: the device's)",
+    )
     p.add_argument("--repeats", type=int, default=1, help="plain and speculative runs alternate this often (medians)")
     p.add_argument("--json", default=None, help="write the results here")
 
@@ -105,15 +110,17 @@ def _round(name, b, modes, target, draft, tok, tcfg, use, params, args) -> list[
     log(
         f"{name} b{b} plain: {rec['tok_s']} tok/s, decode {rec['decode_tok_s']} tok/s, step {rec['step_ms']} ms ({time.perf_counter() - t0:.0f} s)"
     )
-    for adaptive in modes:
+    for adaptive, wait in [(a, w) for a in modes for w in join_waits(args)]:
         dcfg = DraftConfig(source="random", num_speculative_tokens=args.k, policy=PolicyConfig(adaptive=adaptive))
-        r = spec_run(target, draft, tok, run_cfg.model_copy(update={"draft": dcfg}), token_prompts, params, plain, t_plain)
+        cfg = run_cfg.model_copy(update={"draft": dcfg, "join_wait_steps": wait})
+        r = spec_run(target, draft, tok, cfg, token_prompts, params, plain, t_plain)
         rec = {
             "model": name,
             "batch": b,
             "mode": "spec",
             "k": args.k,
             "adaptive": adaptive,
+            "join_wait_steps": wait,  # None: the device's default (startup.join_wait_steps)
             "tok_s": r["spec"]["tokens_per_s"],
             "plain_tok_s": r["plain"]["tokens_per_s"],
             "speedup": r["speedup"],
@@ -141,13 +148,28 @@ def _round(name, b, modes, target, draft, tok, tcfg, use, params, args) -> list[
         }
         records.append(rec)
         log(
-            f"{name} b{b} spec k={args.k} adaptive={adaptive}: {rec['tok_s']} tok/s ({rec['speedup']}x), "
+            f"{name} b{b} spec k={args.k} adaptive={adaptive} join_wait_steps={wait}: {rec['tok_s']} tok/s ({rec['speedup']}x), "
             f"step {rec['step_ms']} ms, tau {rec['tau']}, lossless {rec['lossless']}, chosen k {rec['chosen_k']}, "
             f"predicted {rec['predicted_speedup']}, at b{b}: k {rec['bucket_k_run']} (steps {rec['bucket_k_steps']}), "
             f"predicted {rec['bucket_predicted_run']}, measured {rec['bucket_measured_speedup_by_k']}; prefill "
             f"{rec['prefill_s']} s in {rec['prefill_steps']} steps (plain run: {plain_prefill})"
         )
     return records
+
+
+def join_waits(args) -> list[int | None]:
+    """--join-wait-steps "0,8" -> [0, 8]; unset -> [None] (the device's default)."""
+    if args.join_wait_steps is None:
+        return [None]
+    try:
+        waits = [int(x) for x in args.join_wait_steps.split(",")]
+    except ValueError:
+        raise SystemExit(
+            f"--join-wait-steps {args.join_wait_steps!r}: expected a comma list of integers >= 0, e.g. 0,8"
+        ) from None
+    if any(w < 0 for w in waits):
+        raise SystemExit(f"--join-wait-steps {args.join_wait_steps!r}: every value must be >= 0")
+    return waits
 
 
 def _at_bucket(r: dict, batch: int) -> dict:

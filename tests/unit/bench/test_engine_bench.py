@@ -68,3 +68,17 @@ def test_repeats_below_one_are_refused_by_name():
 
     with pytest.raises(EaglerayError, match="--repeats 0"):
         run(["--repeats", "0"])
+
+
+def test_join_wait_steps_list_runs_each_value_and_refuses_bad_ones_by_name():
+    import argparse
+
+    from eagleray.jobs.bench.engine_batches import add_arguments, join_waits
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert join_waits(p.parse_args([])) == [None]  # the device's default
+    assert join_waits(p.parse_args(["--join-wait-steps", "0,8,16"])) == [0, 8, 16]
+    for bad in ("8,x", "-1"):
+        with pytest.raises(SystemExit, match="--join-wait-steps"):
+            join_waits(p.parse_args(["--join-wait-steps", bad]))
