@@ -39,7 +39,7 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.endswith('+cpu') else f'torch {v} is not the CPU build: reinstall with torch==2.13.0+cpu')"
 	@touch $(STAMP)
 
-# Two pytest-xdist workers (CI has 2 cores); tests/conftest.py groups the tests (RAY_LANES) for --dist loadgroup.
+# Two pytest-xdist workers (CI has 2 cores); tests/conftest.py groups the tests (RAY_LANE) for --dist loadgroup.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -m "not gpu" -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)

@@ -35,40 +35,40 @@ os.environ.setdefault("EAGLERAY_HOME", str(REPO / ".cache" / "eagleray"))
 # Parallel runs: `make test` is `pytest -n 2 --dist loadgroup` (pytest-xdist, two worker processes on CI's two
 # cores). Every module stays whole on one worker (its module-scoped fixtures, a Ray cluster or a Serve app, start
 # once; tests that read what earlier tests of the module did still run after them). The modules that start Ray
-# (a local instance, `ray start` processes, `serve run`) are split into two lanes, each lane on one worker in file
-# order, so at most two Ray instances run at once; the lanes go first, the other modules fill in around them.
-# Lane "ray-a" keeps the two-node cluster (1 s health checks) and the /health-under-load test apart from each other.
-RAY_LANES = {
-    "ray-a": ("tests/e2e/test_quickstart.py", "tests/integration/test_node_loss.py", "tests/integration/test_serve_http.py"),
-    "ray-b": (
-        "tests/integration/test_adapt_loop.py",
-        "tests/integration/test_capture_serve.py",
-        "tests/integration/test_datagen_job.py",
-        "tests/integration/test_serve_cli.py",
-        "tests/integration/test_serve_engine_ingress.py",
-        "tests/integration/test_serve_registry_metrics.py",
-        "tests/integration/test_serve_tp2.py",
-        "tests/integration/test_train_ray_mlflow.py",
-        "tests/unit/datagen/test_answers_only.py",
-        "tests/unit/datagen/test_pipeline.py",
-    ),
-}
-_LANE_OF = {path: lane for lane, paths in RAY_LANES.items() for path in paths}
+# (a local instance, `ray start` processes, `serve run`) form one lane, run on one worker in file order, so two Ray
+# instances never run at once: two lanes of them side by side took twice as long each on 2 cores (Ray's processes
+# and the engines' threads compete) and a local Ray once timed out starting its GCS. The lane goes first (the e2e
+# and integration tests are collected first); the other modules run on the other worker meanwhile.
+RAY_LANE = (
+    "tests/e2e/test_quickstart.py",
+    "tests/integration/test_adapt_loop.py",
+    "tests/integration/test_capture_serve.py",
+    "tests/integration/test_datagen_job.py",
+    "tests/integration/test_node_loss.py",
+    "tests/integration/test_serve_cli.py",
+    "tests/integration/test_serve_engine_ingress.py",
+    "tests/integration/test_serve_http.py",
+    "tests/integration/test_serve_registry_metrics.py",
+    "tests/integration/test_serve_tp2.py",
+    "tests/integration/test_train_ray_mlflow.py",
+    "tests/unit/datagen/test_answers_only.py",
+    "tests/unit/datagen/test_pipeline.py",
+)
 
 
 def pytest_configure(config):
-    # the work units in file order (the lanes first: the e2e test and the integration tests come first), not
+    # the work units in file order (the Ray lane first: the e2e test and the integration tests come first), not
     # xdist's default of the units with the most tests first
     if getattr(config.option, "dist", "no") == "loadgroup":
         config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):
-    """The xdist group of every test: its Ray lane, else its own module (used by ``--dist loadgroup`` only)."""
+    """The xdist group of every test: the Ray lane, else its own module (used by ``--dist loadgroup`` only)."""
     for item in items:
         if not any(item.iter_markers("xdist_group")):
             path = item.nodeid.split("::", 1)[0]
-            item.add_marker(pytest.mark.xdist_group(_LANE_OF.get(path, path)))
+            item.add_marker(pytest.mark.xdist_group("ray" if path in RAY_LANE else path))
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,9 @@
-"""The xdist lanes of tests/conftest.py: every module that starts Ray is in one lane, and every lane names real files."""
+"""The xdist Ray lane of tests/conftest.py: every module that starts Ray is in it, and it names real files."""
 
 import re
 from pathlib import Path
 
-from eagleray.tests.conftest import RAY_LANES
+from eagleray.tests.conftest import RAY_LANE
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
@@ -13,18 +13,17 @@ STARTS_RAY = re.compile(
 )
 
 
-def test_every_lane_file_exists_and_is_in_one_lane():
-    paths = [p for lane in RAY_LANES.values() for p in lane]
-    assert len(paths) == len(set(paths)), paths
-    missing = [p for p in paths if not (REPO / p).is_file()]
+def test_every_lane_file_exists_once():
+    assert len(RAY_LANE) == len(set(RAY_LANE)), RAY_LANE
+    missing = [p for p in RAY_LANE if not (REPO / p).is_file()]
     assert not missing, missing
 
 
 def test_every_module_that_starts_ray_is_in_a_lane():
-    laned = {p for lane in RAY_LANES.values() for p in lane}
+    laned = set(RAY_LANE)
     starts = {
         str(p.relative_to(REPO))
         for p in TESTS.rglob("test_*.py")
         if "gpu" not in p.parts and STARTS_RAY.search(p.read_text()) and p.name != Path(__file__).name
     }
-    assert starts - laned == set(), f"modules that start Ray outside RAY_LANES: {sorted(starts - laned)}"
+    assert starts - laned == set(), f"modules that start Ray outside RAY_LANE: {sorted(starts - laned)}"
