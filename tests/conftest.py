@@ -24,6 +24,7 @@ for _k, _v in _ENV.items():
 if not os.environ.get("EAGLERAY_TEST_GPU"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import importlib.util  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -36,9 +37,9 @@ os.environ.setdefault("EAGLERAY_HOME", str(REPO / ".cache" / "eagleray"))
 # cores). Every module stays whole on one worker (its module-scoped fixtures, a Ray cluster or a Serve app, start
 # once; tests that read what earlier tests of the module did still run after them). The modules that start Ray
 # (a local instance, `ray start` processes, `serve run`) form one lane, run on one worker in file order, so two Ray
-# instances never run at once: two lanes of them side by side took twice as long each on 2 cores (Ray's processes
-# and the engines' threads compete) and a local Ray once timed out starting its GCS. The lane goes first (the e2e
-# and integration tests are collected first); the other modules run on the other worker meanwhile.
+# instances never run at once (a trial with Ray modules on both workers took about twice as long per module on 2
+# cores, and a local Ray timed out starting its GCS). The lane goes first (the e2e and integration tests are
+# collected first); the other modules run on the other worker meanwhile.
 RAY_LANE = (
     "tests/e2e/test_quickstart.py",
     "tests/integration/test_adapt_loop.py",
@@ -56,19 +57,25 @@ RAY_LANE = (
 )
 
 
-def pytest_configure(config):
-    # the work units in file order (the Ray lane first: the e2e test and the integration tests come first), not
-    # xdist's default of the units with the most tests first
-    if getattr(config.option, "dist", "no") == "loadgroup":
-        config.option.loadscopereorder = False
+def _xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` with the groups above: every module is one work unit, the Ray lane one more; the units go
+    out in file order (not xdist's most-tests-first). pytest-xdist's own loadgroup does not group under pytest 9
+    (its ``xdist_group`` marks rename ``item._nodeid``, which pytest 9 no longer reads), so this scheduler does."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayLaneScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "ray" if path in RAY_LANE else path
+
+    config.option.loadscopereorder = False
+    return RayLaneScheduling(config, log)
 
 
-def pytest_collection_modifyitems(config, items):
-    """The xdist group of every test: the Ray lane, else its own module (used by ``--dist loadgroup`` only)."""
-    for item in items:
-        if not any(item.iter_markers("xdist_group")):
-            path = item.nodeid.split("::", 1)[0]
-            item.add_marker(pytest.mark.xdist_group("ray" if path in RAY_LANE else path))
+if importlib.util.find_spec("xdist") is not None:  # an unknown hook name is an error where pytest-xdist is missing
+    pytest_xdist_make_scheduler = _xdist_make_scheduler
 
 
 @pytest.fixture(scope="session")
