@@ -124,7 +124,7 @@ continue)   # the shipped champion trained further: ShareGPT's first turns answe
     && python3 -m eagleray.jobs.bench.draft_scaling all --work $ROOT/ds --prompts $ROOT/stage/convs.jsonl \
     --eval-prompts $ROOT/stage/mtbench.jsonl,$ROOT/stage/humaneval.jsonl --fractions 1 --init-from $champ \
     --extra-prompts $ROOT/sampled/conversations.jsonl $*" > $ROOT/ds/run.log 2>&1 < /dev/null &
-  sleep "${WAIT:-540}"; grep -v watchdog $ROOT/ds/run.log | tail -n 20
+  sleep "${WAIT:-480}"; grep -v watchdog $ROOT/ds/run.log | tail -n 20  # + ~40 s of unpacking: under the 600 s limit
   bring_back
   ;;
 wait)
