@@ -21,7 +21,9 @@
 #   bash jobs/bench/draft_scaling_h200.sh collect   # JSON, logs and the best draft (bf16, split) into $OUT
 # The champion trained further (issue 15, fourth run), after stage and a stage2 that carries the greedy answers:
 #   bash jobs/bench/draft_scaling_h200.sh continue --steps 100000 --train-minutes 9 --train-batch 16 --lr 3e-4 \
-#     --min-lr-ratio 0.05 --b1 largest          # (TEMP=0.7: the first turns' sampling temperature), then `wait`
+#     --min-lr-ratio 0.05 --b1 largest          # (TEMP=0.7: the first turns' sampling temperature; REGEN_LIMIT=N: at
+#                                               # most N of them), then `wait`
+#   BATCHES=32,128 JOIN_WAITS=0,8,16 bash jobs/bench/draft_scaling_h200.sh engine   # then issue 13's adaptive sweep
 #
 # Prepared here: .stage1/ = gguf.part00, gguf.sha256, convs.jsonl.xz (`eagleray regenerate --config
 # jobs/configs/datagen-sharegpt-turns.yaml --out convs.jsonl --prompts-only`), mtbench.jsonl, humaneval.jsonl,
@@ -120,7 +122,7 @@ continue)   # the shipped champion trained further: ShareGPT's first turns answe
   unpack_target
   champ=$SRC/eagleray/platform/checkpoints/shipped/smollm2-135m-instruct-eagle3-sharegpt
   setsid nohup bash -c "python3 -m eagleray.jobs.bench.draft_scaling regen --work $ROOT/sampled --first-turns \
-    --temperature ${TEMP:-0.7} --prompts $ROOT/stage/convs.jsonl --procs 6 --batch 192 --kv-cache-gib 12 --max-tokens 256 \
+    --temperature ${TEMP:-0.7} ${REGEN_LIMIT:+--limit $REGEN_LIMIT} --prompts $ROOT/stage/convs.jsonl --procs 6 --batch 192 --kv-cache-gib 12 --max-tokens 256 \
     && python3 -m eagleray.jobs.bench.draft_scaling all --work $ROOT/ds --prompts $ROOT/stage/convs.jsonl \
     --eval-prompts $ROOT/stage/mtbench.jsonl,$ROOT/stage/humaneval.jsonl --fractions 1 --init-from $champ \
     --extra-prompts $ROOT/sampled/conversations.jsonl $*" > $ROOT/ds/run.log 2>&1 < /dev/null &
@@ -134,6 +136,10 @@ wait)
   for f in $ROOT/ds/drafts/*/train.log; do echo "== $f"; grep -v watchdog "$f" | tail -n 3; done
   bring_back
   ;;
+engine)   # issue 13's adaptive sweep in this lease once the run is done (the target is staged): adaptive_h200.sh's
+  shift   # env (BATCHES, JOIN_WAITS, SWEEP_S), e.g. BATCHES=32,128 JOIN_WAITS=0,8,16 ... engine sweep
+  STAGE=$ROOT/stage OUT=$OUT bash $SRC/eagleray/jobs/bench/adaptive_h200.sh "${1:-sweep}"
+  ;;
 collect)
   cp $ROOT/ds/regen.json $OUT/regen-sharegpt-h200.json
   cp $ROOT/ds/scaling.json $OUT/scaling-h200.json || true
@@ -142,7 +148,7 @@ collect)
   ls -la $OUT
   ;;
 *)
-  echo "usage: $0 stage | stage2 | start [ARGS] | continue [ARGS] | wait [SECONDS] | collect" >&2
+  echo "usage: $0 stage | stage2 | start [ARGS] | continue [ARGS] | wait [SECONDS] | engine [sweep] | collect" >&2
   exit 2
   ;;
 esac
