@@ -129,6 +129,19 @@ continue)   # the shipped champion trained further: ShareGPT's first turns answe
   sleep "${WAIT:-480}"; grep -v watchdog $ROOT/ds/run.log | tail -n 20  # + ~40 s of unpacking: under the 600 s limit
   bring_back
   ;;
+retrain)   # `continue` once its sampled first turns are answered (carried in .stage3 as sampled-conversations.jsonl.xz
+  shift    # by an earlier lease's bring_back): `all` from the champion, the call returns once the draft is packed
+  unpack_target
+  mkdir -p $ROOT/sampled && xz -dc $ROOT/stage/sampled-conversations.jsonl.xz > $ROOT/sampled/conversations.jsonl
+  champ=$SRC/eagleray/platform/checkpoints/shipped/smollm2-135m-instruct-eagle3-sharegpt
+  setsid nohup python3 -m eagleray.jobs.bench.draft_scaling all --work $ROOT/ds --prompts $ROOT/stage/convs.jsonl \
+    --eval-prompts $ROOT/stage/mtbench.jsonl,$ROOT/stage/humaneval.jsonl --fractions 1 --init-from $champ \
+    --extra-prompts $ROOT/sampled/conversations.jsonl "$@" > $ROOT/ds/run.log 2>&1 < /dev/null &
+  end=$((SECONDS + ${WAIT:-500}))   # the draft is packed into early/ before the evaluation starts
+  while [ $SECONDS -lt $end ] && [ ! -f $ROOT/ds/early/best-draft.tar.part0 ]; do sleep 5; done
+  sleep 5; grep -v watchdog $ROOT/ds/run.log | tail -n 12
+  bring_back
+  ;;
 wait)
   end=$((SECONDS + ${2:-540}))
   while [ $SECONDS -lt $end ] && pgrep -f "draft_scaling all" > /dev/null; do sleep 10; done
