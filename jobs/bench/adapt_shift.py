@@ -256,6 +256,24 @@ def overhead_plan(rounds: int) -> list[str]:
     return [m for r in range(rounds) for m in (("off", "on") if (rounds - 1 - r) % 2 == 0 else ("on", "off"))]
 
 
+def overhead_passes(args, url: str, uri: str, bodies: list[dict], plan: list[str], capture_to, record: list[dict]):
+    """The passes of ``plan`` against the local app at ``url`` (started with pass 0's capture): a fresh replica before
+    every later pass, so that no pass runs on a warmer app than another -> {"off": [load, ...], "on": [...]}.
+    ``capture_to(i)``: pass i's capture directory (None: capture off)."""
+    from ray import serve
+
+    from eagleray.serve.app import build
+    from eagleray.serve.local import APP_NAME, wait_ready
+
+    passes: dict[str, list[dict]] = {"off": [], "on": []}
+    for i, mode in enumerate(plan):
+        if i:
+            serve.run(build(serving(args, uri, capture_to(i))), name=APP_NAME, route_prefix="/", blocking=False)
+            wait_ready(url, None, 600)  # serve.run returned with the new replica running
+        passes[mode].append(load(url, bodies, args, f"capture {mode}", record))
+    return passes
+
+
 def overhead(off: list[dict], on: list[dict]) -> dict[str, Any]:
     """Capture's cost in serving throughput: 1 - on/off tokens per second, each over all its passes; and per round."""
 
@@ -292,13 +310,11 @@ def plot(record: list[dict], swap_t: float | None, out: str) -> None:
 
 def run(argv: list[str]) -> dict[str, Any]:
     import httpx
-    from ray import serve
 
     from eagleray.jobs.adapt import adapt_once
     from eagleray.platform import capture_store, registry
     from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
-    from eagleray.serve.app import build
-    from eagleray.serve.local import APP_NAME, start_local, stop_local, wait_ready
+    from eagleray.serve.local import start_local, stop_local
 
     args = parse(argv)
     t_start = time.time()
@@ -331,12 +347,7 @@ def run(argv: list[str]) -> dict[str, Any]:
 
     url = start_local(serving(args, uri, capture_to(0)), num_cpus=2, timeout_s=600)
     try:
-        passes: dict[str, list[dict]] = {"off": [], "on": []}
-        for i, mode in enumerate(plan):
-            if i:  # a fresh replica before every pass, so that no pass runs on a warmer app than another
-                serve.run(build(serving(args, uri, capture_to(i))), name=APP_NAME, route_prefix="/", blocking=False)
-                wait_ready(url, None, 600)  # serve.run returned with the new replica running
-            passes[mode].append(load(url, base, args, f"capture {mode}", record))
+        passes = overhead_passes(args, url, uri, base, plan, capture_to, record)
         off, on = passes["off"], passes["on"]
         cost = overhead(off, on)
         log(f"  capture overhead {cost['overhead']:+.1%} (per round {', '.join(f'{c:+.1%}' for c in cost['per_round'])})")

@@ -41,11 +41,8 @@ def summary(passes: dict[str, list[dict]]) -> dict[str, Any]:
 
 
 def run(argv: list[str]) -> dict[str, Any]:
-    from ray import serve
-
     from eagleray.platform.checkpoints.target import TargetSpec, resolve_target
-    from eagleray.serve.app import build
-    from eagleray.serve.local import APP_NAME, start_local, stop_local, wait_ready
+    from eagleray.serve.local import start_local, stop_local
 
     args = parse(argv)
     t_start = time.time()
@@ -60,15 +57,9 @@ def run(argv: list[str]) -> dict[str, Any]:
     def capture_to(i: int) -> str | None:
         return str(work / f"captures-{int(t_start)}" / f"pass-{i}") if plan[i] == "on" else None
 
-    record: list[dict] = []
-    passes: dict[str, list[dict]] = {"off": [], "on": []}
     url = start_local(shift.serving(args, uri, capture_to(0)), num_cpus=2, timeout_s=600)
     try:
-        for i, mode in enumerate(plan):
-            if i:  # a fresh replica before every pass, so that no pass runs on a warmer app than another
-                serve.run(build(shift.serving(args, uri, capture_to(i))), name=APP_NAME, route_prefix="/", blocking=False)
-                wait_ready(url, None, 600)
-            passes[mode].append(shift.load(url, bodies, args, f"capture {mode}", record))
+        passes = shift.overhead_passes(args, url, uri, bodies, plan, capture_to, [])
     finally:
         stop_local()
     cost = summary(passes)
