@@ -46,7 +46,11 @@ def plot(rows: list[dict], path: Path) -> Path:
             ax.plot(*zip(*pts), style, label=label)
     for x, r in zip(xs, rows):
         ax.annotate(
-            r.get("label") or f"{r['data_fraction']:g}", (x, r["tau_mtbench_chain"]), textcoords="offset points", xytext=(4, -12), fontsize=8
+            r.get("label") or f"{r['data_fraction']:g}",
+            (x, r["tau_mtbench_chain"]),
+            textcoords="offset points",
+            xytext=(4, -12),
+            fontsize=8,
         )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("loss-masked tokens trained on (fraction of ShareGPT's regenerated answers)")
