@@ -59,9 +59,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=16.0, help="regen: KV cache per process")
     p.add_argument("--temperature", type=float, default=0.0, help="regen: sampling temperature (0: greedy; a seed per prompt)")
     p.add_argument(
-        "--first-turns",
-        action="store_true",
-        help="regen: answer only each conversation's first user turn (the shape a served request has)",
+        "--single-turns",
+        choices=["first", "all"],
+        default=None,
+        help="regen: answer user turns as single-turn requests (the shape a served request has): each conversation's "
+        "first user turn, or every user turn on its own, without the turns before it",
     )
     p.add_argument(
         "--extra-prompts",
@@ -124,7 +126,9 @@ def regen(args: argparse.Namespace) -> dict:
 
     work = args.work / "regen"
     work.mkdir(parents=True, exist_ok=True)
-    prompts = first_turns(Path(args.prompts), work / "first-turns.jsonl") if args.first_turns else Path(args.prompts)
+    prompts = Path(args.prompts)
+    if args.single_turns:
+        prompts = single_turns(prompts, work / f"single-turns-{args.single_turns}.jsonl", args.single_turns)
     cfg = regen_config(args, prompts, work)
     (work / "config.yaml").write_text(yaml.safe_dump(cfg))
     parts = [work / f"part{i}.jsonl" for i in range(args.procs)]
@@ -201,16 +205,18 @@ def regen_config(args: argparse.Namespace, prompts: Path, work: Path) -> dict:
     }
 
 
-def first_turns(src: Path, out: Path) -> Path:
-    """``src``'s conversations cut after their first user message (a system message before it kept) -> ``out``."""
+def single_turns(src: Path, out: Path, which: str = "first") -> Path:
+    """``src``'s user turns as single-turn conversations -> ``out``: the first user message of each conversation
+    (``which="first"``) or every user message on its own (``"all"``), a system message before the first kept."""
     from eagleray.platform.prompts import iter_prompts
 
     with out.open("w", encoding="utf-8") as fh:
         for rec in iter_prompts(str(src)):
             msgs = [m.to_dict() for m in rec.messages]
-            first = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
-            if first is not None:
-                fh.write(json.dumps({"messages": msgs[: first + 1]}, ensure_ascii=False) + "\n")
+            users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+            system = [m for m in msgs[: users[0]] if m["role"] == "system"] if users else []
+            for i in users[:1] if which == "first" else users:
+                fh.write(json.dumps({"messages": [*system, msgs[i]]}, ensure_ascii=False) + "\n")
     return out
 
 

@@ -21,8 +21,10 @@
 #   bash jobs/bench/draft_scaling_h200.sh collect   # JSON, logs and the best draft (bf16, split) into $OUT
 # The champion trained further (issue 15, fourth run), after stage and a stage2 that carries the greedy answers:
 #   bash jobs/bench/draft_scaling_h200.sh continue --steps 100000 --train-minutes 9 --train-batch 16 --lr 3e-4 \
-#     --min-lr-ratio 0.05 --b1 largest          # (TEMP=0.7: the first turns' sampling temperature; REGEN_LIMIT=N: at
-#                                               # most N of them), then `wait`
+#     --min-lr-ratio 0.05 --b1 largest          # then `wait`; TEMP=0.7: the sampling temperature, TURNS=all: every
+#                                               # user turn as a single-turn request (first: first turns only),
+#                                               # REGEN_LIMIT=N: at most N conversations
+#   (a lease lost after `continue` answered: carry its sampled-conversations.jsonl.xz in .stage3, then `retrain ARGS`)
 #   BATCHES=32,128 JOIN_WAITS=0,8,16 bash jobs/bench/draft_scaling_h200.sh engine   # then issue 13's adaptive sweep
 #
 # Prepared here: .stage1/ = gguf.part00, gguf.sha256, convs.jsonl.xz (`eagleray regenerate --config
@@ -121,7 +123,7 @@ continue)   # the shipped champion trained further: ShareGPT's first turns answe
   shift     # a served request has), then `all` on the greedy answers (carried in by stage2) + those, from the champion
   unpack_target
   champ=$SRC/eagleray/platform/checkpoints/shipped/smollm2-135m-instruct-eagle3-sharegpt
-  setsid nohup bash -c "python3 -m eagleray.jobs.bench.draft_scaling regen --work $ROOT/sampled --first-turns \
+  setsid nohup bash -c "python3 -m eagleray.jobs.bench.draft_scaling regen --work $ROOT/sampled --single-turns ${TURNS:-first} \
     --temperature ${TEMP:-0.7} ${REGEN_LIMIT:+--limit $REGEN_LIMIT} --prompts $ROOT/stage/convs.jsonl --procs 6 --batch 192 --kv-cache-gib 12 --max-tokens 256 \
     && python3 -m eagleray.jobs.bench.draft_scaling all --work $ROOT/ds --prompts $ROOT/stage/convs.jsonl \
     --eval-prompts $ROOT/stage/mtbench.jsonl,$ROOT/stage/humaneval.jsonl --fractions 1 --init-from $champ \

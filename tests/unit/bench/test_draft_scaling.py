@@ -143,17 +143,22 @@ def test_tau_rises_only_when_every_doubling_gains_and_an_unmeasured_draft_is_ref
         dsp.curve(bad[:1])
 
 
-def test_first_turns_keeps_each_conversation_up_to_its_first_user_message(tmp_path):
+def test_single_turns_are_each_user_message_alone_or_each_conversations_first(tmp_path):
     src = tmp_path / "c.jsonl"
     rows = [
         {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
         {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "c"}, {"role": "user", "content": "d"}]},
     ]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = ds.first_turns(src, tmp_path / "first.jsonl")
+    out = ds.single_turns(src, tmp_path / "first.jsonl", "first")
     got = [json.loads(line)["messages"] for line in out.read_text().splitlines()]
     assert got == [[{"role": "user", "content": "a"}], [{"role": "system", "content": "s"}, {"role": "user", "content": "c"}]]
     assert sorted(ds._expected_turns(out, None).values()) == [1, 1]  # the regen's count of what must come back
+    out = ds.single_turns(src, tmp_path / "all.jsonl", "all")
+    got = [json.loads(line)["messages"] for line in out.read_text().splitlines()]
+    sys_ = {"role": "system", "content": "s"}
+    assert got == [[{"role": "user", "content": c}] for c in "ab"] + [[sys_, {"role": "user", "content": c}] for c in "cd"]
+    assert sorted(ds._expected_turns(out, None).values()) == [1, 1, 1, 1]
 
 
 def test_continued_training_starts_from_the_draft_and_learns_the_extra_answers_too(tmp_path):
