@@ -117,21 +117,10 @@ class LayerStep:
 class LayerWeights:
     shape: LayerShape
     struct: _Weights
-    key: tuple  # data pointers of what struct points into (hidden_norm's 0 if none), then the eps, scale, norm_residual
-    sources: tuple  # the unpacked weights (LayerParams.sources) struct was made from
+    sources: tuple  # the unpacked weights (LayerParams.sources) struct was made from (kept: a caller may compare ids)
     keep: tuple
     block_size: int = 0
     address: int = 0  # of struct
-
-    def current(self, sources: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-        """Whether this handle still holds these weights (the same tensors, unchanged) and this cache."""
-        return (
-            len(sources) == len(self.sources)
-            and all(a is b for a, b in zip(sources, self.sources))
-            and all(cpu_decode.packed(w).data_ptr() == k for w, k in zip(sources[2:], self.key[2:6]))
-            and k_cache.data_ptr() == self.key[6]
-            and v_cache.data_ptr() == self.key[7]
-        )
 
 
 def supported(shape: LayerShape) -> str | None:
@@ -196,9 +185,8 @@ def layer_weights(params: LayerParams) -> LayerWeights:
     packed = [cpu_decode.packed(w) for w in (p.qkv, p.o, p.gate_up, p.down)]
     held = (p.in_norm, p.post_norm, *packed, p.k_cache, p.v_cache) + (() if p.hidden_norm is None else (p.hidden_norm,))
     pointers = tuple(x.data_ptr() for x in held) + ((0,) if p.hidden_norm is None else ())  # hid_norm NULL: Llama
-    key = pointers + (p.in_eps, p.post_eps, p.scale, p.hidden_eps, int(p.norm_residual))
     struct = _Weights(*(x or None for x in pointers), p.in_eps, p.post_eps, p.scale, p.hidden_eps, int(p.norm_residual))
-    return LayerWeights(s, struct, key, p.sources(), held, p.k_cache.shape[1], ctypes.addressof(struct))
+    return LayerWeights(s, struct, p.sources(), held, p.k_cache.shape[1], ctypes.addressof(struct))
 
 
 def decoder_layer(h: torch.Tensor, step: LayerStep, weights: LayerWeights, embeds: torch.Tensor | None = None) -> torch.Tensor:

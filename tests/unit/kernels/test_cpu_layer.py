@@ -153,10 +153,6 @@ def test_the_wrapper_gives_embeds_exactly_to_a_draft_layer():
         cpu_layer.layer_weights(cpu_layer.LayerParams(**{**d.__dict__, "qkv": p.qkv}))
     with pytest.raises(KernelInputError, match="params.hidden_norm"):
         cpu_layer.layer_weights(cpu_layer.LayerParams(**{**d.__dict__, "hidden_norm": d.hidden_norm.double()}))
-    w = cpu_layer.layer_weights(d)
-    assert w.current(d.sources(), d.k_cache, d.v_cache)
-    assert not w.current(d.sources()[:-1], d.k_cache, d.v_cache), "a Llama layer's sources"
-    assert not w.current((*d.sources()[:-1], d.hidden_norm.clone()), d.k_cache, d.v_cache), "another hidden norm"
 
 
 def test_the_wrapper_refuses_what_the_kernel_does_not_take():
@@ -178,14 +174,3 @@ def test_the_wrapper_refuses_what_the_kernel_does_not_take():
     bad.cos = bad.cos.t().contiguous().t()  # [T, D] with the wrong strides
     with pytest.raises(KernelInputError, match="cos"):
         cpu_layer.step(bad, p.shape())
-
-
-def test_a_handle_is_current_until_a_weight_or_the_cache_changes():
-    p = _params()
-    w = cpu_layer.layer_weights(p)
-    sources = (p.in_norm, p.post_norm, p.qkv, p.o, p.gate_up, p.down)
-    assert w.current(sources, p.k_cache, p.v_cache)
-    assert not w.current(sources, p.k_cache.clone(), p.v_cache), "another cache"
-    assert not w.current((p.in_norm.clone(), *sources[1:]), p.k_cache, p.v_cache), "another tensor"
-    p.down.mul_(2)  # in place: its packed copy is made again
-    assert not w.current(sources, p.k_cache, p.v_cache)

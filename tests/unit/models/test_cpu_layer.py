@@ -163,3 +163,21 @@ def test_tensor_parallel_and_unfused_layers_keep_pytorch(native):
     assert native_layer.layer_reason(fuse_for_inference(DecoderLayer(replace(arch, dtype=torch.bfloat16), TPInfo())), cache) == (
         "weights or cache not fp32"
     )
+
+
+def test_the_kept_kernel_weights_follow_a_weight_changed_in_place_a_replaced_weight_and_a_new_cache(native, calls, monkeypatch):
+    """A layer's packed kernel weights are kept between forwards and made again when what they were made from changes;
+    each change below, if missed, leaves the native forward on stale weights or writing another cache's K/V."""
+    model = _model()
+    _forward(model, _prefilled(model), [1, 1, 1])  # the handles are made and kept
+    with torch.no_grad():
+        model.layers[1].mlp.down_proj.weight.mul_(0.5)  # in place: a new version of the same tensor
+    old = model.layers[0].self_attn.o_proj.weight
+    model.layers[0].self_attn.o_proj.weight = torch.nn.Parameter(old.detach() * 0.7)  # another tensor
+    kv = _prefilled(model)  # another cache
+    fused = _forward(model, kv, [2, 2, 2])
+    assert calls[-3:] == [6, 6, 6], "every layer took the native call"
+    _pytorch_layers(monkeypatch)
+    kv_torch = _prefilled(model)
+    torch.testing.assert_close(fused, _forward(model, kv_torch, [2, 2, 2]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kv.k, kv_torch.k, atol=1e-4, rtol=1e-4)
