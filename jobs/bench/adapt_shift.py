@@ -3,9 +3,8 @@
     [0] registry (sqlite, --work): the champion draft as version 1, @champion
     [1] before: τ of the champion on the held-out HumanEval prompts (the last --held-out of 164) and on MT-bench
     [2] capture overhead: the Serve app (capture off) then (capture at rate 1.0) under the same load:
-        the first --traffic HumanEval prompts (and --code-sharegpt code requests from ShareGPT), --concurrency
-        clients; throughput = generated tokens / wall time;
-        --overhead-rounds R: R rounds in ABBA order, each pass on a fresh replica, tokens/s summed per mode
+        the first --traffic HumanEval prompts (and --code-sharegpt code requests from ShareGPT), --concurrency clients;
+        tokens / wall time; --overhead-rounds R: R rounds in ABBA order, a fresh replica a pass, tokens/s summed per mode
     [2b] --traffic-samples S: the traffic prompts S more times, sampled (a seed per request), captured too
     [3] the adaptation loop (jobs/adapt.adapt_once) on the captured traffic: fine-tune, gate, alias
     [4] the traffic again: the app hot-swaps through its alias poller (τ over time, no failed request)
@@ -257,9 +256,8 @@ def overhead_plan(rounds: int) -> list[str]:
 
 
 def overhead_passes(args, url: str, uri: str, bodies: list[dict], plan: list[str], capture_to, record: list[dict]):
-    """The passes of ``plan`` against the local app at ``url`` (started with pass 0's capture): a fresh replica before
-    every later pass, so that no pass runs on a warmer app than another -> {"off": [load, ...], "on": [...]}.
-    ``capture_to(i)``: pass i's capture directory (None: capture off)."""
+    """``plan``'s passes on the app at ``url`` (started with pass 0's capture; ``capture_to(i)``: pass i's directory or None),
+    a fresh replica before every later one so that no pass runs on a warmer app -> {"off": [load, ...], "on": [...]}."""
     from ray import serve
 
     from eagleray.serve.app import build
@@ -276,12 +274,9 @@ def overhead_passes(args, url: str, uri: str, bodies: list[dict], plan: list[str
 
 def overhead(off: list[dict], on: list[dict]) -> dict[str, Any]:
     """Capture's cost in serving throughput: 1 - on/off tokens per second, each over all its passes; and per round."""
-
-    def rate(passes: list[dict]) -> float:
-        return sum(p["tokens"] for p in passes) / sum(p["seconds"] for p in passes)
-
+    rate = {mode: sum(p["tokens"] for p in ps) / sum(p["seconds"] for p in ps) for mode, ps in (("off", off), ("on", on))}
     per_round = [1 - b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(off, on)]
-    return {"overhead": 1 - rate(on) / rate(off), "per_round": per_round}
+    return {"overhead": 1 - rate["on"] / rate["off"], "per_round": per_round}
 
 
 def plot(record: list[dict], swap_t: float | None, out: str) -> None:
