@@ -152,3 +152,18 @@ def test_the_draft_prefill_keeps_the_pytorch_layer(draft, native, calls):
     assert calls == [], "a prefill (BLAS GEMMs) is not decode-sized: the forward rule keeps PyTorch"
     assert native_layer.unfused_reason(draft.midlayer, torch.zeros(3, 64), AttentionMetadata.build([1] * 3, [PROMPT] * 3, TABLES, 4),
                                     (torch.zeros(12, 4, 2, 16),) * 2) is None  # fmt: skip
+
+
+def test_a_draft_layers_kept_kernel_weights_follow_a_replaced_hidden_norm(tmp_path_factory, native, calls, monkeypatch):
+    """The hidden norm only the draft's layer has is part of what its kept handle was made from."""
+    draft = _make_draft(tmp_path_factory)
+    kv, kv_torch = _prefilled(draft), _prefilled(draft)  # the prompts' K/V written with the old norm in both
+    _forward(draft, kv, [1, 1, 1])  # the handle is made and kept (for this cache)
+    norm = draft.midlayer.hidden_norm
+    norm.weight = torch.nn.Parameter(norm.weight.detach() * 1.5)
+    normed, nxt = _forward(draft, kv, [1, 1, 1])  # the same rows again: their K/V are written before they are read
+    assert len(calls) == 2, "both forwards took the native layer"
+    _pytorch_layer(monkeypatch)
+    want_normed, want_next = _forward(draft, kv_torch, [1, 1, 1])
+    torch.testing.assert_close(nxt, want_next, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(normed, want_normed, atol=1e-4, rtol=1e-4)

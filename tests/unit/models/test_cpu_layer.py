@@ -169,15 +169,22 @@ def test_the_kept_kernel_weights_follow_a_weight_changed_in_place_a_replaced_wei
     """A layer's packed kernel weights are kept between forwards and made again when what they were made from changes;
     each change below, if missed, leaves the native forward on stale weights or writing another cache's K/V."""
     model = _model()
-    _forward(model, _prefilled(model), [1, 1, 1])  # the handles are made and kept
+    kv, kv_torch = _prefilled(model), _prefilled(model)  # the prompts' K/V written before the changes, in both
+    _forward(model, kv, [1, 1, 1])  # the handles are made and kept, for this cache
     with torch.no_grad():
-        model.layers[1].mlp.down_proj.weight.mul_(0.5)  # in place: a new version of the same tensor
+        model.layers[1].mlp.down_proj.weight.mul_(0.5)  # in place: a new version of the same tensor and storage
     old = model.layers[0].self_attn.o_proj.weight
-    model.layers[0].self_attn.o_proj.weight = torch.nn.Parameter(old.detach() * 0.7)  # another tensor
-    kv = _prefilled(model)  # another cache
-    fused = _forward(model, kv, [2, 2, 2])
-    assert calls[-3:] == [6, 6, 6], "every layer took the native call"
+    new = torch.nn.Parameter(old.detach() * 0.7)  # another tensor, brought to the same version number
+    with torch.no_grad():
+        while new._version < old._version:
+            new.mul_(1.0)
+    model.layers[0].self_attn.o_proj.weight = new
+    fused = _forward(model, kv, [2, 2, 2])  # the same cache: only the weights changed (layer 2: nothing)
+    other, other_torch = _prefilled(model), _prefilled(model)
+    fused_other = _forward(model, other, [2, 2, 2])  # another cache (kv is alive: not its storage); layer 2: only this
+    assert calls[-6:] == [6] * 6, "every layer took the native call"
     _pytorch_layers(monkeypatch)
-    kv_torch = _prefilled(model)
     torch.testing.assert_close(fused, _forward(model, kv_torch, [2, 2, 2]), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(kv.k, kv_torch.k, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fused_other, _forward(model, other_torch, [2, 2, 2]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(other.k, other_torch.k, atol=1e-4, rtol=1e-4)
