@@ -194,6 +194,7 @@ class LLMEngine:
         self.drafts.install(draft, aux_layer_ids)
         self.metrics.speculation_enabled = True
         self.policy.enable()
+        self.wall.drop()  # the step before the swap: the old draft's, its interval holding the swap's seconds
         if self.watchdog is not None:
             self.watchdog.reset()
 

@@ -13,6 +13,7 @@ waiting for requests is no step's cost.
     started = wall.begin()                 # a step starts: the previous decode step is observed
     wall.defer(started, whole, observe, *args)   # after a decode step: observe(*args, seconds) at the next begin()
     wall.idle()                            # no work: observe the pending step with its ``whole`` seconds
+    wall.drop()                            # a draft swapped in: the pending step is no one's cost
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ class StepWall:
         """A decode step that started at ``start`` and took ``whole`` seconds inside the engine: ``observe(*args,
         seconds)`` once the next step starts (or with ``whole`` at :meth:`idle`)."""
         self._pending = (start, whole, observe, args)
+
+    def drop(self) -> None:
+        """Forget the pending step unobserved: a draft swapped in after it (the swap's load time is in its interval,
+        and its cost was the previous draft's, which the policy has just forgotten)."""
+        self._pending = None
 
     def idle(self) -> bool:
         """The engine has no work: the pending step is observed with its time inside the engine (no idle time)

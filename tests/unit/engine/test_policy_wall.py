@@ -46,6 +46,32 @@ def test_an_idle_engine_observes_the_pending_step_without_the_wait():
     assert seen == [(4, 0.003)]
 
 
+def test_a_dropped_step_is_never_observed():
+    seen = []
+    wall = StepWall(FakeClock(tick=0.0))
+    wall.defer(0.0, 0.003, lambda *a: seen.append(a), 4)
+    wall.drop()
+    wall.begin()
+    assert wall.idle() is False and seen == [] and wall.intervals == 0
+
+
+def test_a_hot_swap_between_steps_is_no_cost_of_the_new_draft(target, tokenizer, random_draft):
+    """A server swaps a draft in between two steps (loading it takes seconds): the step before the swap is not
+    observed, so the new draft's first speculative cost is not that step's interval with the load in it."""
+    engine = make_engine(target, tokenizer, random_draft, k=2, max_num_seqs=1, policy={"adaptive": True})
+    clock = engine.wall.clock = FakeClock()
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    engine.swap_draft(random_draft)
+    clock.now += 30.0  # loading the new draft
+    while engine.has_unfinished():
+        engine.step()
+    costs = engine.policy.costs[1]
+    seconds = [t for window in costs.recent.values() for t in window]
+    assert costs.spec_steps + costs.plain_steps >= 2 and max(seconds) < 1.0
+
+
 def test_the_engine_costs_a_plain_step_up_to_the_next_steps_start(target, tokenizer, random_draft):
     """5 s of the caller's work after every step (output delivery in a server's loop, say) is in t_plain and in the
     speculative steps' verify cost, not in the engine's own whole steps: the benchmark's clock has it too."""
