@@ -30,6 +30,10 @@ static _Atomic int64_t done;       // chunks finished in this generation
 static _Atomic uint32_t wake_word; // futex word: bumped on every new generation
 static _Atomic int sleepers;
 static int nhelpers;
+// Pauses a helper spins for the next call before it sleeps: long between the back-to-back native calls of a decode
+// step, short where other threads need the cores between calls (a prefill's oneDNN GEMMs: a spinning helper takes
+// the core from one of their threads). set_helper_spin() sets it.
+static _Atomic int spin_limit = 20000;
 static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;  // one job at a time (calls from several Python threads)
 
@@ -50,7 +54,7 @@ static void* helper_main(void* arg) {
     for (;;) {
         int spins = 0;
         while (atomic_load_explicit(&wake_word, memory_order_acquire) == seen) {
-            if (++spins < 20000) { _mm_pause(); continue; }
+            if (++spins < atomic_load_explicit(&spin_limit, memory_order_relaxed)) { _mm_pause(); continue; }
             atomic_fetch_add(&sleepers, 1);
             if (atomic_load(&wake_word) == seen) syscall(SYS_futex, &wake_word, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
             atomic_fetch_sub(&sleepers, 1);
@@ -309,4 +313,9 @@ int paged_attention_f32(const float* q, const float* kc, const float* vc, float*
     attn_t a = {q, kc, vc, out, bt, bt_w, seq, ctx, nnew, mask, Hq, Hkv, D, bs, Hq * D, scale};
     parallel_run(attn_item, &a, T * Hkv, threads);
     return 0;
+}
+
+// How many pauses a helper spins for the next call before it sleeps (>= 0); returns the one before.
+int set_helper_spin(int n) {
+    return atomic_exchange(&spin_limit, n < 0 ? 0 : n);
 }

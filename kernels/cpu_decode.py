@@ -310,10 +310,20 @@ def blas_gemms():
     1.1-2.3x MKL's on the prefill's shapes (a 4 x 140-token prefill 1.09-1.19 s -> 0.74-0.86 s, BENCHMARKS.md)."""
     global _blas_only
     before, _blas_only = _blas_only, True
+    spin = _lib.set_helper_spin(PREFILL_HELPER_SPIN) if _lib is not None and not before else None
     try:
         yield
     finally:
         _blas_only = before
+        if spin is not None:
+            _lib.set_helper_spin(spin)
+
+
+# Pauses the native kernels' helper threads spin after a call inside a prefill before they sleep (20,000 elsewhere,
+# ~0.4 ms): between a prefill's native phases run oneDNN's GEMMs on OpenMP threads, and a helper spinning on a core
+# takes it from one of them. A 161-token prompt's prefill step through cpu_prefill: median 258 ms at 20,000, 211 ms
+# at 2,000, 209 ms at 500, 206 ms at 0 (the PyTorch layer's: 233 ms at 20,000, 219 ms at 0).
+PREFILL_HELPER_SPIN = 0
 
 
 PREFILL_NATIVE_ROWS = 16  # inside blas_gemms, at most this many rows stay native (LM head: 4.2 vs 17.8 ms MKL at 4)
@@ -339,6 +349,11 @@ def dispatch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) ->
     if _blas_only and cpu_gemm.available():
         return cpu_gemm.linear(x, w, b)
     return torch.nn.functional.linear(x, w, b)
+
+
+def in_prefill() -> bool:
+    """Whether a prefill (:func:`blas_gemms`) is running."""
+    return _blas_only
 
 
 def decode_rows(m: int) -> bool:

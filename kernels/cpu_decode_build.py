@@ -55,6 +55,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_attention_f32.restype = ctypes.c_int
     lib.decoder_layer_f32.argtypes = [ctypes.c_void_p] * 5
     lib.decoder_layer_f32.restype = ctypes.c_int
+    lib.set_helper_spin.argtypes = [ctypes.c_int]
+    lib.set_helper_spin.restype = ctypes.c_int
+    lib.rms_norm_rows_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
+    lib.rms_norm_rows_f32.restype = ctypes.c_int
+    lib.rope_attention_f32.argtypes = [ctypes.c_void_p] * 4
+    lib.rope_attention_f32.restype = ctypes.c_int
+    lib.silu_mul_rows_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    lib.silu_mul_rows_f32.restype = ctypes.c_int
 
 
 def unsupported() -> str | None:

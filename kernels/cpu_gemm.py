@@ -2,6 +2,7 @@
 
     from eagleray.kernels import cpu_gemm
     y = cpu_gemm.linear(x, w, b)      # x [M, K], w [N, K], b [N] or None -> [M, N]; M large (a prompt's tokens)
+    y = cpu_gemm.linear_add(x, w, r)  # x w^T + r [M, N], the add in oneDNN's post-op
     cpu_gemm.available()              # False where PyTorch was built without oneDNN (then callers use MKL)
 
 A prompt's prefill is GEMM-bound: at 560 tokens SmolLM2's gate/up product ([560, 576] x [576, 3072]) ran at
@@ -38,6 +39,19 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """x [M, K] fp32, w [N, K] fp32, b [N] fp32 or None -> y [M, N] fp32 (oneDNN, w in its packed layout)."""
     _check(x, w, b)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed(w), b, "none", [], "")  # [M, N]
+
+
+def linear_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32 @ w [N, K]^T + residual [M, N] fp32 -> a new [M, N] (the add is oneDNN's post-op on the product)."""
+    _check(x, w, None)
+    if residual.dtype != torch.float32 or tuple(residual.shape) != (x.shape[0], w.shape[0]) or residual.device.type != "cpu":
+        raise KernelInputError("residual", f"[{x.shape[0]}, {w.shape[0]}] fp32 on the CPU",
+                               f"{tuple(residual.shape)} {residual.dtype}", "pass the rows the product adds to")  # fmt: skip
+    return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual.contiguous(), packed(w), None, "add")
+
+
+def linear_add_reference(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, w) + residual
 
 
 def _reorder(w: torch.Tensor) -> torch.Tensor:

@@ -148,3 +148,43 @@ int decoder_layer_f32(const layer_step_t* s, const layer_weights_t* w, const flo
     product(s->act, w->down, s->h1, H, out, T, H, I, th);
     return 0;
 }
+
+// A prefill's layer between its products (kernels/cpu_prefill.py: the products there are oneDNN's GEMMs, these the
+// phases between them, each row-wise on the same thread pool as above).
+
+// y [T, H] = RMSNorm(x [T, H]) * w. Returns 0, or -1 for bad sizes.
+int rms_norm_rows_f32(const float* x, const float* w, float* y, int64_t T, int64_t H, float eps, int threads) {
+    if (T < 0 || H <= 0) return -1;
+    norm_rows(x, w, y, H, T, H, eps, threads);
+    return 0;
+}
+
+// qkv [T, (Hq + 2 Hkv) D], the q/k/v product of the step's rows: RoPE on q and k in place, k and v written into the
+// layer's cache at the step's slots; then att [T, Hq D] = the rows' paged attention over the keys the step gives each
+// row. The step's own scratch pointers are not used. Returns 0, or -1 for head shapes the kernel does not take.
+int rope_attention_f32(const layer_step_t* s, const layer_weights_t* w, float* qkv, float* att) {
+    int64_t Hq = s->Hq, Hkv = s->Hkv, D = s->D;
+    if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_G || D % 16 || D > MAX_D) return -1;
+    layer_step_t rows = *s;
+    rows.qkv = qkv;
+    rows.att = att;
+    layer_t lt = {&rows, w};
+    int th = (int)s->threads;
+    parallel_run(rope_write_row, &lt, s->T, th);
+    attn_t a = {qkv, w->kc, w->vc, att, s->bt, s->bt_w, s->seq, s->ctx, s->nnew, s->mask, Hq, Hkv, D, s->bs, (Hq + 2 * Hkv) * D, w->scale};
+    parallel_run(attn_item, &a, s->T * Hkv, th);
+    return 0;
+}
+
+// act [T, I] = silu(gate) * up for gu [T, 2 I] = (gate, up) rows. Returns 0, or -1 for bad sizes.
+int silu_mul_rows_f32(const float* gu, float* act, int64_t T, int64_t I, int threads) {
+    if (T < 0 || I <= 0) return -1;
+    layer_step_t s;
+    memset(&s, 0, sizeof s);
+    s.I = I;
+    s.gu = (float*)gu;  // read only
+    s.act = act;
+    layer_t lt = {&s, NULL};
+    parallel_run(silu_mul_row, &lt, T, threads);
+    return 0;
+}

@@ -143,8 +143,9 @@ def _f32(t: torch.Tensor, shape: tuple, arg: str) -> None:
     _require(ok, arg, f"a contiguous fp32 CPU tensor {list(shape)}", f"{list(t.shape)} {t.dtype}", "use the PyTorch layer")
 
 
-def step(inputs: StepInputs, shape: LayerShape) -> LayerStep:
-    """Check one forward's inputs and allocate its scratch rows (once a forward; every layer of shape ``shape``)."""
+def step(inputs: StepInputs, shape: LayerShape, scratch: bool = True) -> LayerStep:
+    """Check one forward's inputs and allocate its scratch rows (once a forward; every layer of shape ``shape``).
+    ``scratch=False``: none (a prefill's step, :mod:`eagleray.kernels.cpu_prefill`, whose phases get their rows)."""
     reason = supported(shape)
     _require(reason is None, "shape", "a shape the native layer handles", reason, "use the PyTorch layer")
     t, s = inputs.slots.shape[0], shape
@@ -160,11 +161,11 @@ def step(inputs: StepInputs, shape: LayerShape) -> LayerStep:
     cpu_decode.check_rows(inputs.keys, t)
     nqkv = (s.heads + 2 * s.kv_heads) * s.head_dim
     sizes = (s.inputs * s.hidden, nqkv, s.heads * s.head_dim, s.hidden, 2 * s.intermediate, s.intermediate)
-    scratch = [torch.empty(t, n, dtype=torch.float32) for n in sizes]  # xn, qkv, att, h1, gu, act: [T, n] each
+    rows = [torch.empty(t, n, dtype=torch.float32) for n in sizes] if scratch else []  # xn, qkv, att, h1, gu, act
     threads = cpu_decode.threads() or torch.get_num_threads()
     ints = (t, s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, inputs.block_size, bt.shape[1], threads)
-    tensors = (inputs.cos, inputs.sin, inputs.slots, bt, *cpu_decode.row_tensors(inputs.keys), *scratch)
-    struct = _Step(*ints, *(x.data_ptr() for x in tensors))
+    tensors = (inputs.cos, inputs.sin, inputs.slots, bt, *cpu_decode.row_tensors(inputs.keys), *rows)
+    struct = _Step(*ints, *(x.data_ptr() for x in tensors))  # no scratch: its pointers NULL
     return LayerStep(s, t, struct, tensors, torch.Size((t, s.hidden)), ctypes.addressof(struct))
 
 
@@ -194,6 +195,8 @@ def decoder_layer(h: torch.Tensor, step: LayerStep, weights: LayerWeights, embed
     ``embeds`` [T, H] fp32: a draft layer's token embeddings (given exactly when ``weights`` is a draft layer's)."""
     if h.dtype != torch.float32 or h.shape != step.h_shape or not h.is_contiguous() or h.device.type != "cpu":
         _f32(h, tuple(step.h_shape), "h")
+    if step.struct.xn is None:
+        raise KernelInputError("step", "a step with scratch rows", "a prefill's step (scratch=False)", "call step(inputs, shape)")
     if weights.shape != step.shape or weights.block_size != step.struct.bs:
         raise KernelInputError("weights", f"a layer of shape {step.shape}, block size {step.struct.bs}",
                                f"{weights.shape}, block size {weights.block_size}", "make one step per layer shape and cache")  # fmt: skip

@@ -137,6 +137,8 @@ class DecoderLayer(nn.Module):
         self, h: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, cache: KVLayer | None
     ) -> torch.Tensor:  # h [T, H] -> [T, H]
         fused = native_layer.forward(self, h, positions, attn, cache)  # a CPU decode step's layer in one native call
+        if fused is None:  # a CPU prefill's: oneDNN's GEMMs, native row kernels between them
+            fused = native_layer.prefill_forward(self, h, positions, attn, cache)
         if fused is not None:
             return fused  # [T, H]
         h = h + self.self_attn(self.input_layernorm(h), positions, attn, cache)  # [T, H]

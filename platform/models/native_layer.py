@@ -15,13 +15,17 @@ The EAGLE-3 draft's layer (``eagle3.Eagle3Layer``: a second input, the token emb
 the same kernel by the same rule, the draft's forwards being decode-sized too (catch-up over the accepted tokens, the
 chain's steps, a tree's levels); its hidden norm must be fp32 as well. What every layer of one shape in a forward
 shares (cos/sin, slots, row keys, scratch) is made once, on the forward's metadata (``layouts``).
+
+A prefill's forward (inside :func:`~eagleray.kernels.cpu_decode.blas_gemms`) runs each Llama layer the rule above takes
+through :mod:`eagleray.kernels.cpu_prefill` instead (:func:`prefill_forward`): oneDNN's GEMMs for the products, the
+same native row kernels between them; :func:`prefill_reason` says when it does not.
 """
 
 from __future__ import annotations
 
 import torch
 
-from eagleray.kernels import cpu_decode, cpu_layer
+from eagleray.kernels import cpu_decode, cpu_layer, cpu_prefill
 from eagleray.platform.models.attention import AttentionMetadata, native_rows, row_keys
 
 _REASON = "cpu_layer"  # key of why the forward keeps the PyTorch layers (None: it may fuse) in AttentionMetadata.layouts
@@ -107,6 +111,48 @@ def forward(
 
 
 _NOT_YET = "the forward's rule is not checked yet"
+
+
+def prefill_reason(h: torch.Tensor, attn: AttentionMetadata, cache) -> str | None:
+    """Why this forward's rows keep the PyTorch layers in a prefill (None: a Llama layer takes cpu_prefill's)."""
+    if not cpu_decode.in_prefill():
+        return "not a prefill (no blas_gemms)"
+    if h.device.type != "cpu" or h.dtype != torch.float32 or h.dim() != 2:
+        return f"hidden states {h.dtype} on {h.device}: the prefill layer takes fp32 CPU rows"
+    if torch.is_grad_enabled() and h.requires_grad:
+        return "autograd is recording"
+    if not isinstance(attn, AttentionMetadata) or cache is None or attn.slot_mapping is None:
+        return "no paged KV cache"
+    if not native_rows(attn):
+        return f"a draft tree wider than {cpu_decode.MAX_NEW} new tokens"
+    return cpu_prefill.available()
+
+
+def prefill_forward(layer, h: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, cache) -> torch.Tensor | None:
+    """A Llama ``layer`` of a prefill (inside ``cpu_decode.blas_gemms``) applied to h [T, H] as oneDNN's GEMMs with the
+    native row kernels between them (:mod:`eagleray.kernels.cpu_prefill`) -> [T, H], or None where
+    :func:`prefill_reason` or :func:`layer_reason` says no."""
+    if not isinstance(attn, AttentionMetadata):
+        return None
+    reason = attn.layouts.get(_PREFILL_REASON, _NOT_YET)
+    if reason is _NOT_YET:
+        reason = attn.layouts[_PREFILL_REASON] = prefill_reason(h, attn, cache)
+    if reason is not None:
+        return None
+    weights = _weights(layer, cache)
+    if weights is None:
+        return None
+    key = (_PREFILL_STEP, weights.shape)
+    step = attn.layouts.get(key)
+    if step is None:
+        step = attn.layouts[key] = cpu_layer.step(_step_inputs(layer, positions, attn), weights.shape, scratch=False)
+    att, mlp = layer.self_attn, layer.mlp
+    products = cpu_prefill.Products(att.qkv.weight, att.o_proj.weight, mlp.gate_up.weight, mlp.down_proj.weight)
+    return cpu_prefill.decoder_layer(h, step, weights, products)
+
+
+_PREFILL_REASON = "cpu_prefill"  # key of why a prefill keeps the PyTorch layers, in AttentionMetadata.layouts
+_PREFILL_STEP = "cpu_prefill.step"  # (_PREFILL_STEP, LayerShape): key of a prefill's step
 
 
 def _weights(layer, cache) -> cpu_layer.LayerWeights | None:

@@ -46,7 +46,7 @@ def _model(dtype=torch.float32, **config) -> LlamaModel:
 
 
 def _prefilled(model: LlamaModel, cache_dtype=None):
-    """A cache holding PROMPT tokens of 3 sequences (prefilled on the PyTorch layers, as the engine does)."""
+    """A cache holding PROMPT tokens of 3 sequences (prefilled inside blas_gemms, as the engine does)."""
     kv = model.make_kv_cache(12, 4, dtype=cache_dtype)
     ids = torch.randint(0, 96, (3 * PROMPT,), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode(), cpu_decode.blas_gemms():
