@@ -37,6 +37,14 @@ typedef struct {
 } attn_t;
 INTERNAL void attn_item(const void* ctx, int64_t item);
 
+// A prefill's causal attention (kernels/cpu_prefill.c): blocks [n, 2] (first row, rows) of rows of one sequence whose
+// keys are all cached (row t sees keys 0..ctx[t]-1, consecutive rows one key more), at most 16 query heads a block.
+typedef struct {
+    const attn_t* a;
+    const int64_t* blocks;
+} prefill_attn_t;
+INTERNAL void prefill_attn_block(const void* ctx, int64_t item);  // item = block * Hkv + kv head
+
 static inline __m512 exp512(__m512 x) {  // Cephes expf on [-87, 88]
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

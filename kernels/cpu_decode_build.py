@@ -1,6 +1,7 @@
 """Building and loading the native CPU kernels of :mod:`eagleray.kernels.cpu_decode`.
 
-The C sources (``cpu_decode.c``, the fused decoder layer ``cpu_layer.c`` and their shared header ``cpu_decode.h``) are
+The C sources (``cpu_decode.c``, the fused decoder layer ``cpu_layer.c``, a prefill's attention ``cpu_prefill.c`` and their
+shared header ``cpu_decode.h``) are
 compiled once per machine with the system C compiler (``cc -O3 -mavx512f -pthread``) into one library,
 ``$EAGLERAY_HOME/kernels/cpu_decode-<hash of the sources>.so`` (a temporary file renamed into place, so concurrent
 builders never load a partial library) and opened with ctypes, its functions' signatures declared here.
@@ -20,7 +21,7 @@ from pathlib import Path
 from eagleray.kernels.errors import KernelBuildError
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-SOURCES = (SOURCE, SOURCE.with_name("cpu_layer.c"))  # compiled together
+SOURCES = (SOURCE, SOURCE.with_name("cpu_layer.c"), SOURCE.with_name("cpu_prefill.c"))  # compiled together
 HEADERS = (SOURCE.with_name("cpu_decode.h"),)
 
 
@@ -59,7 +60,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.set_helper_spin.restype = ctypes.c_int
     lib.rms_norm_rows_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.rms_norm_rows_f32.restype = ctypes.c_int
-    lib.rope_attention_f32.argtypes = [ctypes.c_void_p] * 4
+    lib.rope_attention_f32.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64]
     lib.rope_attention_f32.restype = ctypes.c_int
     lib.silu_mul_rows_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.silu_mul_rows_f32.restype = ctypes.c_int

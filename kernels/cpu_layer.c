@@ -161,8 +161,10 @@ int rms_norm_rows_f32(const float* x, const float* w, float* y, int64_t T, int64
 
 // qkv [T, (Hq + 2 Hkv) D], the q/k/v product of the step's rows: RoPE on q and k in place, k and v written into the
 // layer's cache at the step's slots; then att [T, Hq D] = the rows' paged attention over the keys the step gives each
-// row. The step's own scratch pointers are not used. Returns 0, or -1 for head shapes the kernel does not take.
-int rope_attention_f32(const layer_step_t* s, const layer_weights_t* w, float* qkv, float* att) {
+// row: by causal blocks (blocks [nblocks, 2]: first row, rows; kernels/cpu_prefill.c) or, blocks NULL, row by row.
+// The step's own scratch pointers are not used. Returns 0, or -1 for head shapes the kernel does not take.
+int rope_attention_f32(const layer_step_t* s, const layer_weights_t* w, float* qkv, float* att, const int64_t* blocks,
+                       int64_t nblocks) {
     int64_t Hq = s->Hq, Hkv = s->Hkv, D = s->D;
     if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_G || D % 16 || D > MAX_D) return -1;
     layer_step_t rows = *s;
@@ -172,7 +174,12 @@ int rope_attention_f32(const layer_step_t* s, const layer_weights_t* w, float* q
     int th = (int)s->threads;
     parallel_run(rope_write_row, &lt, s->T, th);
     attn_t a = {qkv, w->kc, w->vc, att, s->bt, s->bt_w, s->seq, s->ctx, s->nnew, s->mask, Hq, Hkv, D, s->bs, (Hq + 2 * Hkv) * D, w->scale};
-    parallel_run(attn_item, &a, s->T * Hkv, th);
+    if (blocks == NULL) {
+        parallel_run(attn_item, &a, s->T * Hkv, th);
+        return 0;
+    }
+    prefill_attn_t pa = {&a, blocks};
+    parallel_run(prefill_attn_block, &pa, nblocks * Hkv, th);
     return 0;
 }
 

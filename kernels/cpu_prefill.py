@@ -44,15 +44,20 @@ def available() -> str | None:
 
 
 def decoder_layer(
-    h: torch.Tensor, step: cpu_layer.LayerStep, weights: cpu_layer.LayerWeights, products: Products
+    h: torch.Tensor,
+    step: cpu_layer.LayerStep,
+    weights: cpu_layer.LayerWeights,
+    products: Products,
+    blocks: CausalBlocks | None = None,
 ) -> torch.Tensor:
-    """h [T, H] fp32 -> the Llama layer's output [T, H]; writes the rows' K/V into the layer's cache."""
+    """h [T, H] fp32 -> the Llama layer's output [T, H]; writes the rows' K/V into the layer's cache. ``blocks``:
+    :func:`causal_blocks` of the step's rows (attention by the causal kernel), or None (row by row)."""
     s = step.shape
     _check(h, step, weights, products)
     w = weights.struct
     x = rms_norm(h, weights.sources[0], w.in_eps)  # [T, H]
     qkv = _product(x, products.qkv)  # [T, (Hq + 2 Hkv) D]
-    att = rope_attention(qkv, step, weights)  # [T, Hq D]
+    att = rope_attention(qkv, step, weights, blocks)  # [T, Hq D]
     h1 = _product(att, products.o, h)  # [T, H]
     gu = _product(rms_norm(h1, weights.sources[1], w.post_eps), products.gate_up)  # [T, 2 I]
     return _product(silu_mul(gu, s.intermediate), products.down, h1)  # [T, H]
@@ -68,15 +73,52 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
-def rope_attention(qkv: torch.Tensor, step: cpu_layer.LayerStep, weights: cpu_layer.LayerWeights) -> torch.Tensor:
+def rope_attention(
+    qkv: torch.Tensor, step: cpu_layer.LayerStep, weights: cpu_layer.LayerWeights, blocks: CausalBlocks | None = None
+) -> torch.Tensor:
     """qkv [T, (Hq + 2 Hkv) D] -> attention [T, Hq D]: RoPE on q and k in place, k and v written into the layer's
-    cache at the step's slots, then each row's paged attention over the keys the step gives it."""
+    cache at the step's slots, then each row's paged attention over the keys the step gives it: by the causal
+    ``blocks`` (:func:`causal_blocks` of the step's row keys; ``cpu_prefill.c``) or, None, row by row (the decode
+    kernel's)."""
     s = step.shape
     _f32(qkv, (step.rows, (s.heads + 2 * s.kv_heads) * s.head_dim), "qkv")
+    if blocks is not None and (blocks.seq is not step.keep[4] or blocks.group != s.heads // s.kv_heads):
+        raise KernelInputError("blocks", "causal_blocks(keys, group) of this step's row keys and head group",
+                               f"blocks of other rows or group {blocks.group}", "make them from the step's StepInputs.keys")  # fmt: skip
     att = torch.empty(step.rows, s.heads * s.head_dim, dtype=torch.float32)  # [T, Hq D]
-    rc = cpu_decode.library().rope_attention_f32(step.address, weights.address, qkv.data_ptr(), att.data_ptr())
+    ptr, n = (None, 0) if blocks is None else (blocks.spans.data_ptr(), blocks.spans.shape[0])
+    rc = cpu_decode.library().rope_attention_f32(step.address, weights.address, qkv.data_ptr(), att.data_ptr(), ptr, n)
     _ok(rc, "step", "heads a whole group of at most 16 per kv head, head_dim a multiple of 16 up to 256")
     return att
+
+
+LANES = 16  # query vectors a block of the causal kernel (cpu_prefill.c): its rows times the query heads of a kv head
+
+
+@dataclass(frozen=True)
+class CausalBlocks:
+    """The rows of a step cut into blocks for the causal kernel (made only by :func:`causal_blocks`)."""
+
+    spans: torch.Tensor  # [n, 2] int64: first row, rows
+    seq: torch.Tensor  # the RowKeys.seq they were cut from (a step checks it holds the same tensor)
+    group: int  # query heads per kv head they were cut for
+
+
+def causal_blocks(keys: cpu_decode.RowKeys, group: int) -> CausalBlocks | None:
+    """The rows cut into blocks for the causal kernel: runs of rows of one sequence, each seeing one key more than the
+    one before and no new-token mask, in pieces of at most ``LANES // group`` rows from each run's start (so a row's
+    block follows from its own sequence's rows alone); None if any row has a draft-tree mask or a kv head has more
+    than ``LANES`` query heads (those take the row kernel)."""
+    t = keys.seq.shape[0]
+    if t == 0 or group > LANES or bool((keys.nnew != 0).any()):
+        return None
+    new_run = torch.ones(t, dtype=torch.bool)  # [T] a row that starts a run
+    new_run[1:] = (keys.seq[1:] != keys.seq[:-1]) | (keys.ctx[1:] != keys.ctx[:-1] + 1)
+    run_start = torch.nonzero(new_run).flatten()  # [R]
+    in_run = torch.arange(t) - run_start[new_run.cumsum(0) - 1]  # [T] index of a row in its run
+    starts = torch.nonzero(in_run % (LANES // group) == 0).flatten()  # [n]
+    spans = torch.stack([starts, torch.diff(starts, append=torch.tensor([t]))], 1).contiguous()  # [n, 2]
+    return CausalBlocks(spans, keys.seq, group)
 
 
 def silu_mul(gu: torch.Tensor, intermediate: int) -> torch.Tensor:

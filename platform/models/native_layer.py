@@ -143,12 +143,14 @@ def prefill_forward(layer, h: torch.Tensor, positions: torch.Tensor, attn: Atten
     if weights is None:
         return None
     key = (_PREFILL_STEP, weights.shape)
-    step = attn.layouts.get(key)
-    if step is None:
-        step = attn.layouts[key] = cpu_layer.step(_step_inputs(layer, positions, attn), weights.shape, scratch=False)
+    kept = attn.layouts.get(key)  # (step, causal blocks)
+    if kept is None:
+        inputs, shape = _step_inputs(layer, positions, attn), weights.shape
+        blocks = cpu_prefill.causal_blocks(inputs.keys, shape.heads // shape.kv_heads)
+        kept = attn.layouts[key] = (cpu_layer.step(inputs, shape, scratch=False), blocks)
     att, mlp = layer.self_attn, layer.mlp
     products = cpu_prefill.Products(att.qkv.weight, att.o_proj.weight, mlp.gate_up.weight, mlp.down_proj.weight)
-    return cpu_prefill.decoder_layer(h, step, weights, products)
+    return cpu_prefill.decoder_layer(h, kept[0], weights, products, kept[1])
 
 
 _PREFILL_REASON = "cpu_prefill"  # key of why a prefill keeps the PyTorch layers, in AttentionMetadata.layouts

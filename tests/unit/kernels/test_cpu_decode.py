@@ -180,7 +180,7 @@ def test_a_compiler_that_fails_is_an_error_under_native_and_a_logged_fallback_un
     monkeypatch.setenv("EAGLERAY_HOME", str(tmp_path))  # nothing built here yet
     monkeypatch.setenv("CC", "false")
     monkeypatch.setattr(cpu_decode, "_lib", None)
-    with pytest.raises(KernelBuildError, match="building cpu_decode.c, cpu_layer.c failed"):
+    with pytest.raises(KernelBuildError, match="building cpu_decode.c, cpu_layer.c, cpu_prefill.c failed"):
         cpu_decode.configure("native")
     with caplog.at_level("WARNING", logger="eagleray.kernels.cpu_decode"):
         status = cpu_decode.configure("auto")

@@ -49,19 +49,22 @@ def _products(p: cpu_layer.LayerParams) -> cpu_prefill.Products:
     return cpu_prefill.Products(p.qkv, p.o, p.gate_up, p.down)
 
 
-def _run(p: cpu_layer.LayerParams, inputs: cpu_layer.StepInputs, h: torch.Tensor) -> torch.Tensor:
+def _run(p: cpu_layer.LayerParams, inputs: cpu_layer.StepInputs, h: torch.Tensor, causal: bool = True) -> torch.Tensor:
     step = cpu_layer.step(inputs, p.shape(), scratch=False)
+    blocks = cpu_prefill.causal_blocks(inputs.keys, HQ // HKV) if causal else None
     with cpu_decode.blas_gemms():
-        return cpu_prefill.decoder_layer(h, step, cpu_layer.layer_weights(p), _products(p))
+        return cpu_prefill.decoder_layer(h, step, cpu_layer.layer_weights(p), _products(p), blocks)
 
 
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("prompt,cached,chunk", [(17, 5, 6), (6, 3, 4), (22, 0, 0)])
-def test_matches_the_reference_and_writes_the_same_kv(prompt, cached, chunk):
-    """(17, 5, 6): 23 rows, oneDNN's products; (6, 3, 4): 10 rows, the native kernel's; (22, 0, 0): one prompt."""
+def test_matches_the_reference_and_writes_the_same_kv(prompt, cached, chunk, causal):
+    """(17, 5, 6): 23 rows, oneDNN's products; (6, 3, 4): 10 rows, the native kernel's; (22, 0, 0): one prompt. The
+    attention by causal blocks (cpu_prefill.c) and row by row (the decode kernel)."""
     p, ref = _params(), _params()
     inputs = _inputs(prompt, cached, chunk)
     h = 3 * torch.randn(prompt + chunk, H, generator=torch.Generator().manual_seed(1))  # [T, H]
-    out = _run(p, inputs, h)
+    out = _run(p, inputs, h, causal)
     want = cpu_layer.decoder_layer_reference(h, inputs, ref)
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(p.k_cache, ref.k_cache, atol=1e-5, rtol=1e-5)
@@ -114,3 +117,38 @@ def test_a_prefill_shortens_the_helpers_spin_and_gives_it_back():
     finally:
         lib.set_helper_spin(before)
     assert inside == cpu_decode.PREFILL_HELPER_SPIN and after == 12345
+
+
+def _attention(inputs: cpu_layer.StepInputs, qkv: torch.Tensor, causal: bool) -> torch.Tensor:
+    p = _params()
+    step = cpu_layer.step(inputs, p.shape(), scratch=False)
+    blocks = cpu_prefill.causal_blocks(inputs.keys, HQ // HKV) if causal else None
+    return cpu_prefill.rope_attention(qkv.clone(), step, cpu_layer.layer_weights(p), blocks)
+
+
+def test_causal_blocks_equal_the_row_kernel_and_a_row_does_not_depend_on_its_neighbours():
+    """Each row's attention by blocks equals the row kernel's (1e-5), and is bitwise the same whatever else is in the
+    step: a prompt prefilled alone or beside another sequence's chunk (other blocks, other keys)."""
+    nqkv = (HQ + 2 * HKV) * D
+    qkv = torch.randn(23, nqkv, generator=torch.Generator().manual_seed(3))  # rows of _inputs(17, 5, 6)
+    both = _attention(_inputs(17, 5, 6), qkv, causal=True)
+    torch.testing.assert_close(both, _attention(_inputs(17, 5, 6), qkv, causal=False), atol=1e-5, rtol=1e-5)
+    alone = _attention(_inputs(17, 0, 0), qkv[:17].contiguous(), causal=True)
+    assert torch.equal(alone, both[:17]), "the prompt's rows alone and beside the chunk"
+    blocks = cpu_prefill.causal_blocks(_inputs(17, 5, 6).keys, HQ // HKV)
+    assert blocks.spans.tolist() == [[0, 5], [5, 5], [10, 5], [15, 2], [17, 5], [22, 1]]  # 16 // G = 5 rows a block
+
+
+def test_causal_blocks_refuse_tree_rows_and_blocks_of_other_rows():
+    inputs = _inputs(17, 5, 6)
+    tree = cpu_decode.RowKeys(inputs.keys.seq, inputs.keys.ctx, torch.ones_like(inputs.keys.ctx), inputs.keys.mask)
+    assert cpu_prefill.causal_blocks(tree, HQ // HKV) is None, "draft-tree rows take the row kernel"
+    assert cpu_prefill.causal_blocks(inputs.keys, 17) is None, "more query heads a kv head than lanes"
+    p = _params()
+    step = cpu_layer.step(inputs, p.shape(), scratch=False)
+    qkv = torch.randn(23, (HQ + 2 * HKV) * D)
+    other = _inputs(17, 5, 6)  # the same rows, other tensors: blocks are for the keys they were cut from
+    with pytest.raises(KernelInputError, match="blocks"):
+        cpu_prefill.rope_attention(qkv, step, cpu_layer.layer_weights(p), cpu_prefill.causal_blocks(other.keys, HQ // HKV))
+    with pytest.raises(KernelInputError, match="blocks"):
+        cpu_prefill.rope_attention(qkv, step, cpu_layer.layer_weights(p), cpu_prefill.causal_blocks(inputs.keys, 2))
