@@ -184,7 +184,7 @@ def test_a_compiler_that_fails_is_an_error_under_native_and_a_logged_fallback_un
         cpu_decode.configure("native")
     with caplog.at_level("WARNING", logger="eagleray.kernels.cpu_decode"):
         status = cpu_decode.configure("auto")
-    assert status.startswith("torch (building cpu_decode.c, cpu_layer.c failed")
+    assert status.startswith("torch (building cpu_decode.c, cpu_layer.c, cpu_prefill.c failed")
     assert any("using torch.nn.functional.linear" in r.getMessage() for r in caplog.records)
     assert not list(tmp_path.rglob("*.so")), "a failed build leaves no library behind"
 
