@@ -1,10 +1,13 @@
 """A prompt's prefill through a Llama decoder layer on a CPU: oneDNN's packed GEMMs for the four products
-(:mod:`eagleray.kernels.cpu_gemm`, the residual adds fused into the o and down products) and ``kernels/cpu_layer.c``'s
-row kernels for everything between them (RMSNorm, RoPE + the K/V write + paged attention, SiLU x up).
+(:mod:`eagleray.kernels.cpu_gemm`, the residual adds fused into the o and down products) and native kernels for
+everything between them: ``kernels/cpu_layer.c``'s row kernels (RMSNorm, RoPE + the K/V write, SiLU x up) and the
+causal attention of ``kernels/cpu_prefill.c`` (blocks of one sequence's rows as the lanes of a vector;
+:func:`causal_blocks`), or the decode kernel's row-by-row attention.
 
     from eagleray.kernels import cpu_layer, cpu_prefill
     step = cpu_layer.step(inputs, shape, scratch=False)              # once a forward (the rows' keys, cos/sin, slots)
-    out = cpu_prefill.decoder_layer(h, step, weights, products)     # per layer; weights: cpu_layer.layer_weights(...)
+    blocks = cpu_prefill.causal_blocks(inputs.keys, heads // kv_heads)  # once a forward
+    out = cpu_prefill.decoder_layer(h, step, weights, products, blocks)  # per layer; weights: cpu_layer.layer_weights
     ref = cpu_layer.decoder_layer_reference(h, inputs, params)      # the same layer in PyTorch
 
 A prefill is GEMM-bound, but the PyTorch layer between its GEMMs runs ~15 torch ops a layer whose time grows with the
@@ -65,6 +68,7 @@ def decoder_layer(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, H] fp32 -> RMSNorm(x) * weight [T, H] (each row as the fused layer's norm)."""
+    _f32(x, (x.shape[0], weight.shape[0]) if x.dim() == 2 else (-1, weight.shape[0]), "x")
     t, hid = x.shape
     _f32(weight, (hid,), "weight")
     y = torch.empty_like(x)

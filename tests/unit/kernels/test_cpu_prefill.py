@@ -96,6 +96,8 @@ def test_the_wrapper_refuses_what_the_kernel_does_not_take():
         cpu_prefill.decoder_layer(h, step, weights, cpu_prefill.Products(p.qkv, p.o, p.gate_up, p.down.t().contiguous()))
     with pytest.raises(KernelInputError, match="qkv"):
         cpu_prefill.rope_attention(torch.randn(23, 5), step, weights)
+    with pytest.raises(KernelInputError, match="x"):
+        cpu_prefill.rms_norm(h.t(), torch.ones(23), 1e-5)  # not contiguous
     with pytest.raises(KernelInputError, match="gu"):
         cpu_prefill.silu_mul(torch.randn(23, 2 * INTER + 1), INTER)
     with pytest.raises(KernelInputError, match="residual"):
