@@ -35,6 +35,7 @@ SUITES = {
     "adapt_shift": "eagleray.jobs.bench.adapt_shift",
     "capture-overhead": "eagleray.jobs.bench.capture_overhead",
     "cpu-linear": "eagleray.jobs.bench.cpu_linear",
+    "prefill-ab": "eagleray.jobs.bench.prefill_ab",
     "serve": "eagleray.jobs.bench.serve_load",
     "serve-loop": "eagleray.jobs.bench.serve_loop",
     "step-kernels": "eagleray.jobs.bench.step_kernels",

@@ -113,8 +113,13 @@ def forward(
 _NOT_YET = "the forward's rule is not checked yet"
 
 
+PREFILL_LAYER = True  # False: a prefill keeps the PyTorch layers (an A/B switch: bench prefill-ab)
+
+
 def prefill_reason(h: torch.Tensor, attn: AttentionMetadata, cache) -> str | None:
     """Why this forward's rows keep the PyTorch layers in a prefill (None: a Llama layer takes cpu_prefill's)."""
+    if not PREFILL_LAYER:
+        return "native_layer.PREFILL_LAYER is off"
     if not cpu_decode.in_prefill():
         return "not a prefill (no blas_gemms)"
     if h.device.type != "cpu" or h.dtype != torch.float32 or h.dim() != 2:

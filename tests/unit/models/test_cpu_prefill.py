@@ -82,6 +82,9 @@ def test_the_rule_keeps_the_pytorch_layer_outside_a_prefill_and_without_a_cache(
     monkeypatch.setattr(cpu_decode, "MAX_ROWS", 2)  # rows past the decode layer's, outside a prefill (a wide verify)
     _prefill(model, kv, [4], [20], prefill=False)
     assert calls == []
+    monkeypatch.setattr(native_layer, "PREFILL_LAYER", False)  # the A/B switch
+    _prefill(model, model.make_kv_cache(12, 4), [20], [0])
+    assert calls == []
 
 
 def test_the_rule_keeps_the_pytorch_layer_with_native_kernels_off_or_biases(native, calls):
