@@ -93,14 +93,7 @@ def forward(
 ) -> torch.Tensor | None:
     """``layer`` applied to h [T, H] in one native call -> [T, H], or None where :func:`unfused_reason` says no.
     ``embeds`` [T, H]: a draft layer's token embeddings (h is then its fc-combined hidden)."""
-    if not isinstance(attn, AttentionMetadata):
-        return None  # the GPU row step's metadata computes attention itself (forward_reason says so too)
-    reason = attn.layouts.get(_REASON, _NOT_YET)
-    if reason is _NOT_YET:
-        reason = attn.layouts[_REASON] = forward_reason(h, attn, cache)
-    if reason is not None:
-        return None
-    weights = _weights(layer, cache)
+    weights = _ruled_weights(layer, h, attn, cache, _REASON, forward_reason)
     if weights is None:
         return None
     key = (_STEP, weights.shape)
@@ -137,14 +130,7 @@ def prefill_forward(layer, h: torch.Tensor, positions: torch.Tensor, attn: Atten
     """A Llama ``layer`` of a prefill (inside ``cpu_decode.blas_gemms``) applied to h [T, H] as oneDNN's GEMMs with the
     native row kernels between them (:mod:`eagleray.kernels.cpu_prefill`) -> [T, H], or None where
     :func:`prefill_reason` or :func:`layer_reason` says no."""
-    if not isinstance(attn, AttentionMetadata):
-        return None
-    reason = attn.layouts.get(_PREFILL_REASON, _NOT_YET)
-    if reason is _NOT_YET:
-        reason = attn.layouts[_PREFILL_REASON] = prefill_reason(h, attn, cache)
-    if reason is not None:
-        return None
-    weights = _weights(layer, cache)
+    weights = _ruled_weights(layer, h, attn, cache, _PREFILL_REASON, prefill_reason)
     if weights is None:
         return None
     key = (_PREFILL_STEP, weights.shape)
@@ -160,6 +146,18 @@ def prefill_forward(layer, h: torch.Tensor, positions: torch.Tensor, attn: Atten
 
 _PREFILL_REASON = "cpu_prefill"  # key of why a prefill keeps the PyTorch layers, in AttentionMetadata.layouts
 _PREFILL_STEP = "cpu_prefill.step"  # (_PREFILL_STEP, LayerShape): key of a prefill's step
+
+
+def _ruled_weights(layer, h: torch.Tensor, attn, cache, key: str, rule) -> cpu_layer.LayerWeights | None:
+    """The layer's kernel weights where the forward's ``rule`` (h, attn, cache -> a reason or None; checked once a
+    forward, its answer kept under ``key`` in the metadata's layouts) and :func:`layer_reason` let the layer take the
+    native path, else None. Metadata of another kind (the GPU row step's computes attention itself): None."""
+    if not isinstance(attn, AttentionMetadata):
+        return None
+    reason = attn.layouts.get(key, _NOT_YET)
+    if reason is _NOT_YET:
+        reason = attn.layouts[key] = rule(h, attn, cache)
+    return None if reason is not None else _weights(layer, cache)
 
 
 def _weights(layer, cache) -> cpu_layer.LayerWeights | None:

@@ -10,6 +10,7 @@ import torch
 
 from eagleray.kernels import cpu_decode, cpu_decode_build, cpu_layer
 from eagleray.kernels.errors import KernelInputError
+from eagleray.tests.support.cpu_layers import layer_params
 
 pytestmark = pytest.mark.skipif(
     cpu_decode_build.unsupported() is not None, reason=f"native CPU kernels: {cpu_decode_build.unsupported()}"
@@ -30,13 +31,7 @@ def threads():
 
 
 def _params(seed: int = 0) -> cpu_layer.LayerParams:
-    g = torch.Generator().manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    nqkv = (HQ + 2 * HKV) * D
-    return cpu_layer.LayerParams(
-        1 + 0.1 * rnd(H), 1 + 0.1 * rnd(H), 0.3 * rnd(nqkv, H), 0.2 * rnd(H, HQ * D), 0.2 * rnd(2 * INTER, H),
-        0.1 * rnd(H, INTER), rnd(12, BS, HKV, D), rnd(12, BS, HKV, D), 1e-5, 1e-6, D**-0.5,
-    )  # fmt: skip
+    return layer_params(H, HQ, HKV, D, INTER, BS, 12, seed)
 
 
 def _draft_params(norm_residual: bool = False, seed: int = 4) -> cpu_layer.LayerParams:

@@ -11,6 +11,7 @@ import torch
 
 from eagleray.kernels import cpu_decode, cpu_decode_build, cpu_gemm, cpu_layer, cpu_prefill
 from eagleray.kernels.errors import KernelInputError
+from eagleray.tests.support.cpu_layers import layer_params
 
 pytestmark = pytest.mark.skipif(
     cpu_decode_build.unsupported() is not None or not cpu_gemm.available(),
@@ -22,13 +23,7 @@ TABLES = torch.tensor([[7, 2, 9, 0, 5, 13], [1, 11, 3, 12, -1, -1]], dtype=torch
 
 
 def _params(seed: int = 0) -> cpu_layer.LayerParams:
-    g = torch.Generator().manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    nqkv = (HQ + 2 * HKV) * D
-    return cpu_layer.LayerParams(
-        1 + 0.1 * rnd(H), 1 + 0.1 * rnd(H), 0.3 * rnd(nqkv, H), 0.2 * rnd(H, HQ * D), 0.2 * rnd(2 * INTER, H),
-        0.1 * rnd(H, INTER), rnd(14, BS, HKV, D), rnd(14, BS, HKV, D), 1e-5, 1e-6, D**-0.5,
-    )  # fmt: skip
+    return layer_params(H, HQ, HKV, D, INTER, BS, 14, seed)
 
 
 def _inputs(prompt: int, cached: int, chunk: int) -> cpu_layer.StepInputs:

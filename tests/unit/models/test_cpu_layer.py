@@ -18,15 +18,11 @@ from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.layers import DecoderLayer, fuse_for_inference
 from eagleray.platform.models.llama import LlamaModel
 from eagleray.platform.models.tp import TPInfo
+from eagleray.tests.support.cpu_layers import fused_model, row_calls
 
 pytestmark = pytest.mark.skipif(
     cpu_decode_build.unsupported() is not None, reason=f"native CPU kernels: {cpu_decode_build.unsupported()}"
 )
-CONFIG = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=96,
-    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-)  # fmt: skip
 PROMPT = 9  # tokens of each sequence cached by the prefill
 TABLES = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
 NEW = torch.randint(0, 96, (3, 6), generator=torch.Generator().manual_seed(1))  # each sequence's next tokens
@@ -35,14 +31,7 @@ NEW = torch.randint(0, 96, (3, 6), generator=torch.Generator().manual_seed(1))  
 @pytest.fixture
 def calls(monkeypatch):
     """Row counts of the native layer's calls (the real kernel runs)."""
-    seen: list[int] = []
-    real = kernel.decoder_layer
-    monkeypatch.setattr(kernel, "decoder_layer", lambda h, *a: seen.append(h.shape[0]) or real(h, *a))
-    return seen
-
-
-def _model(dtype=torch.float32, **config) -> LlamaModel:
-    return fuse_for_inference(LlamaModel.from_config({**CONFIG, **config}, dtype=dtype, std=0.3, seed=3))
+    return row_calls(monkeypatch, kernel, "decoder_layer")
 
 
 def _prefilled(model: LlamaModel, cache_dtype=None):
@@ -73,7 +62,7 @@ TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dt
 @pytest.mark.parametrize("query_lens,trees", [([1, 1, 1], None), ([5, 5, 5], None), ([1, 4, 2], [None, TREE, None])])
 def test_decode_and_verification_equal_the_pytorch_layers(native, calls, monkeypatch, query_lens, trees):
     """Plain decode rows, k+1 verification rows a sequence and a draft tree's rows; the K/V written match too."""
-    model = _model()
+    model = fused_model()
     kv_fused, kv_torch = _prefilled(model), _prefilled(model)
     fused = _forward(model, kv_fused, query_lens, trees)
     assert calls == [sum(query_lens)] * 3, "every layer took the native call"
@@ -85,7 +74,7 @@ def test_decode_and_verification_equal_the_pytorch_layers(native, calls, monkeyp
 
 
 def test_a_row_is_bitwise_the_same_decoded_alone_or_verified_beside_others(native, calls):
-    model = _model()
+    model = fused_model()
     kv = _prefilled(model)
     verified = _forward(model, kv, [4, 4, 4])  # rows 0..3 of each sequence, K/V written
     kv2 = _prefilled(model)
@@ -123,7 +112,7 @@ def test_forwards_the_rule_keeps_on_the_pytorch_layers(native, case):
 
 
 def test_the_rule_takes_the_native_layer_for_a_plain_llama_decode(native):
-    model = _model()
+    model = fused_model()
     meta = AttentionMetadata.build([1, 1], [PROMPT] * 2, TABLES[:2], 4)
     cache = (torch.zeros(12, 4, 2, 16), torch.zeros(12, 4, 2, 16))
     assert native_layer.unfused_reason(model.layers[0], torch.zeros(2, 64), meta, cache) is None
@@ -143,7 +132,7 @@ LAYER_CASES = {
 def test_layers_the_rule_keeps_on_pytorch_run_their_own_forward(native, calls, monkeypatch, case):
     """Each case's reason, and its forward equals the PyTorch layers' (the native call never made)."""
     config, cache_dtype, reason = LAYER_CASES[case]
-    model = _model(**config)
+    model = fused_model(**config)
     kv = _prefilled(model, cache_dtype)
     cache = (kv.k[0], kv.v[0])
     meta = AttentionMetadata.build([1, 1, 1], [PROMPT] * 3, TABLES, 4)
@@ -155,7 +144,7 @@ def test_layers_the_rule_keeps_on_pytorch_run_their_own_forward(native, calls, m
 
 
 def test_tensor_parallel_and_unfused_layers_keep_pytorch(native):
-    arch = _model().arch
+    arch = fused_model().arch
     tp_layer = fuse_for_inference(DecoderLayer(arch, TPInfo(rank=0, world=2)))
     cache = (torch.zeros(12, 4, 1, 16), torch.zeros(12, 4, 1, 16))
     assert native_layer.layer_reason(tp_layer, cache) == "tensor parallelism"
@@ -168,7 +157,7 @@ def test_tensor_parallel_and_unfused_layers_keep_pytorch(native):
 def test_the_kept_kernel_weights_follow_a_weight_changed_in_place_a_replaced_weight_and_a_new_cache(native, calls, monkeypatch):
     """A layer's packed kernel weights are kept between forwards and made again when what they were made from changes;
     each change below, if missed, leaves the native forward on stale weights or writing another cache's K/V."""
-    model = _model()
+    model = fused_model()
     kv, kv_torch = _prefilled(model), _prefilled(model)  # the prompts' K/V written before the changes, in both
     _forward(model, kv, [1, 1, 1])  # the handles are made and kept, for this cache
     with torch.no_grad():

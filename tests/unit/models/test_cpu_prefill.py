@@ -11,18 +11,12 @@ import torch
 from eagleray.kernels import cpu_decode, cpu_decode_build, cpu_gemm, cpu_prefill
 from eagleray.platform.models import native_layer
 from eagleray.platform.models.attention import AttentionMetadata
-from eagleray.platform.models.layers import fuse_for_inference
-from eagleray.platform.models.llama import LlamaModel
+from eagleray.tests.support.cpu_layers import fused_model, row_calls
 
 pytestmark = pytest.mark.skipif(
     cpu_decode_build.unsupported() is not None or not cpu_gemm.available(),
     reason=f"native CPU kernels or oneDNN: {cpu_decode_build.unsupported()}",
 )
-CONFIG = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=96,
-    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-)  # fmt: skip
 TABLES = [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
 IDS = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))
 
@@ -30,14 +24,7 @@ IDS = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))
 @pytest.fixture
 def calls(monkeypatch):
     """Row counts of the prefill layer's calls (the real kernels run)."""
-    seen: list[int] = []
-    real = cpu_prefill.decoder_layer
-    monkeypatch.setattr(cpu_prefill, "decoder_layer", lambda h, *a: seen.append(h.shape[0]) or real(h, *a))
-    return seen
-
-
-def _model(**config) -> LlamaModel:
-    return fuse_for_inference(LlamaModel.from_config({**CONFIG, **config}, std=0.3, seed=3))
+    return row_calls(monkeypatch, cpu_prefill, "decoder_layer")
 
 
 def _prefill(model, kv, lens, starts, prefill=True, cache=True):
@@ -55,7 +42,7 @@ def _prefill(model, kv, lens, starts, prefill=True, cache=True):
 @pytest.mark.parametrize("lens,starts", [([20, 13], [0, 0]), ([7, 18], [0, 4]), ([5], [0])])
 def test_a_prefill_equals_the_pytorch_layers(native, calls, monkeypatch, lens, starts):
     """Two prompts; a prompt beside a chunk after 4 cached tokens; 5 rows (products on the native kernel)."""
-    model = _model()
+    model = fused_model()
     kv_new, kv_torch = model.make_kv_cache(12, 4), model.make_kv_cache(12, 4)
     if starts[-1]:  # the earlier chunk cached in both (on the prefill layer)
         for kv in (kv_new, kv_torch):
@@ -72,7 +59,7 @@ def test_a_prefill_equals_the_pytorch_layers(native, calls, monkeypatch, lens, s
 
 
 def test_the_rule_keeps_the_pytorch_layer_outside_a_prefill_and_without_a_cache(native, calls, monkeypatch):
-    model = _model()
+    model = fused_model()
     _prefill(model, None, [20], [0], cache=False)
     assert calls == [], "no cache: the PyTorch layer"
     kv = model.make_kv_cache(12, 4)
@@ -88,11 +75,11 @@ def test_the_rule_keeps_the_pytorch_layer_outside_a_prefill_and_without_a_cache(
 
 
 def test_the_rule_keeps_the_pytorch_layer_with_native_kernels_off_or_biases(native, calls):
-    biased = _model(attention_bias=True)
+    biased = fused_model(attention_bias=True)
     _prefill(biased, biased.make_kv_cache(12, 4), [20], [0])
     assert calls == [], "biases: the PyTorch layer"
     cpu_decode.configure("torch")
-    model = _model()
+    model = fused_model()
     _prefill(model, model.make_kv_cache(12, 4), [20], [0])
     assert calls == [], "native kernels off"
     with cpu_decode.blas_gemms():
