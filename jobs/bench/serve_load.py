@@ -140,25 +140,14 @@ def _steal_share(before: list[int] | None, after: list[int] | None) -> float | N
     return round(d[7] / sum(d), 3) if sum(d) > 0 else None
 
 
-def server_env(name: str, environ) -> dict:
-    """The environment server ``name`` starts with: vLLM's engine in its server process unless set otherwise, and a
-    vLLM peer without the GOMP_SPINCOUNT that importing eagleray set (its own OpenMP defaults; a user's value stays)."""
-    env = dict(environ, VLLM_ENABLE_V1_MULTIPROCESSING=environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"))
-    if name.startswith("vllm") and env.pop("EAGLERAY_SET_GOMP_SPINCOUNT", None):
-        env.pop("GOMP_SPINCOUNT", None)
-    return env
-
-
 def _serve_and_load(name: str, args: argparse.Namespace, model_dir: Path, load_args: list[str], work: Path) -> dict:
     """Start ``name`` alone, load it with vLLM's load generator, stop it; its record."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     logf = open(work / f"{name}.log", "w")  # noqa: SIM115 - closed below
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"))
     proc = subprocess.Popen(
-        _server_command(name, port, model_dir, work, args.max_num_seqs),
-        stdout=logf,
-        stderr=subprocess.STDOUT,
-        env=server_env(name, os.environ),
+        _server_command(name, port, model_dir, work, args.max_num_seqs), stdout=logf, stderr=subprocess.STDOUT, env=env
     )
     try:
         _wait_ready(proc, url, timeout_s=600)
