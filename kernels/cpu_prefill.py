@@ -68,7 +68,7 @@ def decoder_layer(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, H] fp32 -> RMSNorm(x) * weight [T, H] (each row as the fused layer's norm)."""
-    _f32(x, (x.shape[0], weight.shape[0]) if x.dim() == 2 else (-1, weight.shape[0]), "x")
+    _f32(x, (*x.shape[:1], weight.shape[0]), "x")  # [T, H]
     t, hid = x.shape
     _f32(weight, (hid,), "weight")
     y = torch.empty_like(x)

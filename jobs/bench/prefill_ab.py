@@ -38,8 +38,9 @@ def _prompt(tok, seed: int) -> list[dict]:
 
 def _eagleray(engine: LLMEngine, before: bool):
     def prefill(msgs: list) -> float:
+        kept = native_layer.PREFILL_LAYER, cpu_decode.PREFILL_HELPER_SPIN
         native_layer.PREFILL_LAYER = not before
-        cpu_decode.PREFILL_HELPER_SPIN = 20000 if before else 0
+        cpu_decode.PREFILL_HELPER_SPIN = 20000 if before else kept[1]
         try:
             for m in msgs:
                 engine.add_request(m, SamplingParams(max_tokens=1, ignore_eos=True))
@@ -49,7 +50,7 @@ def _eagleray(engine: LLMEngine, before: bool):
             while engine.has_unfinished():
                 engine.step()
         finally:
-            native_layer.PREFILL_LAYER, cpu_decode.PREFILL_HELPER_SPIN = True, 0
+            native_layer.PREFILL_LAYER, cpu_decode.PREFILL_HELPER_SPIN = kept
         return dt
 
     return prefill
