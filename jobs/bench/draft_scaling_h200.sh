@@ -121,13 +121,18 @@ start)
   ;;
 continue)   # the shipped champion trained further: ShareGPT's first turns answered again, sampled at $TEMP (the shape
   shift     # a served request has), then `all` on the greedy answers (carried in by stage2) + those, from the champion
+            # (no greedy answers carried: on the sampled ones alone)
   unpack_target
   champ=$SRC/eagleray/platform/checkpoints/shipped/smollm2-135m-instruct-eagle3-sharegpt
+  extra="--extra-prompts $ROOT/sampled/conversations.jsonl" use=""   # beside the greedy answers stage2 carried in;
+  if [ ! -f $ROOT/ds/regen.json ]; then   # none carried: the sampled answers are the run's own (no greedy regen)
+    extra="" use="cp $ROOT/sampled/conversations.jsonl $ROOT/sampled/regen.json $ROOT/ds/ &&"
+  fi
   setsid nohup bash -c "python3 -m eagleray.jobs.bench.draft_scaling regen --work $ROOT/sampled --single-turns ${TURNS:-first} \
     --temperature ${TEMP:-0.7} ${REGEN_LIMIT:+--limit $REGEN_LIMIT} --prompts $ROOT/stage/convs.jsonl --procs 6 --batch 192 --kv-cache-gib 12 --max-tokens 256 \
-    && python3 -m eagleray.jobs.bench.draft_scaling all --work $ROOT/ds --prompts $ROOT/stage/convs.jsonl \
+    && $use python3 -m eagleray.jobs.bench.draft_scaling all --work $ROOT/ds --prompts $ROOT/stage/convs.jsonl \
     --eval-prompts $ROOT/stage/mtbench.jsonl,$ROOT/stage/humaneval.jsonl --fractions 1 --init-from $champ \
-    --extra-prompts $ROOT/sampled/conversations.jsonl $*" > $ROOT/ds/run.log 2>&1 < /dev/null &
+    $extra $*" > $ROOT/ds/run.log 2>&1 < /dev/null &
   sleep "${WAIT:-480}"; grep -v watchdog $ROOT/ds/run.log | tail -n 20  # + ~40 s of unpacking: under the 600 s limit
   bring_back
   ;;

@@ -18,9 +18,15 @@ SERIES = (  # (record key, label, style)
 )
 
 
+def data_tokens(record: dict) -> int:
+    """A draft's place on the data axis: the loss tokens it learned since a fresh draft (a continued training's record
+    says so in ``loss_tokens_cumulative``; ``loss_tokens`` is its own run's alone)."""
+    return record.get("loss_tokens_cumulative") or record["loss_tokens"]
+
+
 def curve(records: list[dict]) -> list[dict]:
-    """The drafts with a loss-token count, smallest data first; every record must have been measured on MT-bench."""
-    rows = sorted((r for r in records if r.get("loss_tokens")), key=lambda r: r["loss_tokens"])
+    """The drafts with a loss-token count, least data first; every record must have been measured on MT-bench."""
+    rows = sorted((r for r in records if r.get("loss_tokens")), key=data_tokens)
     missing = [r["data_fraction"] for r in rows if r.get("tau_mtbench_chain") is None]
     if len(rows) < 2 or missing:
         raise SystemExit(f"plot: need >= 2 drafts with loss_tokens and tau_mtbench_chain (got {len(rows)}, unmeasured {missing})")
@@ -38,7 +44,7 @@ def plot(rows: list[dict], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    xs = [r["loss_tokens"] for r in rows]
+    xs = [data_tokens(r) for r in rows]
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for key, label, style in SERIES:
         pts = [(x, r[key]) for x, r in zip(xs, rows) if r.get(key) is not None]
@@ -53,7 +59,7 @@ def plot(rows: list[dict], path: Path) -> Path:
             fontsize=8,
         )
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("loss-masked tokens trained on (fraction of ShareGPT's regenerated answers)")
+    ax.set_xlabel("loss-masked tokens learned since a fresh draft (labels: data fraction, or the run)")
     ax.set_ylabel("mean acceptance length τ")
     ax.set_title("SmolLM2-135M EAGLE-3 draft vs data (H200, bf16)", fontsize=10)
     ax.grid(alpha=0.3)
@@ -68,7 +74,7 @@ def plot(rows: list[dict], path: Path) -> Path:
 def log_to_mlflow(rows: list[dict], png: Path, experiment: str) -> str:
     """A run holding the PNG, the records and τ (MT-bench, HumanEval) with step = loss tokens; returns its id."""
     keys = ("tau_mtbench_chain", "tau_humaneval_chain")
-    metrics = [(k, r[k], int(r["loss_tokens"])) for r in rows for k in keys if r.get(k) is not None]
+    metrics = [(k, r[k], int(data_tokens(r))) for r in rows for k in keys if r.get(k) is not None]
     return log_bench_run(experiment, "draft-scaling", "bench draft_scaling", metrics, ("scaling.json", rows), png)
 
 

@@ -141,6 +141,9 @@ def test_tau_rises_only_when_every_doubling_gains_and_an_unmeasured_draft_is_ref
         dsp.curve(bad)
     with pytest.raises(SystemExit, match="need >= 2 drafts"):
         dsp.curve(bad[:1])
+    more = _scaling_records()  # a continued training sits at the tokens learned since a fresh draft, not its own run's
+    more.append(dict(more[-1], data_fraction=1.0, loss_tokens=1000, loss_tokens_cumulative=9000, tau_mtbench_chain=2.0))
+    assert [dsp.data_tokens(r) for r in dsp.curve(more)] == [2000, 4000, 8000, 9000]
 
 
 def test_single_turns_are_each_user_message_alone_or_each_conversations_first(tmp_path):
