@@ -451,6 +451,15 @@ def _health_states(url: str, stop: threading.Event, states: list) -> None:
         time.sleep(0.2)
 
 
+def test_the_cpu_replica_runs_with_passive_openmp_workers(server):
+    """The replica's own process has GOMP_SPINCOUNT=0 (ServingConfig.cpu_omp_passive), set by Ray at its start."""
+    import ray
+
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "EagleRayEngine" in a["name"]]
+    replica = ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
+    assert ray.get(replica.__ray_call__.remote(lambda self: os.environ.get("GOMP_SPINCOUNT"))) == "0"
+
+
 def test_engine_replica_killed_mid_stream_gives_a_clean_retryable_error(server):
     """SIGKILL of the engine replica: in-flight streams get a clean 503-style error event (never a silently cut
     answer), /health says restarting meanwhile, Serve restarts the replica and the next request succeeds.

@@ -41,6 +41,19 @@ def test_tensor_parallel_gets_strict_pack_bundles():
     assert opts["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 1}
 
 
+def test_a_cpu_replica_alone_gets_passive_openmp_workers():
+    """GOMP_SPINCOUNT=0 reaches a CPU engine replica through its runtime env (this process is left as it is);
+    a GPU replica and ``cpu_omp_passive: false`` get none."""
+    from eagleray.serve.app import engine_options
+    from eagleray.serve.serving_config import ServingConfig
+
+    cpu = engine_options(ServingConfig(target={"device": "cpu"}))["ray_actor_options"]
+    assert cpu["runtime_env"] == {"env_vars": {"GOMP_SPINCOUNT": "0"}}
+    gpu = engine_options(ServingConfig(target={"device": "cuda"}))["ray_actor_options"]
+    off = engine_options(ServingConfig(target={"device": "cpu"}, cpu_omp_passive=False))["ray_actor_options"]
+    assert "runtime_env" not in gpu and "runtime_env" not in off
+
+
 def test_serving_config_carries_the_engine_settings():
     """A deployment sets the KV cache, block size and verification backend; the engine gets them."""
     from eagleray.platform.config.load import parse_config
