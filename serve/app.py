@@ -66,8 +66,8 @@ def engine_options(cfg: ServingConfig) -> dict[str, Any]:
         opts["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1 if gpu else 0}  # fits in the first bundle
     else:
         opts["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1 if cfg.target.device == "cuda" else 0}
-    if cfg.cpu_omp_passive and cfg.target.device != "cuda":  # read once, when the replica's torch loads libgomp
-        opts["ray_actor_options"]["runtime_env"] = {"env_vars": {"GOMP_SPINCOUNT": "0"}}
+    if env := cfg.replica_env():  # GOMP_SPINCOUNT is read once, when the replica's torch loads libgomp
+        opts["ray_actor_options"]["runtime_env"] = {"env_vars": env}
     if cfg.engine_resources:  # rank 0 (the replica) needs them: in the actor options and, with TP, in bundle 0
         opts["ray_actor_options"]["resources"] = dict(cfg.engine_resources)
         if tp > 1:

@@ -240,7 +240,7 @@ class EngineServer:
             if sched is not None:
                 log = Path(self.cfg.capture.path) / sched.log
                 self._schedule = asyncio.get_running_loop().create_task(
-                    run_every(sched.command, sched.every_s, log, self.metrics)
+                    run_every(sched.command, sched.every_s, log, self.metrics, drop_env=self.cfg.replica_env())
                 )
 
     async def _adapt_status_loop(self, every: float = 5.0) -> None:

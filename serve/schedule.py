@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from eagleray.serve.prometheus import ServeMetrics
@@ -20,14 +22,18 @@ from eagleray.serve.prometheus import ServeMetrics
 logger = logging.getLogger(__name__)
 
 
-async def run_every(command: list[str], every_s: float, log: Path, metrics: ServeMetrics) -> None:
-    """Forever: wait ``every_s``, run ``command`` to its end (output to ``log``), count the outcome."""
+async def run_every(command: list[str], every_s: float, log: Path, metrics: ServeMetrics, drop_env: Iterable[str] = ()) -> None:
+    """Forever: wait ``every_s``, run ``command`` to its end (output to ``log``), count the outcome. The command runs
+    in this process's environment less ``drop_env`` (the replica's own settings, e.g. its passive OpenMP workers,
+    which would slow a training run's many small parallel regions)."""
+    drop = set(drop_env)
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     log.parent.mkdir(parents=True, exist_ok=True)
     while True:
         await asyncio.sleep(every_s)
         with open(log, "ab") as out:
             try:
-                proc = await asyncio.create_subprocess_exec(*command, stdout=out, stderr=asyncio.subprocess.STDOUT)
+                proc = await asyncio.create_subprocess_exec(*command, stdout=out, stderr=asyncio.subprocess.STDOUT, env=env)
             except OSError as err:  # the command cannot start (not found, not executable): logged, counted, retried
                 logger.error("adapt schedule: cannot start %s: %s", command, err)
                 metrics.record_adapt_run("not_started")

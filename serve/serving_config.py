@@ -87,7 +87,7 @@ class ServingConfig(EngineConfig):
     )
     cpu_omp_passive: bool = Field(
         True,
-        description="A CPU engine replica starts with GOMP_SPINCOUNT=0 in its Ray runtime environment: GNU OpenMP's workers sleep at once after each parallel region instead of spinning ~3 ms, so the native kernels between a prefill's oneDNN GEMMs get every core (prefill of 8 prompts 1.58 -> 1.45 s on 2 cores). Only the replica's process: training and datagen keep the default, where their many small parallel regions would each pay a wake-up. false: libgomp's default.",
+        description="A CPU engine replica starts with GOMP_SPINCOUNT=0 in its Ray runtime environment: GNU OpenMP's workers sleep at once after each parallel region instead of spinning ~3 ms, so the native kernels between a prefill's oneDNN GEMMs get every core (prefill of 8 prompts 1.58 -> 1.45 s on 2 cores). Only the replica's process (not a command adapt_schedule runs): training and datagen keep the default, where their many small parallel regions would each pay a wake-up. false: libgomp's default.",
     )
     stream_interval: int = Field(
         1,
@@ -126,6 +126,11 @@ class ServingConfig(EngineConfig):
                 "capture: reads the target's final hidden states from the varlen forward; set decode_path: varlen or remove capture"
             )
         return self
+
+    def replica_env(self) -> dict[str, str]:
+        """Environment variables the engine replica's process starts with (its Ray runtime env); a command it runs
+        (``adapt_schedule``) goes without them."""
+        return {"GOMP_SPINCOUNT": "0"} if self.cpu_omp_passive and self.target.device != "cuda" else {}
 
     def engine_config(self, **update: Any) -> EngineConfig:
         """The engine's part of this config, with ``update`` applied (e.g. the resolved target and draft)."""

@@ -31,7 +31,7 @@ from eagleray.platform.errors import EaglerayError
 from eagleray.platform.host import free_port
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "serve-smollm2-cpu.yaml"
-SERVERS = ("eagleray", "eagleray-draft", "vllm", "eagleray-champion", "vllm-champion", "eagleray-separate")
+SERVERS = ("eagleray", "eagleray-draft", "vllm", "eagleray-champion", "vllm-champion", "eagleray-separate", "eagleray-spin")
 CHAMPION_K = 4  # the *-champion servers: the shipped SmolLM2 champion, chain k=4 on both sides
 KEEP = ("completed", "failed", "output_throughput", "median_ttft_ms", "median_tpot_ms", "mean_ttft_ms", "mean_tpot_ms")
 KEEP += ("p99_ttft_ms", "p99_tpot_ms", "duration", "total_output_tokens")
@@ -62,8 +62,10 @@ def _server_command(name: str, port: int, model_dir: Path, work: Path, max_num_s
         ]  # fmt: skip
     cfg = yaml.safe_load(CONFIG.read_text())
     serving = cfg["applications"][0]["args"]["serving"]
-    if name in ("eagleray", "eagleray-separate"):
+    if name in ("eagleray", "eagleray-separate", "eagleray-spin"):
         serving["draft"] = None
+    if name == "eagleray-spin":  # the replica with libgomp's default spinning workers (A/B of cpu_omp_passive)
+        serving["cpu_omp_passive"] = False
     if name == "eagleray-separate":  # the config's engine-hosted routes against a replica of their own
         serving["ingress"] = "separate"
     if name == "eagleray-champion":
@@ -179,12 +181,13 @@ def _serve_and_load(name: str, args: argparse.Namespace, model_dir: Path, load_a
 MODES = {
     "eagleray": "plain",
     "eagleray-separate": "plain, ingress: separate",
+    "eagleray-spin": "plain, cpu_omp_passive: false",
     "vllm": "plain",
     "eagleray-draft": "draft random (adaptive)",
     "eagleray-champion": f"draft shipped champion, k={CHAMPION_K} (adaptive)",
     "vllm-champion": f"draft shipped champion, k={CHAMPION_K}",
 }
-PEER = {"eagleray": "vllm", "eagleray-separate": "vllm", "eagleray-draft": "vllm", "eagleray-champion": "vllm-champion"}
+PEER = {"eagleray": "vllm", "eagleray-separate": "vllm", "eagleray-spin": "vllm", "eagleray-draft": "vllm", "eagleray-champion": "vllm-champion"}
 
 
 def vs_vllm(records: list[dict]) -> dict[str, dict[str, dict]]:

@@ -23,7 +23,10 @@ from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.serve.serving_config import ServingConfig
 
 CTX = 128
-TICK = "import pathlib, sys; p = pathlib.Path(sys.argv[1]); p.write_text((p.read_text() if p.exists() else '') + 'x')"
+TICK = (  # one character a run: 'x', or 's' when the run got the replica's own GOMP_SPINCOUNT
+    "import os, pathlib, sys; p = pathlib.Path(sys.argv[1]); "
+    "p.write_text((p.read_text() if p.exists() else '') + ('s' if 'GOMP_SPINCOUNT' in os.environ else 'x'))"
+)
 
 
 @pytest.fixture(scope="module")
@@ -169,4 +172,5 @@ def test_the_adaptation_command_runs_on_its_schedule(capture_server):
     url, cfg, _ = capture_server
     ticks = Path(cfg.adapt_schedule.command[-1])
     until(lambda: ticks.exists() and len(ticks.read_text()) >= 2, 60, "two scheduled runs")
+    assert set(ticks.read_text()) == {"x"}, "the scheduled command got the replica's passive OpenMP setting"
     until(lambda: httpx.get(url + "/health", timeout=30).json()["metrics"].get("adapt_runs_ok", 0) >= 2, 30, "runs counted")

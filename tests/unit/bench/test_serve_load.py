@@ -73,3 +73,17 @@ def test_the_champion_servers_run_the_same_draft_and_are_compared_with_each_othe
 
     r = vs_vllm([rec("eagleray-champion", 30.0), rec("vllm", 60.0), rec("vllm-champion", 20.0), rec("eagleray", 30.0)])
     assert r["eagleray-champion"]["output_tok_s"]["rounds"] == [1.5] and r["eagleray"]["output_tok_s"]["rounds"] == [0.5]
+
+
+def test_the_spin_server_is_the_plain_server_with_libgomps_default_workers(tmp_path):
+    import yaml
+
+    from eagleray.jobs.bench.serve_load import _server_command
+
+    def serving(name):
+        cmd = _server_command(name, 8002, tmp_path / "model", tmp_path, 8)
+        return yaml.safe_load(Path(cmd[cmd.index("--config") + 1]).read_text())["applications"][0]["args"]["serving"]
+
+    spin, plain = serving("eagleray-spin"), serving("eagleray")
+    assert spin.pop("cpu_omp_passive") is False and "cpu_omp_passive" not in plain
+    assert spin == plain and spin["draft"] is None
