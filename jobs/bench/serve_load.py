@@ -187,7 +187,13 @@ MODES = {
     "eagleray-champion": f"draft shipped champion, k={CHAMPION_K} (adaptive)",
     "vllm-champion": f"draft shipped champion, k={CHAMPION_K}",
 }
-PEER = {"eagleray": "vllm", "eagleray-separate": "vllm", "eagleray-spin": "vllm", "eagleray-draft": "vllm", "eagleray-champion": "vllm-champion"}
+PEER = {
+    "eagleray": "vllm",
+    "eagleray-separate": "vllm",
+    "eagleray-spin": "vllm",
+    "eagleray-draft": "vllm",
+    "eagleray-champion": "vllm-champion",
+}
 
 
 def vs_vllm(records: list[dict]) -> dict[str, dict[str, dict]]:
