@@ -32,6 +32,11 @@ from eagleray.platform.host import free_port
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "serve-smollm2-cpu.yaml"
 SERVERS = ("eagleray", "eagleray-draft", "vllm", "eagleray-champion", "vllm-champion", "eagleray-separate", "eagleray-spin")
+PLAIN = {  # the plain eagleray servers: the config without a draft, with these serving fields changed
+    "eagleray": {},
+    "eagleray-separate": {"ingress": "separate"},  # the engine-hosted routes against a replica of their own
+    "eagleray-spin": {"cpu_omp_passive": False},  # libgomp's default spinning workers (A/B of cpu_omp_passive)
+}
 CHAMPION_K = 4  # the *-champion servers: the shipped SmolLM2 champion, chain k=4 on both sides
 KEEP = ("completed", "failed", "output_throughput", "median_ttft_ms", "median_tpot_ms", "mean_ttft_ms", "mean_tpot_ms")
 KEEP += ("p99_ttft_ms", "p99_tpot_ms", "duration", "total_output_tokens")
@@ -62,12 +67,9 @@ def _server_command(name: str, port: int, model_dir: Path, work: Path, max_num_s
         ]  # fmt: skip
     cfg = yaml.safe_load(CONFIG.read_text())
     serving = cfg["applications"][0]["args"]["serving"]
-    if name in ("eagleray", "eagleray-separate", "eagleray-spin"):
+    if name in PLAIN:
         serving["draft"] = None
-    if name == "eagleray-spin":  # the replica with libgomp's default spinning workers (A/B of cpu_omp_passive)
-        serving["cpu_omp_passive"] = False
-    if name == "eagleray-separate":  # the config's engine-hosted routes against a replica of their own
-        serving["ingress"] = "separate"
+        serving |= PLAIN[name]
     if name == "eagleray-champion":
         serving["draft"] |= {"source": str(_champion_dir()), "num_speculative_tokens": CHAMPION_K}
     serving["max_num_seqs"] = max_num_seqs
@@ -187,13 +189,7 @@ MODES = {
     "eagleray-champion": f"draft shipped champion, k={CHAMPION_K} (adaptive)",
     "vllm-champion": f"draft shipped champion, k={CHAMPION_K}",
 }
-PEER = {
-    "eagleray": "vllm",
-    "eagleray-separate": "vllm",
-    "eagleray-spin": "vllm",
-    "eagleray-draft": "vllm",
-    "eagleray-champion": "vllm-champion",
-}
+PEER = dict.fromkeys(PLAIN, "vllm") | {"eagleray-draft": "vllm", "eagleray-champion": "vllm-champion"}
 
 
 def vs_vllm(records: list[dict]) -> dict[str, dict[str, dict]]:
