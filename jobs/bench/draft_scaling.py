@@ -59,6 +59,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=16.0, help="regen: KV cache per process")
     p.add_argument("--temperature", type=float, default=0.0, help="regen: sampling temperature (0: greedy; a seed per prompt)")
     p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="regen: base seed of the per-prompt sampling seeds (generation.seed; 0 as runs 4 and 5: another base "
+        "samples other answers at the same temperature)",
+    )
+    p.add_argument(
         "--single-turns",
         choices=["first", "all"],
         default=None,
@@ -196,7 +203,7 @@ def regen_config(args: argparse.Namespace, prompts: Path, work: Path) -> dict:
         "answer_turns": "all",
         "hold_out_eval": False,  # the exported conversations were held out against MT-bench/HumanEval already
         "target": {"model": args.target, "dtype": args.dtype, "device": args.device},
-        "generation": {"max_tokens": args.max_tokens, "temperature": args.temperature},
+        "generation": {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed},
         "max_seq_len": args.max_seq_len,
         "batch_size": args.batch,
         "kv_cache_gib": args.kv_cache_gib,

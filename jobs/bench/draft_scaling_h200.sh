@@ -24,6 +24,8 @@
 #     --min-lr-ratio 0.05 --b1 largest          # then `wait`; TEMP=0.7: the sampling temperature, TURNS=all: every
 #                                               # user turn as a single-turn request (first: first turns only),
 #                                               # REGEN_LIMIT=N: at most N conversations
+#                                               # SEED=N: the sampling seeds' base (0 as runs 4-5;
+#                                               # another samples new answers at the same TEMP)
 #   (a lease lost after `continue` answered: carry its sampled-conversations.jsonl.xz in .stage3, then `retrain ARGS`)
 #   BATCHES=32,128 JOIN_WAITS=0,8,16 bash jobs/bench/draft_scaling_h200.sh engine   # then issue 13's adaptive sweep
 #
@@ -129,7 +131,7 @@ continue)   # the shipped champion trained further: ShareGPT's first turns answe
     extra="" use="cp $ROOT/sampled/conversations.jsonl $ROOT/sampled/regen.json $ROOT/ds/ &&"
   fi
   setsid nohup bash -c "python3 -m eagleray.jobs.bench.draft_scaling regen --work $ROOT/sampled --single-turns ${TURNS:-first} \
-    --temperature ${TEMP:-0.7} ${REGEN_LIMIT:+--limit $REGEN_LIMIT} --prompts $ROOT/stage/convs.jsonl --procs 6 --batch 192 --kv-cache-gib 12 --max-tokens 256 \
+    --temperature ${TEMP:-0.7} --seed ${SEED:-0} ${REGEN_LIMIT:+--limit $REGEN_LIMIT} --prompts $ROOT/stage/convs.jsonl --procs 6 --batch 192 --kv-cache-gib 12 --max-tokens 256 \
     && $use python3 -m eagleray.jobs.bench.draft_scaling all --work $ROOT/ds --prompts $ROOT/stage/convs.jsonl \
     --eval-prompts $ROOT/stage/mtbench.jsonl,$ROOT/stage/humaneval.jsonl --fractions 1 --init-from $champ \
     $extra $*" > $ROOT/ds/run.log 2>&1 < /dev/null &

@@ -183,3 +183,17 @@ def test_the_regen_config_samples_at_the_temperature_asked_for(tmp_path):
         cfg = ds.regen_config(_args(tmp_path, temperature=temperature), tmp_path / "p.jsonl", tmp_path / "regen")
         assert cfg["generation"]["temperature"] == temperature and cfg["answer_turns"] == "all"
         DatagenConfig.model_validate(cfg)  # what each regen process loads
+
+
+def test_another_regen_seed_samples_each_turn_with_another_seed(tmp_path):
+    from eagleray.datagen.backends import batch_seed
+    from eagleray.platform.config.schemas import DatagenConfig
+
+    seeds = {}
+    for base in (0, 1):
+        cfg = ds.regen_config(_args(tmp_path, temperature=0.7, seed=base), tmp_path / "p.jsonl", tmp_path / "regen")
+        gen = DatagenConfig.model_validate(cfg).generation  # what each regen process loads
+        assert (gen.seed, gen.temperature) == (base, 0.7)
+        seeds[base] = batch_seed(gen.seed, "conv-1:0")  # datagen/turns: one seed per conversation turn
+    assert seeds[0] != seeds[1]
+    assert ds.regen_config(_args(tmp_path), tmp_path / "p.jsonl", tmp_path / "regen")["generation"]["seed"] == 0
