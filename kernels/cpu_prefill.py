@@ -52,18 +52,24 @@ def decoder_layer(
     weights: cpu_layer.LayerWeights,
     products: Products,
     blocks: CausalBlocks | None = None,
+    out_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """h [T, H] fp32 -> the Llama layer's output [T, H]; writes the rows' K/V into the layer's cache. ``blocks``:
-    :func:`causal_blocks` of the step's rows (attention by the causal kernel), or None (row by row)."""
+    :func:`causal_blocks` of the step's rows (attention by the causal kernel), or None (row by row). ``out_rows``
+    [S] int64: past attention only these rows go on (a model's last layer, whose other rows only leave their K/V)
+    -> [S, H]."""
     s = step.shape
     _check(h, step, weights, products)
     w = weights.struct
     x = rms_norm(h, weights.sources[0], w.in_eps)  # [T, H]
     qkv = _product(x, products.qkv)  # [T, (Hq + 2 Hkv) D]
     att = rope_attention(qkv, step, weights, blocks)  # [T, Hq D]
-    h1 = _product(att, products.o, h)  # [T, H]
-    gu = _product(rms_norm(h1, weights.sources[1], w.post_eps), products.gate_up)  # [T, 2 I]
-    return _product(silu_mul(gu, s.intermediate), products.down, h1)  # [T, H]
+    if out_rows is not None:
+        _rows(out_rows, step.rows)
+        att, h = att[out_rows], h[out_rows]  # [S, Hq D], [S, H]
+    h1 = _product(att, products.o, h)  # [T or S, H]
+    gu = _product(rms_norm(h1, weights.sources[1], w.post_eps), products.gate_up)  # [T or S, 2 I]
+    return _product(silu_mul(gu, s.intermediate), products.down, h1)  # [T or S, H]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -160,6 +166,13 @@ def _check(h: torch.Tensor, step: cpu_layer.LayerStep, weights: cpu_layer.LayerW
                           ("gate_up", products.gate_up, (2 * s.intermediate, s.hidden)),
                           ("down", products.down, (s.hidden, s.intermediate))):  # fmt: skip
         _f32(w, want, f"products.{name}")
+
+
+def _rows(rows: torch.Tensor, t: int) -> None:
+    if rows.device.type != "cpu" or rows.dtype != torch.int64 or rows.dim() != 1 or (rows.numel() and not (
+            0 <= int(rows.min()) and int(rows.max()) < t)):  # fmt: skip
+        raise KernelInputError("out_rows", f"a 1-D int64 CPU tensor of row indices in [0, {t})",
+                               f"{rows.dtype} {list(rows.shape)} on {rows.device}", "pass each sequence's last row")  # fmt: skip
 
 
 def _f32(t: torch.Tensor, shape: tuple, arg: str) -> None:

@@ -109,8 +109,13 @@ class SelfAttention(nn.Module):
         self.qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, cache: KVLayer | None
-    ) -> torch.Tensor:  # x [T, in] -> [T, H]
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        cache: KVLayer | None,
+        out_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # x [T, in] -> [T, H], or [S, H] for the rows ``out_rows`` [S] (every row's K/V still written)
         t = x.shape[0]
         q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         q = q.reshape(t, self.heads, self.head_dim)  # [T, Hq/tp, D]
@@ -120,7 +125,8 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k, getattr(attn, "layouts", None))  # one cos/sin per forward
         o = paged_attention(q, k, v, positions, attn, cache, self.scale, self.sliding_window)  # [T, Hq/tp, D]
-        return self.o_proj(o.reshape(t, self.heads * self.head_dim))  # [T, H]
+        o = o.reshape(t, self.heads * self.head_dim)  # [T, Hq/tp D]
+        return self.o_proj(o if out_rows is None else o[out_rows])  # [T or S, H]
 
 
 class DecoderLayer(nn.Module):
@@ -134,15 +140,22 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch, tp, device)
 
     def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, cache: KVLayer | None
-    ) -> torch.Tensor:  # h [T, H] -> [T, H]
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        cache: KVLayer | None,
+        out_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # h [T, H] -> [T, H]; with out_rows [S]: K/V of every row written, the output [S, H] of those
         fused = native_layer.forward(self, h, positions, attn, cache)  # a CPU decode step's layer in one native call
-        if fused is None:  # a CPU prefill's: oneDNN's GEMMs, native row kernels between them
-            fused = native_layer.prefill_forward(self, h, positions, attn, cache)
         if fused is not None:
-            return fused  # [T, H]
-        h = h + self.self_attn(self.input_layernorm(h), positions, attn, cache)  # [T, H]
-        return h + self.mlp(self.post_attention_layernorm(h))  # [T, H]
+            return fused if out_rows is None else fused[out_rows]  # [T or S, H]
+        fused = native_layer.prefill_forward(self, h, positions, attn, cache, out_rows)  # a CPU prefill's layer
+        if fused is not None:
+            return fused  # [T or S, H]
+        kept = h if out_rows is None else h[out_rows]  # [T or S, H]
+        h = kept + self.self_attn(self.input_layernorm(h), positions, attn, cache, out_rows)  # [T or S, H]
+        return h + self.mlp(self.post_attention_layernorm(h))  # [T or S, H]
 
 
 def pack_for_cpu(model: nn.Module) -> int:

@@ -131,22 +131,33 @@ class LlamaModel(nn.Module):
         return self.embed_tokens(input_ids)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: KVCache | None = None,
+        out_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """input_ids, positions [T] -> final-normed hidden [T, H], aux [T, n_aux*H] (None if no ids)."""
+        """input_ids, positions [T] -> final-normed hidden [T, H], aux [T, n_aux*H] (None if no ids).
+
+        ``out_rows`` [S] int64: only these rows' final hidden states are wanted (a prefill's last rows) -> hidden
+        [S, H]. The last layer then writes every row's K/V but runs its attention output and MLP for these rows
+        alone (a prefill of T rows saves ~1/N of its products), unless the final pre-norm state is an aux id."""
         if input_ids.shape[0] != attn.num_tokens:
             raise EaglerayError(f"forward: {input_ids.shape[0]} tokens but attention metadata describes {attn.num_tokens}")
         h = self.embed_tokens(input_ids)  # [T, H]
         wanted = set(self.aux_layer_ids)
+        last_rows = None if self.arch.num_layers in wanted else out_rows  # rows the last layer carries on
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             if i in wanted:
                 aux.append(h)
             cache = None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i])
-            h = layer(h, positions, attn, cache)  # [T, H]
+            h = layer(h, positions, attn, cache, last_rows if i == len(self.layers) - 1 else None)  # [T, H]; last [S, H]
         if self.arch.num_layers in wanted:
             aux.append(h)
-        return self.norm(h), (torch.cat(aux, dim=-1) if aux else None)  # [T, H], [T, n_aux*H]
+            h = h if out_rows is None else h[out_rows]  # [S, H]
+        return self.norm(h), (torch.cat(aux, dim=-1) if aux else None)  # [T or S, H], [T, n_aux*H]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, V]
         return self.lm_head(hidden)

@@ -126,10 +126,12 @@ def prefill_reason(h: torch.Tensor, attn: AttentionMetadata, cache) -> str | Non
     return cpu_prefill.available()
 
 
-def prefill_forward(layer, h: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, cache) -> torch.Tensor | None:
+def prefill_forward(
+    layer, h: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, cache, out_rows: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """A Llama ``layer`` of a prefill (inside ``cpu_decode.blas_gemms``) applied to h [T, H] as oneDNN's GEMMs with the
-    native row kernels between them (:mod:`eagleray.kernels.cpu_prefill`) -> [T, H], or None where
-    :func:`prefill_reason` or :func:`layer_reason` says no."""
+    native row kernels between them (:mod:`eagleray.kernels.cpu_prefill`) -> [T, H] ([S, H]: the rows ``out_rows``
+    [S] past attention), or None where :func:`prefill_reason` or :func:`layer_reason` says no."""
     weights = _ruled_weights(layer, h, attn, cache, _PREFILL_REASON, prefill_reason)
     if weights is None:
         return None
@@ -141,7 +143,7 @@ def prefill_forward(layer, h: torch.Tensor, positions: torch.Tensor, attn: Atten
         kept = attn.layouts[key] = (cpu_layer.step(inputs, shape, scratch=False), blocks)
     att, mlp = layer.self_attn, layer.mlp
     products = cpu_prefill.Products(att.qkv.weight, att.o_proj.weight, mlp.gate_up.weight, mlp.down_proj.weight)
-    return cpu_prefill.decoder_layer(h, kept[0], weights, products, kept[1])
+    return cpu_prefill.decoder_layer(h, kept[0], weights, products, kept[1], out_rows)
 
 
 _PREFILL_REASON = "cpu_prefill"  # key of why a prefill keeps the PyTorch layers, in AttentionMetadata.layouts

@@ -14,7 +14,11 @@ class EngineConfig(StrictModel):
     target: TargetConfig = Field(default_factory=TargetConfig, description="The target model (directory or 'smollm2').")
     draft: DraftConfig | None = Field(None, description="The EAGLE-3 draft; None serves plain decoding.")
     max_num_seqs: int = Field(16, ge=1, description="Maximum sequences in one engine step (continuous batching).")
-    max_num_batched_tokens: int = Field(8192, ge=16, description="Token budget of one prefill step.")
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=16,
+        description="Token budget of one prefill step (a prompt longer than it still prefills, alone). None: 2048 on CPU, as vLLM's API server there (a CPU prefill costs its tokens: a step of four 540-token prompts kept every one of them waiting ~2.9 s for its first token on 2 cores, two steps of 3 + 1 give three of them theirs after ~2.2 s), 8192 on CUDA.",
+    )
     join_wait_steps: int | None = Field(
         None,
         ge=0,

@@ -144,12 +144,27 @@ class TargetRunner:
     def forward(self, batch: ForwardBatch, logits_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> logits [S, V] fp32 at ``logits_index`` (default: every token), aux [T, A] or None
         ([T, A + H] with ``capture_final``: the final normed hidden state appended)."""
-        if self.workers is not None:
-            self.workers.call("forward", self.runner_id, batch, logits_index)
-        hidden, aux = self.model(batch.input_ids, batch.positions, batch.attn, self.kv)  # [T, H], [T, A]
+        rows = self.last_rows(logits_index)
+        if self.workers is not None:  # rank 0's choice of rows: a worker's model captures no aux layers
+            self.workers.call("forward", self.runner_id, batch, logits_index, rows)
+        return self.forward_rows(batch, logits_index, rows)
+
+    def last_rows(self, logits_index: torch.Tensor | None) -> torch.Tensor | None:
+        """The rows the model's last layer carries on past attention: ``logits_index``, or None (every row) when every
+        row's final state is wanted (``capture_final``, or the final pre-norm state as an aux layer)."""
+        aux_ids = self.model.aux_layer_ids
+        every = (self.capture_final and bool(aux_ids)) or self.model.arch.num_layers in aux_ids
+        return None if every else logits_index
+
+    @torch.inference_mode()
+    def forward_rows(
+        self, batch: ForwardBatch, logits_index: torch.Tensor | None, rows: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward` with the last layer's rows chosen (:meth:`last_rows`; a tensor-parallel worker gets rank 0's)."""
+        hidden, aux = self.model(batch.input_ids, batch.positions, batch.attn, self.kv, rows)  # [T or S, H], [T, A]
         if self.capture_final and aux is not None:
             aux = torch.cat([aux, hidden], dim=-1)  # [T, A + H]: the final normed state rides with the aux rows
-        if logits_index is not None:
+        if rows is None and logits_index is not None:
             hidden = hidden[logits_index]  # [S, H]
         return self.model.compute_logits(hidden).float(), aux
 

@@ -21,7 +21,7 @@ from eagleray.platform.errors import EaglerayError
 from eagleray.serve.engine.block_manager import BlockManager
 from eagleray.serve.engine.config import EngineConfig
 from eagleray.serve.engine.sequence import Sequence, SequenceStatus
-from eagleray.serve.engine.startup import join_wait_steps
+from eagleray.serve.engine.startup import join_wait_steps, prefill_token_budget
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +48,10 @@ class Scheduler:
 
     @classmethod
     def for_engine(cls, block_manager: BlockManager, config: EngineConfig, device: torch.device) -> Scheduler:
-        """The engine's scheduler, ``engine.join_wait_steps`` resolved for ``device`` (:func:`startup.join_wait_steps`)."""
+        """The engine's scheduler, ``engine.join_wait_steps`` and ``engine.max_num_batched_tokens`` resolved for
+        ``device`` (:func:`startup.join_wait_steps`, :func:`startup.prefill_token_budget`)."""
         wait = join_wait_steps(config, device)
-        return cls(block_manager, config.max_num_seqs, config.max_num_batched_tokens, wait)
+        return cls(block_manager, config.max_num_seqs, prefill_token_budget(config, device), wait)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING

@@ -3,7 +3,7 @@
     workers = start_workers(TPLaunch(), target_dir, world=2, dtype="fp32", device=torch.device("cpu"))
     model = LlamaModel.from_dir(target_dir, tp=workers.tp, ...)       # rank 0's shard
     workers.call("kv", runner_id, num_blocks, block_size)            # every rank allocates its KV shard
-    workers.call("forward", runner_id, batch, logits_index)          # then rank 0 runs the same forward
+    workers.call("forward", runner_id, batch, logits_index, rows)    # then rank 0 runs the same forward
     workers.close()
 
 Two backends, chosen explicitly by :class:`TPLaunch` (never a fallback), share one command
@@ -112,8 +112,8 @@ class RankWorker:
             rid, num_blocks, block_size = args
             self.runners[rid] = TargetRunner(self.model, num_blocks, block_size)
         elif cmd == "forward":
-            rid, batch, logits_index = args
-            self.runners[rid].forward(batch, logits_index)
+            rid, batch, logits_index, rows = args
+            self.runners[rid].forward_rows(batch, logits_index, rows)
         elif cmd == "move_kv":
             rid, src, dst = args
             self.runners[rid].move_kv(src, dst)
