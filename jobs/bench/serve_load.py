@@ -31,8 +31,16 @@ from eagleray.platform.errors import EaglerayError
 from eagleray.platform.host import free_port
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "serve-smollm2-cpu.yaml"
-SERVERS = ("eagleray", "eagleray-draft", "vllm", "eagleray-champion", "vllm-champion", "eagleray-separate", "eagleray-spin",
-           "eagleray-8k")
+SERVERS = (
+    "eagleray",
+    "eagleray-draft",
+    "vllm",
+    "eagleray-champion",
+    "vllm-champion",
+    "eagleray-separate",
+    "eagleray-spin",
+    "eagleray-8k",
+)
 PLAIN = {  # the plain eagleray servers: the config without a draft, with these serving fields changed
     "eagleray": {},
     "eagleray-separate": {"ingress": "separate"},  # the engine-hosted routes against a replica of their own
