@@ -39,13 +39,13 @@ SERVERS = (
     "vllm-champion",
     "eagleray-separate",
     "eagleray-spin",
-    "eagleray-8k",
+    "eagleray-2k",
 )
 PLAIN = {  # the plain eagleray servers: the config without a draft, with these serving fields changed
     "eagleray": {},
     "eagleray-separate": {"ingress": "separate"},  # the engine-hosted routes against a replica of their own
     "eagleray-spin": {"cpu_omp_passive": False},  # libgomp's default spinning workers (A/B of cpu_omp_passive)
-    "eagleray-8k": {"max_num_batched_tokens": 8192},  # the prefill step's budget before the CPU default (2048)
+    "eagleray-2k": {"max_num_batched_tokens": 2048},  # a prefill step's budget as vLLM's API server on a CPU (A/B)
 }
 CHAMPION_K = 4  # the *-champion servers: the shipped SmolLM2 champion, chain k=4 on both sides
 KEEP = ("completed", "failed", "output_throughput", "median_ttft_ms", "median_tpot_ms", "mean_ttft_ms", "mean_tpot_ms")
@@ -194,7 +194,7 @@ MODES = {
     "eagleray": "plain",
     "eagleray-separate": "plain, ingress: separate",
     "eagleray-spin": "plain, cpu_omp_passive: false",
-    "eagleray-8k": "plain, max_num_batched_tokens 8192",
+    "eagleray-2k": "plain, max_num_batched_tokens 2048",
     "vllm": "plain",
     "eagleray-draft": "draft random (adaptive)",
     "eagleray-champion": f"draft shipped champion, k={CHAMPION_K} (adaptive)",

@@ -1,4 +1,5 @@
-"""Paged KV block allocation: a free list of block ids, per-sequence block tables, rollback.
+"""Paged KV block allocation: a free list of block ids, per-sequence block tables, rollback, and the prefix cache's
+shared blocks (:mod:`~eagleray.serve.engine.prefix_cache`).
 
 Target and draft caches share the block ids (same number of blocks, same block size): position
 i of a sequence lives in block ``block_table[i // block_size]`` of both caches.
@@ -9,11 +10,13 @@ from __future__ import annotations
 from collections import deque
 
 from eagleray.platform.errors import EaglerayError
+from eagleray.serve.engine.prefix_cache import PrefixCache, chain_hashes
 from eagleray.serve.engine.sequence import Sequence
 
 
 class BlockManager:
-    """Hands out KV blocks; ``ensure`` grows a table, ``truncate`` rolls back, ``free`` releases."""
+    """Hands out KV blocks; ``ensure`` grows a table, ``truncate`` rolls back, ``free`` releases; with
+    ``prefix_caching`` on, ``match_prefix`` reuses registered blocks and ``register`` adds a sequence's committed ones."""
 
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
@@ -21,11 +24,16 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
-        self._owner: dict[int, int] = {}  # block id -> seq_id
+        self._holders: dict[int, set[int]] = {}  # block id -> seq_ids holding it (several: a shared prefix block)
+        self.cache = PrefixCache()
+        self.prefix_caching = False  # the engine turns it on (LLMEngine._prefix_caching)
+        self.query_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.hit_tokens = 0  # of those, found
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks a sequence can take: never used, or cached with no holder (evicted on the way)."""
+        return len(self._free) + self.cache.num_idle
 
     def blocks_for(self, num_positions: int) -> int:
         return (num_positions + self.block_size - 1) // self.block_size
@@ -42,9 +50,55 @@ class BlockManager:
                 f"    fix: raise engine.num_kv_blocks or lower engine.max_num_seqs"
             )
         for _ in range(max(need, 0)):
-            block = self._free.popleft()
-            self._owner[block] = seq.seq_id
+            block = self._free.popleft() if self._free else self.cache.evict()
+            self._holders[block] = {seq.seq_id}
             seq.block_table.append(block)
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """A sequence being admitted with no blocks takes the registered blocks its tokens' full blocks hash to, from
+        the first on, leaving its last token to compute -> positions cached (``seq.num_cached``); 0 when prefix
+        caching is off."""
+        if not self.prefix_caching or seq.block_table:
+            return 0
+        tokens = seq.tokens
+        hashes = chain_hashes(tokens, self.block_size, seq.block_hashes)
+        for digest in hashes[: (len(tokens) - 1) // self.block_size]:
+            block = self.cache.lookup(digest)
+            if block is None:
+                break
+            self.cache.take(block)
+            self._holders.setdefault(block, set()).add(seq.seq_id)
+            seq.block_table.append(block)
+        seq.num_cached = len(seq.block_table) * self.block_size
+        seq.blocks_registered = len(seq.block_table)  # registered already: they were found
+        return seq.num_cached
+
+    def admitted(self, seq: Sequence) -> None:
+        """Count an admitted sequence's prompt lookup (its tokens, and how many were cached)."""
+        if self.prefix_caching:
+            self.query_tokens += seq.num_tokens
+            self.hit_tokens += seq.num_cached
+
+    def unmatch(self, seq: Sequence) -> None:
+        """Undo :meth:`match_prefix` for a sequence that stays waiting: its blocks back to the cache."""
+        if not seq.block_table:
+            return
+        self.free(seq)
+        seq.num_cached = seq.blocks_registered = 0
+
+    def register(self, seq: Sequence) -> None:
+        """Register ``seq``'s blocks whose positions are all committed (``num_cached``) under their chain hashes."""
+        full = seq.num_cached // self.block_size
+        if not self.prefix_caching or full <= seq.blocks_registered:
+            return
+        hashes = chain_hashes(seq.tokens[: full * self.block_size], self.block_size, seq.block_hashes)
+        for i in range(seq.blocks_registered, full):
+            self.cache.register(seq.block_table[i], hashes[i])
+        seq.blocks_registered = full
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every registered block (a draft was installed: its catch-up needs every position's aux rows)."""
+        self._free.extend(self.cache.clear())
 
     def truncate(self, seq: Sequence, num_positions: int) -> int:
         """Roll back: free the blocks past ``num_positions`` (rejected draft slots); returns how many."""
@@ -71,6 +125,14 @@ class BlockManager:
 
     def _release(self, seq: Sequence, blocks: list[int]) -> None:
         for block in blocks:
-            if self._owner.pop(block, None) != seq.seq_id:
+            holders = self._holders.get(block)
+            if holders is None or seq.seq_id not in holders:
                 raise EaglerayError(f"block {block} released by sequence {seq.seq_id} which does not own it (engine bug)")
-            self._free.append(block)
+            holders.discard(seq.seq_id)
+            if holders:
+                continue  # a shared prefix block another sequence still reads
+            del self._holders[block]
+            if self.cache.registered(block):
+                self.cache.park(block)
+            else:
+                self._free.append(block)

@@ -14,10 +14,10 @@ class EngineConfig(StrictModel):
     target: TargetConfig = Field(default_factory=TargetConfig, description="The target model (directory or 'smollm2').")
     draft: DraftConfig | None = Field(None, description="The EAGLE-3 draft; None serves plain decoding.")
     max_num_seqs: int = Field(16, ge=1, description="Maximum sequences in one engine step (continuous batching).")
-    max_num_batched_tokens: int | None = Field(
-        None,
+    max_num_batched_tokens: int = Field(
+        8192,
         ge=16,
-        description="Token budget of one prefill step (a prompt longer than it still prefills, alone). None: 2048 on CPU, as vLLM's API server there (a CPU prefill costs its tokens: a step of four 540-token prompts kept every one of them waiting ~2.9 s for its first token on 2 cores, two steps of 3 + 1 give three of them theirs after ~2.2 s), 8192 on CUDA.",
+        description="Token budget of one prefill step (a prompt longer than it still prefills, alone). On a 2-core CPU a budget of 2048 (vLLM's API-server default there) measured a better TTFT but a worse TPOT and throughput under four 512-token clients (BENCHMARKS.md), so the default stays 8192.",
     )
     join_wait_steps: int | None = Field(
         None,
@@ -25,6 +25,10 @@ class EngineConfig(StrictModel):
         description="At saturation (more requests waiting than free slots), free slots wait up to this many decode steps for max(1, max_num_seqs // 8) of them, so that finished sequences' replacements prefill in one step, not one step each (speculation finishes sequences at different steps). None: 8 on CUDA, where a short prefill's cost is mostly per step; 0 on CPU, where it is per token. 0: admit at once.",
     )
     block_size: int = Field(16, ge=1, description="Tokens per paged KV block.")
+    prefix_caching: bool | None = Field(
+        None,
+        description="Reuse the target's KV blocks of earlier requests whose tokens begin as this one's do (a chat template's system prompt, a conversation's earlier turns; whole blocks, hashed with every token before them): the prompt prefills from the first block not cached. Only while the engine serves without a draft (a draft's catch-up needs the target's aux hidden states of every position, which a cached block does not keep). None: on on CPU; off on CUDA, where greedy speculation's bitwise equality with plain decoding is not yet checked against cached blocks.",
+    )
     num_kv_blocks: int | None = Field(
         None,
         ge=1,

@@ -17,6 +17,7 @@ from eagleray.kernels import cpu_decode
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.models.llama import LlamaModel
+from eagleray.serve.engine import startup
 from eagleray.serve.engine.block_manager import BlockManager
 from eagleray.serve.engine.config import EngineConfig
 from eagleray.serve.engine.draft_slot import DraftSlot
@@ -30,7 +31,6 @@ from eagleray.serve.engine.scheduler import ScheduledBatch, Scheduler
 from eagleray.serve.engine.sequence import Sequence
 from eagleray.serve.engine.spec_context import SeqResult
 from eagleray.serve.engine.spec_step import chain_step, tree_step
-from eagleray.serve.engine.startup import PREFILL_REPLAY_ROWS, CpuThreads, configure_heap, default_num_blocks, use_rows
 from eagleray.serve.engine.step_wall import StepWall
 from eagleray.serve.engine.target_steps import TargetSteps
 from eagleray.serve.engine.watchdog import AcceptanceWatchdog
@@ -45,23 +45,23 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.device = target.norm.weight.device
         self.linear_backend = cpu_decode.configure(config.cpu_kernels) if self.device.type == "cpu" else "cuda"
-        self.heap_mmap_threshold = configure_heap(config, self.device)
-        self.threads = CpuThreads(self.linear_backend == "native")
+        self.heap_mmap_threshold = startup.configure_heap(config, self.device)
+        self.threads = startup.CpuThreads(self.linear_backend == "native")
         self.max_model_len = min(
             config.target.max_model_len or target.arch.max_positions or 4096, target.arch.max_positions or 1 << 30
         )
-        nblocks = config.num_kv_blocks or default_num_blocks(config, target, draft, self.max_model_len)
+        nblocks = config.num_kv_blocks or startup.default_num_blocks(config, target, draft, self.max_model_len)
         dcfg = config.draft
         self.tree = dcfg.tree if dcfg is not None else None
         k_max = (self.tree.depth if self.tree is not None else dcfg.num_speculative_tokens) if dcfg is not None else 0
-        self.use_rows = use_rows(config, target, self.device)
+        self.use_rows = startup.use_rows(config, target, self.device)
         self.blocks = BlockManager(nblocks, config.block_size)
         self.scheduler = Scheduler.for_engine(self.blocks, config, self.device)
         # rows a step runs a sequence: a chain verifies k+1, a tree drafts topk a depth and verifies its nodes and root
         verified = k_max + 1 if self.tree is None else max(self.tree.num_draft_tokens + 1, self.tree.topk)
         rows = config.max_num_seqs * verified if self.use_rows else 0
         if rows and config.prefill_rows:
-            rows = max(rows, min(config.prefill_rows, PREFILL_REPLAY_ROWS))  # prompt rows a replay
+            rows = max(rows, min(config.prefill_rows, startup.PREFILL_REPLAY_ROWS))  # prompt rows a replay
         max_blocks = self.blocks.blocks_for(self.max_model_len + self._lookahead(k_max))
         # with graphs one more block, never handed out, takes the padding rows' K/V (the cache's last slot)
         depth = self.tree.depth if self.tree is not None else 0  # tails: a node's path, the root to itself
@@ -98,6 +98,15 @@ class LLMEngine:
                 )
             self.drafts.install(draft)
             self.metrics.speculation_enabled = True
+        self._prefix_caching()
+
+    def _prefix_caching(self) -> None:
+        """Match prompt prefixes while no draft is installed (``engine.prefix_caching``); a draft's install forgets
+        the cached blocks (its catch-up needs the aux rows of every position)."""
+        on = startup.prefix_caching(self.config, self.device) and self.drafts.spec is None
+        if self.blocks.prefix_caching and not on:
+            self.blocks.clear_prefix_cache()
+        self.blocks.prefix_caching = on
 
     @classmethod
     def from_config(cls, config: EngineConfig, workdir=None, tp_launch=None) -> "LLMEngine":
@@ -192,6 +201,7 @@ class LLMEngine:
         """
         self.scheduler.preempt_all()
         self.drafts.install(draft, aux_layer_ids)
+        self._prefix_caching()
         self.metrics.speculation_enabled = True
         self.policy.enable()
         self.wall.drop()  # the step before the swap: the old draft's, its interval holding the swap's seconds
@@ -289,6 +299,7 @@ class LLMEngine:
         self.metrics.current_k = self.policy.k if self.policy.speculating else 0
         self.metrics.speculation_enabled = self.drafts.spec is not None and self.policy.speculating
         self.metrics.num_preemptions = self.scheduler.num_preemptions
+        self.metrics.prefix_cache_queries, self.metrics.prefix_cache_hits = self.blocks.query_tokens, self.blocks.hit_tokens
 
     def _speculate(self, seqs: list[Sequence], k: int) -> list[SeqResult]:
         if self.tree is not None:
@@ -316,6 +327,7 @@ class LLMEngine:
             if moves:
                 self.target.move_kv(*(torch.tensor(x, dtype=torch.int64, device=self.device) for x in zip(*moves)))
         seq.num_cached = seq.num_tokens - 1
+        self.blocks.register(seq)  # its blocks now committed, for the prefix cache
         if self.drafts.spec is not None and res.aux is not None:
             seq.append_aux(res.aux.head(seq.num_cached - old_cached))  # the newly committed positions' rows
         seq.step += 1

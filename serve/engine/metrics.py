@@ -49,6 +49,8 @@ class EngineMetrics:
     prefill: StepTimes = field(default_factory=StepTimes)
     num_requests_finished: int = 0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens of admitted requests looked up in the prefix cache (vLLM's name)
+    prefix_cache_hits: int = 0  # of those, found cached
     watchdog_fired: bool = False
     speculation_enabled: bool = True
     current_k: int = 0
@@ -86,4 +88,6 @@ class EngineMetrics:
             "busy_seconds": round(self.plain.whole_seconds + self.speculative.whole_seconds + self.prefill.whole_seconds, 3),
             "num_requests_finished": self.num_requests_finished,
             "num_preemptions": self.num_preemptions,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
         }

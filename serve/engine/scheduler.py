@@ -21,7 +21,7 @@ from eagleray.platform.errors import EaglerayError
 from eagleray.serve.engine.block_manager import BlockManager
 from eagleray.serve.engine.config import EngineConfig
 from eagleray.serve.engine.sequence import Sequence, SequenceStatus
-from eagleray.serve.engine.startup import join_wait_steps, prefill_token_budget
+from eagleray.serve.engine.startup import join_wait_steps
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +48,9 @@ class Scheduler:
 
     @classmethod
     def for_engine(cls, block_manager: BlockManager, config: EngineConfig, device: torch.device) -> Scheduler:
-        """The engine's scheduler, ``engine.join_wait_steps`` and ``engine.max_num_batched_tokens`` resolved for
-        ``device`` (:func:`startup.join_wait_steps`, :func:`startup.prefill_token_budget`)."""
+        """The engine's scheduler, ``engine.join_wait_steps`` resolved for ``device`` (:func:`startup.join_wait_steps`)."""
         wait = join_wait_steps(config, device)
-        return cls(block_manager, config.max_num_seqs, prefill_token_budget(config, device), wait)
+        return cls(block_manager, config.max_num_seqs, config.max_num_batched_tokens, wait)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -85,12 +84,12 @@ class Scheduler:
         tokens = 0
         while self.waiting and len(self.running) + len(seqs) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = seq.num_tokens
-            if seqs and tokens + n > self.max_num_batched_tokens:
+            n = seq.num_tokens - self.blocks.match_prefix(seq)  # the tokens this step computes
+            if (seqs and tokens + n > self.max_num_batched_tokens) or not self.blocks.can_ensure(seq, seq.num_tokens):
+                self.blocks.unmatch(seq)
                 break
-            if not self.blocks.can_ensure(seq, n):
-                break
-            self.blocks.ensure(seq, n)
+            self.blocks.ensure(seq, seq.num_tokens)
+            self.blocks.admitted(seq)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             seqs.append(seq)

@@ -185,6 +185,8 @@ class Sequence:
     spec: SpecStats = field(default_factory=SpecStats)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of its tokens' full blocks (prefix_cache)
+    blocks_registered: int = 0  # leading blocks of block_table offered to the prefix cache
     captured: list[torch.Tensor] | None = None  # capture_states: every aux row chunk [n_i, A + H], positions 0..num_cached-1
 
     def __post_init__(self):
@@ -216,6 +218,7 @@ class Sequence:
         """Preemption: forget the KV cache; the next prefill recomputes prompt + output."""
         self.block_table = []
         self.num_cached = 0
+        self.blocks_registered = 0
         self.draft_cached = 0
         self.pending_aux.clear()
         if self.captured is not None:

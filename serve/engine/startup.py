@@ -19,7 +19,6 @@ logger = logging.getLogger(__name__)
 
 PREFILL_REPLAY_ROWS = 256  # prompt rows one replay of the row step scores (engine.prefill_rows, capped)
 JOIN_WAIT_STEPS_CUDA = 8  # engine.join_wait_steps on CUDA (see there)
-PREFILL_TOKENS_CPU, PREFILL_TOKENS_CUDA = 2048, 8192  # engine.max_num_batched_tokens unset (see there)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 # mmap threshold: the first of these the C library takes (some glibc cap it at 32 MiB); a KV cache stays mapped
 HEAP_MMAP_THRESHOLDS = (256 << 20, 32 << 20)
@@ -34,13 +33,9 @@ def join_wait_steps(config: EngineConfig, device: torch.device) -> int:
     return JOIN_WAIT_STEPS_CUDA if device.type == "cuda" else 0
 
 
-def prefill_token_budget(config: EngineConfig, device: torch.device) -> int:
-    """``engine.max_num_batched_tokens`` resolved: as set, else 8192 on CUDA and 2048 elsewhere (vLLM's API-server
-    default on a CPU): a CPU prefill step costs its tokens, so a smaller step gives most of a wave of long prompts
-    their first token sooner at no cost in throughput."""
-    if config.max_num_batched_tokens is not None:
-        return config.max_num_batched_tokens
-    return PREFILL_TOKENS_CUDA if device.type == "cuda" else PREFILL_TOKENS_CPU
+def prefix_caching(config: EngineConfig, device: torch.device) -> bool:
+    """``engine.prefix_caching`` resolved: as set, else on for a CPU engine and off on CUDA (see there)."""
+    return config.prefix_caching if config.prefix_caching is not None else device.type != "cuda"
 
 
 def use_rows(config: EngineConfig, target: LlamaModel, device: torch.device) -> bool:

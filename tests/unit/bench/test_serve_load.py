@@ -89,7 +89,7 @@ def test_the_spin_server_is_the_plain_server_with_libgomps_default_workers(tmp_p
     assert spin == plain and spin["draft"] is None
 
 
-def test_the_8k_server_is_the_plain_server_with_the_old_prefill_budget(tmp_path):
+def test_the_2k_server_is_the_plain_server_with_vllms_cpu_prefill_budget(tmp_path):
     import yaml
 
     from eagleray.jobs.bench.serve_load import _server_command
@@ -98,6 +98,6 @@ def test_the_8k_server_is_the_plain_server_with_the_old_prefill_budget(tmp_path)
         cmd = _server_command(name, 8002, tmp_path / "model", tmp_path, 8)
         return yaml.safe_load(Path(cmd[cmd.index("--config") + 1]).read_text())["applications"][0]["args"]["serving"]
 
-    old, plain = serving("eagleray-8k"), serving("eagleray")
-    assert old.pop("max_num_batched_tokens") == 8192 and "max_num_batched_tokens" not in plain
+    old, plain = serving("eagleray-2k"), serving("eagleray")
+    assert old.pop("max_num_batched_tokens") == 2048 and "max_num_batched_tokens" not in plain
     assert old == plain and old["draft"] is None

@@ -122,24 +122,6 @@ def test_join_wait_steps_default_is_per_device():
     assert Scheduler.for_engine(bm, EngineConfig(join_wait_steps=2), torch.device("cpu")).join_wait_steps == 2
 
 
-def test_the_prefill_token_budget_default_is_per_device():
-    """None: 2048 tokens a prefill step on a CPU (vLLM's API-server default there), 8192 on CUDA; as set otherwise.
-    On a CPU four 540-token prompts then prefill in two steps, three and one."""
-    import torch
-
-    from eagleray.serve.engine import EngineConfig
-
-    bm = BlockManager(1024, 16)
-    assert Scheduler.for_engine(bm, EngineConfig(), torch.device("cuda")).max_num_batched_tokens == 8192
-    cpu = Scheduler.for_engine(bm, EngineConfig(), torch.device("cpu"))
-    assert cpu.max_num_batched_tokens == 2048
-    assert Scheduler.for_engine(bm, EngineConfig(max_num_batched_tokens=64), torch.device("cpu")).max_num_batched_tokens == 64
-    for _ in range(4):
-        cpu.add(_seq(540))
-    assert len(cpu.schedule(lookahead=1).seqs) == 3
-    assert len(cpu.schedule(lookahead=1).seqs) == 1
-
-
 def test_an_engine_whose_joins_wait_emits_the_same_tokens_in_fewer_prefill_steps(target, tokenizer, copy_draft):
     from eagleray.serve.engine import SamplingParams as Params
 

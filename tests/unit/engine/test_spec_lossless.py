@@ -109,9 +109,9 @@ def test_row_prefill_scores_prompts_as_rows_and_equals_the_varlen_output(
     """With the row step, a prefill of at most engine.prefill_rows tokens runs as rows (in replays of the largest
     bucket: 4 rows force several per prompt), a longer one eagerly; greedy plain and speculative output equal the
     varlen engine's either way."""
-    import eagleray.serve.engine.engine as engine_module
+    from eagleray.serve.engine import startup
 
-    monkeypatch.setattr(engine_module, "PREFILL_REPLAY_ROWS", replay_rows)
+    monkeypatch.setattr(startup, "PREFILL_REPLAY_ROWS", replay_rows)
     plain = make_engine(target, tokenizer, decode_path="rows", max_num_seqs=2)
     rows = _count_row_prefills(plain)
     assert [o.token_ids for o in plain.generate(PROMPTS, GREEDY)] == plain_outputs

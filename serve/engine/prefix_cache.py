@@ -1,0 +1,84 @@
+"""Automatic prefix caching: full KV blocks kept by the hash of every token up to their end, so that a prompt that
+begins as an earlier one did (a chat template's system prompt, a conversation's earlier turns) prefills only the
+rest.
+
+A block is *registered* once the engine has committed all of its positions (its K/V are final: speculation writes
+only past a sequence's committed positions), under the chain hash of its tokens: sha256 of the previous block's hash
+and this block's token ids, so a block matches only where every token before it matches too. A registered block
+that no sequence holds stays in the cache, least recently released first out, until a new block is needed; a
+sequence admitted later takes the longest run of registered blocks its tokens hash to, always leaving its last
+token to compute (its logits give the first new token).
+
+Only the target's K/V are reused: a draft's catch-up needs the target's aux hidden states of every position, which
+a cached block does not keep, so the engine matches prefixes only while it serves without a draft
+(``LLMEngine._prefix_caching``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+ROOT = b"eagleray-prefix-v1"  # the chain's seed: hashes of another scheme never collide with these
+
+
+def chain_hashes(tokens: list[int], block_size: int, known: list[bytes]) -> list[bytes]:
+    """The chain hashes of every full block of ``tokens``, extending ``known`` (the hashes already computed for this
+    sequence's first blocks) in place; returns it."""
+    for i in range(len(known), len(tokens) // block_size):
+        prev = known[-1] if known else ROOT
+        ids = array("q", tokens[i * block_size : (i + 1) * block_size]).tobytes()
+        known.append(hashlib.sha256(prev + ids).digest())
+    return known
+
+
+class PrefixCache:
+    """The registered blocks: hash <-> block id, and the LRU order of those no sequence holds (evictable)."""
+
+    def __init__(self) -> None:
+        self._block_of: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()  # registered, held by no sequence; oldest first
+
+    def __len__(self) -> int:
+        return len(self._hash_of)
+
+    @property
+    def num_idle(self) -> int:
+        return len(self._idle)
+
+    def lookup(self, digest: bytes) -> int | None:
+        return self._block_of.get(digest)
+
+    def registered(self, block: int) -> bool:
+        return block in self._hash_of
+
+    def register(self, block: int, digest: bytes) -> None:
+        """``block`` (held, its positions committed) holds the tokens of ``digest``; a digest already held by another
+        block keeps that one (two sequences with one prefix prefilled in the same step)."""
+        if digest not in self._block_of and block not in self._hash_of:
+            self._block_of[digest] = block
+            self._hash_of[block] = digest
+
+    def park(self, block: int) -> None:
+        """No sequence holds ``block`` any more: it stays cached, last in line for eviction."""
+        self._idle[block] = None
+
+    def take(self, block: int) -> None:
+        """A sequence holds ``block`` again: it leaves the eviction line."""
+        self._idle.pop(block, None)
+
+    def evict(self) -> int:
+        """The least recently parked block, forgotten (its K/V are about to be overwritten)."""
+        block, _ = self._idle.popitem(last=False)
+        del self._block_of[self._hash_of.pop(block)]
+        return block
+
+    def clear(self) -> list[int]:
+        """Forget every registration; returns the idle blocks (free now)."""
+        idle = list(self._idle)
+        self._block_of.clear()
+        self._hash_of.clear()
+        self._idle.clear()
+        return idle
