@@ -142,3 +142,12 @@ def test_an_engine_with_a_draft_matches_no_prefix(target, tokenizer, copy_draft)
     assert eng.blocks.prefix_caching is False
     eng.generate([SHARED + "One.", SHARED + "Two."], GREEDY)
     assert eng.metrics.prefix_cache_hits == 0 and len(eng.blocks.cache) == 0
+
+
+def test_a_draft_swapped_into_a_plain_engine_empties_the_cache(target, tokenizer, copy_draft):
+    eng = make_engine(target, tokenizer, max_num_seqs=1)
+    eng.generate([SHARED + "One.", SHARED + "Two."], GREEDY)
+    assert len(eng.blocks.cache) > 0 and eng.metrics.prefix_cache_hits > 0
+    eng.swap_draft(copy_draft, [1, 2, 4])
+    assert eng.blocks.prefix_caching is False and len(eng.blocks.cache) == 0
+    assert eng.blocks.num_free == eng.blocks.num_blocks
