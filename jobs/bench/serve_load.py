@@ -115,7 +115,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 STEP_KINDS = ("prefill", "plain_decode", "spec_decode")  # /health's engine counters: <kind>_steps, <kind>_step_ms
-ENGINE_KEYS = (*(f"{kind}_steps" for kind in STEP_KINDS), "busy_seconds")
+ENGINE_KEYS = (*(f"{kind}_steps" for kind in STEP_KINDS), "busy_seconds", "prefix_cache_queries", "prefix_cache_hits")
 
 
 def _engine_counters(url: str) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 
 from eagleray.platform.errors import EaglerayError
-from eagleray.serve.engine.prefix_cache import PrefixCache, chain_hashes
+from eagleray.serve.engine.prefix_cache import PrefixCache, chain_hashes, draft_key
 from eagleray.serve.engine.sequence import Sequence
 
 
@@ -27,6 +27,7 @@ class BlockManager:
         self._holders: dict[int, set[int]] = {}  # block id -> seq_ids holding it (several: a shared prefix block)
         self.cache = PrefixCache()
         self.prefix_caching = False  # the engine turns it on (LLMEngine._prefix_caching)
+        self.draft_keyed = False  # a draft shares the blocks: keys take the next token, registration waits for it
         self.query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # of those, found
 
@@ -56,14 +57,14 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> int:
         """A sequence being admitted with no blocks takes the registered blocks its tokens' full blocks hash to, from
-        the first on, leaving its last token to compute -> positions cached (``seq.num_cached``); 0 when prefix
-        caching is off."""
-        if not self.prefix_caching or seq.block_table:
+        the first on, leaving its last token to compute -> positions cached (``seq.num_cached``; with a draft also
+        ``seq.draft_cached``); 0 when prefix caching is off or the request captures hidden states (every position's)."""
+        if not self.prefix_caching or seq.block_table or seq.captured is not None:
             return 0
         tokens = seq.tokens
         hashes = chain_hashes(tokens, self.block_size, seq.block_hashes)
-        for digest in hashes[: (len(tokens) - 1) // self.block_size]:
-            block = self.cache.lookup(digest)
+        for i in range((len(tokens) - 1) // self.block_size):
+            block = self.cache.lookup(self._key(tokens, hashes, i))
             if block is None:
                 break
             self.cache.take(block)
@@ -71,7 +72,13 @@ class BlockManager:
             seq.block_table.append(block)
         seq.num_cached = len(seq.block_table) * self.block_size
         seq.blocks_registered = len(seq.block_table)  # registered already: they were found
+        if self.draft_keyed:
+            seq.draft_cached = seq.num_cached  # the blocks' draft K/V came with them
         return seq.num_cached
+
+    def _key(self, tokens: list[int], hashes: list[bytes], i: int) -> bytes:
+        """Block ``i``'s key: its chain hash, with a draft also the token after it (:func:`draft_key`)."""
+        return draft_key(hashes[i], tokens[(i + 1) * self.block_size]) if self.draft_keyed else hashes[i]
 
     def admitted(self, seq: Sequence) -> None:
         """Count an admitted sequence's prompt lookup (its tokens, and how many were cached)."""
@@ -84,20 +91,23 @@ class BlockManager:
         if not seq.block_table:
             return
         self.free(seq)
-        seq.num_cached = seq.blocks_registered = 0
+        seq.num_cached = seq.blocks_registered = seq.draft_cached = 0
 
     def register(self, seq: Sequence) -> None:
-        """Register ``seq``'s blocks whose positions are all committed (``num_cached``) under their chain hashes."""
-        full = seq.num_cached // self.block_size
+        """Register ``seq``'s blocks whose positions are all committed (``num_cached``; with a draft, also in the
+        draft's cache: ``draft_cached``) under their keys."""
+        done = min(seq.num_cached, seq.draft_cached) if self.draft_keyed else seq.num_cached
+        full = done // self.block_size
         if not self.prefix_caching or full <= seq.blocks_registered:
             return
-        hashes = chain_hashes(seq.tokens[: full * self.block_size], self.block_size, seq.block_hashes)
+        tokens = seq.tokens
+        hashes = chain_hashes(tokens[: full * self.block_size], self.block_size, seq.block_hashes)
         for i in range(seq.blocks_registered, full):
-            self.cache.register(seq.block_table[i], hashes[i])
+            self.cache.register(seq.block_table[i], self._key(tokens, hashes, i))
         seq.blocks_registered = full
 
     def clear_prefix_cache(self) -> None:
-        """Forget every registered block (a draft was installed: its catch-up needs every position's aux rows)."""
+        """Forget every registered block (a draft was installed: the blocks hold another model's draft K/V, or none)."""
         self._free.extend(self.cache.clear())
 
     def truncate(self, seq: Sequence, num_positions: int) -> int:

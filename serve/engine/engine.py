@@ -101,12 +101,11 @@ class LLMEngine:
         self._prefix_caching()
 
     def _prefix_caching(self) -> None:
-        """Match prompt prefixes while no draft is installed (``engine.prefix_caching``); a draft's install forgets
-        the cached blocks (its catch-up needs the aux rows of every position)."""
-        on = startup.prefix_caching(self.config, self.device) and self.drafts.spec is None
-        if self.blocks.prefix_caching and not on:
-            self.blocks.clear_prefix_cache()
-        self.blocks.prefix_caching = on
+        """``engine.prefix_caching`` for the draft installed now (or none): the cache starts empty, since the blocks
+        registered so far hold another draft's K/V, or none (:mod:`~eagleray.serve.engine.prefix_cache`)."""
+        self.blocks.clear_prefix_cache()
+        self.blocks.prefix_caching = startup.prefix_caching(self.config, self.device)
+        self.blocks.draft_keyed = self.drafts.spec is not None
 
     @classmethod
     def from_config(cls, config: EngineConfig, workdir=None, tp_launch=None) -> "LLMEngine":

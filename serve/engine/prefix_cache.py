@@ -9,9 +9,11 @@ that no sequence holds stays in the cache, least recently released first out, un
 sequence admitted later takes the longest run of registered blocks its tokens hash to, always leaving its last
 token to compute (its logits give the first new token).
 
-Only the target's K/V are reused: a draft's catch-up needs the target's aux hidden states of every position, which
-a cached block does not keep, so the engine matches prefixes only while it serves without a draft
-(``LLMEngine._prefix_caching``).
+With a draft the same block ids hold the draft's K/V too, and its K/V at a position pair that position's target aux
+row with the *next* token (EAGLE-3's input), so a block's draft K/V are final once the draft has caught up past it
+and depend on one token past its end: a speculative engine registers a block only then, under :func:`draft_key` (the
+chain hash and that next token), and a sequence that matches it starts with the draft caught up to the same
+position. A new draft's K/V are another model's: installing one empties the cache (``LLMEngine._prefix_caching``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ def chain_hashes(tokens: list[int], block_size: int, known: list[bytes]) -> list
         ids = array("q", tokens[i * block_size : (i + 1) * block_size]).tobytes()
         known.append(hashlib.sha256(prev + ids).digest())
     return known
+
+
+def draft_key(digest: bytes, next_token: int) -> bytes:
+    """A block's key in a speculative engine: its chain hash and the token after its last position (the draft's K/V
+    at that position were computed with it)."""
+    return hashlib.sha256(digest + int(next_token).to_bytes(8, "little", signed=True)).digest()
 
 
 class PrefixCache:

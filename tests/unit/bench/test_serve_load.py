@@ -7,15 +7,19 @@ from eagleray.jobs.bench.serve_load import _engine_during
 
 def test_engine_during_is_the_difference_and_the_busy_share_of_the_wall():
     ms0 = {"prefill_step_ms": 400.0, "plain_decode_step_ms": 50.0, "spec_decode_step_ms": 0.0}
-    before = {"prefill_steps": 2, "plain_decode_steps": 10, "spec_decode_steps": 0, "busy_seconds": 3.0, **ms0}
+    cache0 = {"prefix_cache_queries": 100, "prefix_cache_hits": 16}
+    before = {"prefill_steps": 2, "plain_decode_steps": 10, "spec_decode_steps": 0, "busy_seconds": 3.0, **ms0, **cache0}
     ms1 = {"prefill_step_ms": 500.0, "plain_decode_step_ms": 70.0, "spec_decode_step_ms": 120.0}
-    after = {"prefill_steps": 10, "plain_decode_steps": 260, "spec_decode_steps": 4, "busy_seconds": 63.0, **ms1}
+    cache1 = {"prefix_cache_queries": 1300, "prefix_cache_hits": 144}
+    after = {"prefill_steps": 10, "plain_decode_steps": 260, "spec_decode_steps": 4, "busy_seconds": 63.0, **ms1, **cache1}
     d = _engine_during(before, after, wall_s=80.0)
     assert d == {
         "engine_prefill_steps": 8,
         "engine_plain_decode_steps": 250,
         "engine_spec_decode_steps": 4,
         "engine_busy_seconds": 60.0,
+        "engine_prefix_cache_queries": 1200,  # prompt tokens of the load's requests, of them cached:
+        "engine_prefix_cache_hits": 128,
         "engine_prefill_step_ms": 525.0,  # (10 x 500 - 2 x 400) / 8: the steps during the load, not the run's mean
         "engine_plain_decode_step_ms": 70.8,
         "engine_spec_decode_step_ms": 120.0,

@@ -1,6 +1,7 @@
 """Automatic prefix caching (serve/engine/prefix_cache, BlockManager.match_prefix / register): whole blocks reused by
 the hash of every token up to their end, the last token always computed, shared blocks held by several sequences,
-idle ones evicted oldest first; in the engine, greedy output equal with and without it, off with a draft."""
+idle ones evicted oldest first; with a draft, blocks registered once the draft caught up, keyed with the next token;
+in the engine, greedy output equal with and without it, plain and speculative."""
 
 from __future__ import annotations
 
@@ -137,17 +138,46 @@ def test_a_preempted_sequence_is_readmitted_on_cached_blocks(target, tokenizer):
     assert eng.metrics.num_preemptions > 0 and eng.metrics.prefix_cache_hits >= 6 * 16
 
 
-def test_an_engine_with_a_draft_matches_no_prefix(target, tokenizer, copy_draft):
-    eng = make_engine(target, tokenizer, copy_draft, k=2, prefix_caching=True, max_num_seqs=1)
-    assert eng.blocks.prefix_caching is False
-    eng.generate([SHARED + "One.", SHARED + "Two."], GREEDY)
-    assert eng.metrics.prefix_cache_hits == 0 and len(eng.blocks.cache) == 0
-
-
-def test_a_draft_swapped_into_a_plain_engine_empties_the_cache(target, tokenizer, copy_draft):
+def test_a_draft_swapped_in_empties_the_cache(target, tokenizer, copy_draft):
     eng = make_engine(target, tokenizer, max_num_seqs=1)
     eng.generate([SHARED + "One.", SHARED + "Two."], GREEDY)
-    assert len(eng.blocks.cache) > 0 and eng.metrics.prefix_cache_hits > 0
+    assert len(eng.blocks.cache) > 0 and eng.metrics.prefix_cache_hits > 0 and not eng.blocks.draft_keyed
     eng.swap_draft(copy_draft, [1, 2, 4])
-    assert eng.blocks.prefix_caching is False and len(eng.blocks.cache) == 0
+    assert len(eng.blocks.cache) == 0 and eng.blocks.draft_keyed, "the blocks hold no K/V of this draft"
     assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_with_a_draft_a_block_waits_for_the_drafts_catch_up_and_matches_with_the_token_after_it():
+    """The draft's K/V at a block's last position were computed with the next token: registration waits until the
+    draft has caught up past the block, and a block matches only where that token matches too."""
+    bm = _blocks()
+    bm.draft_keyed = True
+    seq = Sequence(list(range(11)), SamplingParams())
+    bm.ensure(seq, seq.num_tokens)
+    seq.num_cached = 10
+    bm.register(seq)
+    assert len(bm.cache) == 0, "the draft has not seen these positions yet"
+    seq.draft_cached = 9
+    bm.register(seq)
+    assert len(bm.cache) == 2
+    same = Sequence(list(range(8)) + [8, 60, 61], SamplingParams())
+    assert bm.match_prefix(same) == 8 and same.draft_cached == 8, "the draft is caught up as far as the blocks go"
+    other = Sequence(list(range(8)) + [70, 60, 61], SamplingParams())
+    assert bm.match_prefix(other) == 4, "token 8 differs: block 1's draft K/V at position 7 are not this prompt's"
+
+
+def test_a_speculative_engine_with_the_cache_is_lossless_and_hits_it(target, tokenizer, copy_draft):
+    prompts = [SHARED + q for q in ("Why is the sky blue?", "Name a prime.", "What is Ray?", "Say hi.")]
+    want = [o.token_ids for o in make_engine(target, tokenizer, prefix_caching=False).generate(prompts, GREEDY)]
+    eng = make_engine(target, tokenizer, copy_draft, k=2, max_num_seqs=2)
+    assert eng.blocks.prefix_caching and eng.blocks.draft_keyed
+    assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == want
+    assert eng.metrics.prefix_cache_hits > 0 and eng.metrics.spec.num_accepted_tokens > 0
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_a_captured_request_matches_no_prefix():
+    bm = _blocks()
+    _prefilled(bm, list(range(9)))
+    seq = Sequence(list(range(9)), SamplingParams(capture_states=True))
+    assert bm.match_prefix(seq) == 0, "a capture keeps every position's hidden states: all are computed"
