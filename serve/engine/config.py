@@ -27,7 +27,7 @@ class EngineConfig(StrictModel):
     block_size: int = Field(16, ge=1, description="Tokens per paged KV block.")
     prefix_caching: bool | None = Field(
         None,
-        description="Reuse the target's KV blocks of earlier requests whose tokens begin as this one's do (a chat template's system prompt, a conversation's earlier turns; whole blocks, hashed with every token before them): the prompt prefills from the first block not cached. Only while the engine serves without a draft (a draft's catch-up needs the target's aux hidden states of every position, which a cached block does not keep). None: on on CPU; off on CUDA, where greedy speculation's bitwise equality with plain decoding is not yet checked against cached blocks.",
+        description="Reuse the target's KV blocks of earlier requests whose tokens begin as this one's do (a chat template's system prompt, a conversation's earlier turns; whole blocks, hashed with every token before them): the prompt prefills from the first block not cached. With a draft, a block is reused once the draft has caught up past it and where the token after it matches too (the draft's K/V at a position pair it with the next token); a request that captures hidden states reuses nothing; installing a draft empties the cache. None: on on CPU; off on CUDA, where greedy speculation's bitwise equality with plain decoding is not yet checked against cached blocks.",
     )
     num_kv_blocks: int | None = Field(
         None,
