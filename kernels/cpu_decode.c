@@ -118,17 +118,24 @@ void parallel_run(work_fn fn, const void* ctx, int64_t nchunks, int threads) {
 // linear (see the top of the file)
 // One tile: MT x rows times one panel, from k = 0 to K - 1, then bias, residual and store (masked past N).
 // While it runs, pf_lines cache lines of the next panel are prefetched into L2, spread over the k loop.
-static inline __attribute__((always_inline)) void ptile(const int MT, const float* p, const float* x, float* y,
-                                                        const float* b, const float* r, int64_t K, int64_t ldx,
-                                                        int64_t ldy, int64_t ldr, int64_t ncols, const char* pf,
-                                                        int64_t pf_lines) {
+// BF: the panel holds bf16 weights, each widened to fp32 exactly (its 16 bits above 16 zero bits) before the same FMA:
+// a weight stored in bf16 that is exactly its fp32 value gives the fp32 panel's result bit for bit, from half the bytes.
+static inline __attribute__((always_inline)) __m512 pload(const int BF, const void* p, int64_t at) {
+    if (BF) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p + at))), 16));
+    return _mm512_loadu_ps((const float*)p + at);
+}
+
+static inline __attribute__((always_inline)) void ptile(const int MT, const int BF, const void* p, const float* x,
+                                                        float* y, const float* b, const float* r, int64_t K,
+                                                        int64_t ldx, int64_t ldy, int64_t ldr, int64_t ncols,
+                                                        const char* pf, int64_t pf_lines) {
     __m512 acc[PMT][PNV];
     for (int i = 0; i < MT; i++) for (int v = 0; v < PNV; v++) acc[i][v] = _mm512_setzero_ps();
     int64_t kq = K / 4, pf_acc = 0;
     const char* pfl = pf;
 #define KSTEP(kk) do { \
         __m512 wv[PNV]; \
-        for (int v = 0; v < PNV; v++) wv[v] = _mm512_loadu_ps(p + (kk) * PANEL + 16 * v); \
+        for (int v = 0; v < PNV; v++) wv[v] = pload(BF, p, (kk) * PANEL + 16 * v); \
         for (int i = 0; i < MT; i++) { \
             __m512 xb = _mm512_set1_ps(x[i * ldx + (kk)]); \
             for (int v = 0; v < PNV; v++) acc[i][v] = _mm512_fmadd_ps(wv[v], xb, acc[i][v]); \
@@ -158,23 +165,24 @@ static inline __attribute__((always_inline)) void ptile(const int MT, const floa
 void plinear_chunk(const void* vctx, int64_t c) {
     const plinear_t* j = (const plinear_t*)vctx;
     int64_t p0 = c * j->per_chunk, p1 = p0 + j->per_chunk < j->npanels ? p0 + j->per_chunk : j->npanels;
-    int64_t tiles = (j->M + PMT - 1) / PMT, panel_lines = j->K * PANEL * 4 / 64;
+    int64_t esz = j->bf16 ? 2 : 4, tiles = (j->M + PMT - 1) / PMT, panel_lines = j->K * PANEL * esz / 64;
     for (int64_t pi = p0; pi < p1; pi++) {
         int64_t n0 = pi * PANEL, ncols = j->N - n0 < PANEL ? j->N - n0 : PANEL;
-        const float* p = j->p + pi * j->K * PANEL;
+        const char* p = (const char*)j->p + pi * j->K * PANEL * esz;
         const float* b = j->b ? j->b + n0 : NULL;
         int64_t lines = pi + 1 < p1 ? panel_lines : 0;
-        const char* next = (const char*)(p + j->K * PANEL);
+        const char* next = p + j->K * PANEL * esz;
         for (int64_t t = 0, m = 0; m < j->M; m += PMT, t++) {
             int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
             const float* xm = j->x + m * j->ldx;
             float* ym = j->y + m * j->ldy + n0;
             const float* rm = j->r ? j->r + m * j->ldr + n0 : NULL;
-#define PT(MTc) ptile(MTc, p, xm, ym, b, rm, j->K, j->ldx, j->ldy, j->ldr, ncols, next + 64 * l0, l1 - l0)
-            switch (j->M - m < PMT ? j->M - m : PMT) {
-            case 8: PT(8); break; case 7: PT(7); break; case 6: PT(6); break; case 5: PT(5); break;
-            case 4: PT(4); break; case 3: PT(3); break; case 2: PT(2); break; default: PT(1); break;
-            }
+#define PT(MTc, BF) ptile(MTc, BF, p, xm, ym, b, rm, j->K, j->ldx, j->ldy, j->ldr, ncols, next + 64 * l0, l1 - l0)
+#define TILE(BF) switch (j->M - m < PMT ? j->M - m : PMT) { \
+            case 8: PT(8, BF); break; case 7: PT(7, BF); break; case 6: PT(6, BF); break; case 5: PT(5, BF); break; \
+            case 4: PT(4, BF); break; case 3: PT(3, BF); break; case 2: PT(2, BF); break; default: PT(1, BF); break; }
+            if (j->bf16) TILE(1) else TILE(0)
+#undef TILE
 #undef PT
         }
     }
@@ -191,10 +199,11 @@ int64_t plinear_plan(plinear_t* ctx, int threads) {
     return (np + per - 1) / per;
 }
 
-// y [M, N] = x [M, K] @ w^T + b with w packed (linear_panel_cols() columns a panel, see the top).
-void linear_packed_f32(const float* x, const float* p, const float* b, float* y, int64_t M, int64_t N, int64_t K,
-                       int64_t ldx, int64_t ldy, int threads) {
-    plinear_t ctx = {x, p, b, NULL, y, M, N, K, ldx, ldy, 0, 0, 0};
+// y [M, N] = x [M, K] @ w^T + b with w packed (linear_panel_cols() columns a panel, see the top); bf16: the panels are
+// bf16 (see pload).
+void linear_packed_f32(const float* x, const void* p, const float* b, float* y, int64_t M, int64_t N, int64_t K,
+                       int64_t ldx, int64_t ldy, int threads, int bf16) {
+    plinear_t ctx = {x, p, b, NULL, y, M, N, K, ldx, ldy, 0, 0, 0, bf16 != 0};
     parallel_run(plinear_chunk, &ctx, plinear_plan(&ctx, threads), threads);
 }
 

@@ -16,9 +16,12 @@ INTERNAL void parallel_run(work_fn fn, const void* ctx, int64_t nchunks, int thr
 #define PMT 8  // x rows a tile: 8 x 3 accumulators + 3 weight vectors + 1 broadcast, of 32 registers
 #define PANEL (16 * PNV)
 typedef struct {
-    const float *x, *p, *b, *r;
+    const float* x;
+    const void* p;  // the packed panels: fp32, or bf16 with bf16 != 0 (widened exactly to fp32 as they are read)
+    const float *b, *r;
     float* y;
     int64_t M, N, K, ldx, ldy, ldr, npanels, per_chunk;
+    int32_t bf16;
 } plinear_t;
 INTERNAL int64_t plinear_plan(plinear_t* ctx, int threads);  // sets npanels/per_chunk; returns the claims
 INTERNAL void plinear_chunk(const void* ctx, int64_t claim);

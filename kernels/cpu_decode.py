@@ -15,7 +15,8 @@ per register tile as outer products (one weight vector load, one broadcast per r
 memory bound at M = 1-8 and ~85% of the FMA peak per core from M = 16 (BENCHMARKS.md). Every output is
 one FMA chain over k in order, so a token's logits do not depend on how many rows share the call
 (batch-invariant: greedy speculative output stays bitwise equal to plain output). The packed copy
-costs the weight's memory again (0.54 GB for SmolLM2 in fp32).
+costs the weight's memory again (0.54 GB for SmolLM2 in fp32); a weight whose values are all bf16 values (a draft
+saved in bf16) is packed in bf16 and widened exactly as it is read: the same results from half the bytes.
 
 ``paged_attention`` reads K/V in place from the paged cache through the block table (no gather, no
 padding), one query row at a time with an online softmax over tiles of 16 keys, so a row's output does
@@ -65,7 +66,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     lib = _load()
     m, k = x.shape
     n = w.shape[0]
-    p = packed(w)  # [N / 48, K, 48]
+    p = packed(w)  # [N / 48, K, 48] fp32, or bf16 where w is exactly bf16 (pack_exact)
     y = torch.empty((m, n), dtype=torch.float32)  # [M, N]
     lib.linear_packed_f32(
         x.data_ptr(),
@@ -78,6 +79,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         x.stride(0),
         n,
         _threads or torch.get_num_threads(),
+        int(p.dtype == torch.bfloat16),
     )
     return y
 
@@ -93,10 +95,23 @@ def pack(w: torch.Tensor, cols: int | None = None) -> torch.Tensor:
     return padded.view(panels, cols, k).transpose(1, 2).contiguous()
 
 
+def bf16_exact(w: torch.Tensor) -> bool:
+    """Whether every value of fp32 ``w`` is a bf16 value (a draft saved in bf16 and loaded as fp32 is)."""
+    return w.dtype == torch.float32 and torch.equal(w, w.to(torch.bfloat16).to(torch.float32))
+
+
+def pack_exact(w: torch.Tensor) -> torch.Tensor:
+    """:func:`pack`, stored in bf16 where w is exactly bf16 (:func:`bf16_exact`): the kernel widens each weight back to
+    the same fp32 value, so the product is bit for bit the fp32 panel's, from half the bytes (a decode step is bound by
+    them)."""
+    p = pack(w)
+    return p.to(torch.bfloat16) if bf16_exact(w) else p
+
+
 _PACKED = "_eagleray_packed"  # attribute on the weight tensor
 # The packed layout of w, made once and kept on the tensor (its memory beside w's); made again when w changes
 # (weight_cache says when; forget_packed(w) after a change it cannot see).
-packed = weight_cache.Layout(_PACKED, lambda w: pack(w))  # pack looked up per use (tests replace it)
+packed = weight_cache.Layout(_PACKED, lambda w: pack_exact(w))  # looked up per use (tests replace it)
 forget_packed = packed.forget
 
 

@@ -44,7 +44,7 @@ def open_library() -> ctypes.CDLL:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    lib.linear_packed_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int]
+    lib.linear_packed_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int] * 2
     lib.linear_packed_f32.restype = None
     lib.argmax_rows_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.argmax_rows_f32.restype = None

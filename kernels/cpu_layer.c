@@ -37,6 +37,7 @@ typedef struct {
     const float* hid_norm;                      // [H] or NULL
     float in_eps, post_eps, scale, hid_eps;
     int32_t norm_residual;
+    int32_t bf16;                               // bit i: product i (qkv, o, gate_up, down) packed in bf16 (pload)
 } layer_weights_t;
 
 typedef struct { const float *x, *w; float* y; int64_t H, ldy; float eps; } norm_t;  // y rows ldy floats apart
@@ -103,9 +104,9 @@ static void silu_mul_row(const void* vctx, int64_t t) {
 }
 
 // y [T, N] = x [T, K] @ W^T (+ r [T, N] rows ldr floats apart, a residual, or NULL), W packed; x, y contiguous.
-static void product(const float* x, const float* p, const float* r, int64_t ldr, float* y, int64_t T, int64_t N,
-                    int64_t K, int threads) {
-    plinear_t l = {x, p, NULL, r, y, T, N, K, K, N, ldr, 0, 0};
+static void product(const float* x, const float* p, int bf16, const float* r, int64_t ldr, float* y, int64_t T,
+                    int64_t N, int64_t K, int threads) {
+    plinear_t l = {x, p, NULL, r, y, T, N, K, K, N, ldr, 0, 0, bf16 != 0};
     parallel_run(plinear_chunk, &l, plinear_plan(&l, threads), threads);
 }
 
@@ -137,15 +138,15 @@ int decoder_layer_f32(const layer_step_t* s, const layer_weights_t* w, const flo
     layer_t lt = {s, w};
     int64_t ldr;
     const float* res = qkv_input(s, w, e, h, &ldr);
-    product(s->xn, w->qkv, NULL, 0, s->qkv, T, nqkv, e == NULL ? H : 2 * H, th);
+    product(s->xn, w->qkv, w->bf16 & 1, NULL, 0, s->qkv, T, nqkv, e == NULL ? H : 2 * H, th);
     parallel_run(rope_write_row, &lt, T, th);
     attn_t a = {s->qkv, w->kc, w->vc, s->att, s->bt, s->bt_w, s->seq, s->ctx, s->nnew, s->mask, Hq, Hkv, D, s->bs, nqkv, w->scale};
     parallel_run(attn_item, &a, T * Hkv, th);
-    product(s->att, w->o, res, ldr, s->h1, T, H, Hq * D, th);
+    product(s->att, w->o, w->bf16 & 2, res, ldr, s->h1, T, H, Hq * D, th);
     norm_rows(s->h1, w->post_norm, s->xn, H, T, H, w->post_eps, th);
-    product(s->xn, w->gate_up, NULL, 0, s->gu, T, 2 * I, H, th);
+    product(s->xn, w->gate_up, w->bf16 & 4, NULL, 0, s->gu, T, 2 * I, H, th);
     parallel_run(silu_mul_row, &lt, T, th);
-    product(s->act, w->down, s->h1, H, out, T, H, I, th);
+    product(s->act, w->down, w->bf16 & 8, s->h1, H, out, T, H, I, th);
     return 0;
 }
 

@@ -47,7 +47,7 @@ class _Weights(ctypes.Structure):  # layer_weights_t
     _fields_ = (
         [(n, ctypes.c_void_p) for n in _WEIGHT_PTRS]
         + [(n, ctypes.c_float) for n in ("in_eps", "post_eps", "scale", "hid_eps")]
-        + [("norm_residual", ctypes.c_int32)]
+        + [("norm_residual", ctypes.c_int32), ("bf16", ctypes.c_int32)]
     )
 
 
@@ -186,7 +186,8 @@ def layer_weights(params: LayerParams) -> LayerWeights:
     packed = [cpu_decode.packed(w) for w in (p.qkv, p.o, p.gate_up, p.down)]
     held = (p.in_norm, p.post_norm, *packed, p.k_cache, p.v_cache) + (() if p.hidden_norm is None else (p.hidden_norm,))
     pointers = tuple(x.data_ptr() for x in held) + ((0,) if p.hidden_norm is None else ())  # hid_norm NULL: Llama
-    struct = _Weights(*(x or None for x in pointers), p.in_eps, p.post_eps, p.scale, p.hidden_eps, int(p.norm_residual))
+    bf16 = sum(1 << i for i, q in enumerate(packed) if q.dtype == torch.bfloat16)  # products packed in bf16 (exact)
+    struct = _Weights(*(x or None for x in pointers), p.in_eps, p.post_eps, p.scale, p.hidden_eps, int(p.norm_residual), bf16)
     return LayerWeights(s, struct, p.sources(), held, p.k_cache.shape[1], ctypes.addressof(struct))
 
 

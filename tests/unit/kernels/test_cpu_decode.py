@@ -125,6 +125,25 @@ def test_packed_layout_is_panels_of_columns_kept_on_the_tensor():
 
 
 @native
+def test_a_weight_of_bf16_values_is_packed_in_bf16_and_gives_the_fp32_panels_result_bit_for_bit(monkeypatch):
+    """A draft saved in bf16 and loaded as fp32: its panels are stored in bf16 (half the bytes a decode step streams)
+    and widened exactly as they are read, so the product is the fp32 panels' bit for bit; other weights stay fp32."""
+    x, w, b = _data(9, 100, 70)  # two row tiles (8 + 1), a partial panel, a k tail
+    w = w.to(torch.bfloat16).float()
+    p = cpu_decode.packed(w)
+    assert p.dtype == torch.bfloat16 and torch.equal(p.float(), cpu_decode.pack(w)), "the same values in half the bytes"
+    y = cpu_decode.linear(x, w, b)
+    cpu_decode.forget_packed(w)
+    monkeypatch.setattr(cpu_decode, "bf16_exact", lambda w: False)  # the same weight in fp32 panels
+    assert cpu_decode.packed(w).dtype == torch.float32
+    assert torch.equal(cpu_decode.linear(x, w, b), y)
+    monkeypatch.undo()
+    _, other, _ = _data(9, 100, 70, seed=1)
+    assert cpu_decode.packed(other).dtype == torch.float32, "a weight that is not all bf16 values keeps fp32 panels"
+    torch.testing.assert_close(cpu_decode.linear(x, other, b), x @ other.t() + b, atol=1e-4, rtol=1e-5)
+
+
+@native
 def test_strided_rows_are_read_in_place():
     x, w, _ = _data(4, 64, 128)
     wide = torch.randn(4, 300)

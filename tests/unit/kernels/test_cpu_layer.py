@@ -119,6 +119,31 @@ def test_the_draft_layer_matches_its_reference_and_writes_the_same_kv(norm_resid
     assert (out - other).abs().max() > 0.1, "the two residuals differ, and the test tells them apart"
 
 
+def test_a_draft_layer_of_bf16_weights_is_its_fp32_packed_layer_bit_for_bit(monkeypatch):
+    """A draft saved in bf16: its four products packed in bf16 (bit i of the weights' ``bf16``) give the output and
+    K/V of the same weights in fp32 panels, bit for bit."""
+
+    def bf16_params() -> cpu_layer.LayerParams:
+        p = _draft_params(seed=6)
+        return cpu_layer.LayerParams(**{**p.__dict__, **{n: getattr(p, n).bfloat16().float() for n in PRODUCTS}})
+
+    e, h = _draft_rows(7)
+    step = cpu_layer.step(_inputs(ALL), _draft_params().shape())
+    p16 = bf16_params()
+    w16 = cpu_layer.layer_weights(p16)
+    assert w16.struct.bf16 == 0b1111
+    out16 = cpu_layer.decoder_layer(h, step, w16, e)
+    monkeypatch.setattr(cpu_decode, "bf16_exact", lambda w: False)
+    p32 = bf16_params()
+    w32 = cpu_layer.layer_weights(p32)
+    assert w32.struct.bf16 == 0
+    out32 = cpu_layer.decoder_layer(h, step, w32, e)
+    assert torch.equal(out16, out32) and torch.equal(p16.k_cache, p32.k_cache) and torch.equal(p16.v_cache, p32.v_cache)
+
+
+PRODUCTS = ("qkv", "o", "gate_up", "down")
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_each_draft_row_is_bitwise_the_same_alone_in_any_batch_and_thread_count(n, threads):
     e, h = _draft_rows(6)
