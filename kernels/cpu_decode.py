@@ -10,13 +10,12 @@
 MKL's GEMV reaches about 10 GB/s of weight streaming on the 2-core CI machine, a third of its memory
 bandwidth, and its GEMM loses efficiency at the 5-64 rows of verification; a decode step is little but
 streaming the weights once. ``linear`` keeps each weight in a packed layout (panels of 48 output
-columns, made on first use and kept on the tensor, :func:`packed`) and computes 8 rows x 48 columns
+columns, made on first use and kept on the tensor, :mod:`~eagleray.kernels.cpu_panels`) and computes 8 rows x 48 columns
 per register tile as outer products (one weight vector load, one broadcast per row and k): near the
 memory bound at M = 1-8 and ~85% of the FMA peak per core from M = 16 (BENCHMARKS.md). Every output is
 one FMA chain over k in order, so a token's logits do not depend on how many rows share the call
 (batch-invariant: greedy speculative output stays bitwise equal to plain output). The packed copy
-costs the weight's memory again (0.54 GB for SmolLM2 in fp32); a weight whose values are all bf16 values (a draft
-saved in bf16) is packed in bf16 and widened exactly as it is read: the same results from half the bytes.
+costs the weight's memory again (0.54 GB for SmolLM2 in fp32; half of it for a weight packed in bf16, see there).
 
 ``paged_attention`` reads K/V in place from the paged cache through the block table (no gather, no
 padding), one query row at a time with an online softmax over tiles of 16 keys, so a row's output does
@@ -39,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagleray.kernels import cpu_gemm, weight_cache
+from eagleray.kernels import cpu_gemm, cpu_panels
 from eagleray.kernels.cpu_decode_build import library_path, open_library
 from eagleray.kernels.errors import KernelBuildError, KernelInputError
 
@@ -61,12 +60,12 @@ def linear_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] fp32 rows with unit stride, w [N, K] fp32 contiguous, b [N] fp32 or None -> y [M, N] (native kernel).
-    w is used in its packed layout (:func:`packed`), made on first use and kept on the tensor."""
+    w is used in its packed layout (:func:`cpu_panels.packed`), made on first use and kept on the tensor."""
     _check(x, w, b)
     lib = _load()
     m, k = x.shape
     n = w.shape[0]
-    p = packed(w)  # [N / 48, K, 48] fp32, or bf16 where w is exactly bf16 (pack_exact)
+    p = cpu_panels.packed(w)  # [N / 48, K, 48] fp32, or bf16 where w's values are all bf16 values
     y = torch.empty((m, n), dtype=torch.float32)  # [M, N]
     lib.linear_packed_f32(
         x.data_ptr(),
@@ -82,37 +81,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         int(p.dtype == torch.bfloat16),
     )
     return y
-
-
-def pack(w: torch.Tensor, cols: int | None = None) -> torch.Tensor:
-    """w [N, K] -> [ceil(N / cols), K, cols]: panels of `cols` output columns (the kernel's, by default),
-    p[i, k, j] = w[i * cols + j, k], zeros past N."""
-    cols = cols or _load().linear_panel_cols()
-    n, k = w.shape
-    panels = -(-n // cols)
-    padded = torch.zeros(panels * cols, k, dtype=w.dtype)  # [N_pad, K]
-    padded[:n] = w
-    return padded.view(panels, cols, k).transpose(1, 2).contiguous()
-
-
-def bf16_exact(w: torch.Tensor) -> bool:
-    """Whether every value of fp32 ``w`` is a bf16 value (a draft saved in bf16 and loaded as fp32 is)."""
-    return w.dtype == torch.float32 and torch.equal(w, w.to(torch.bfloat16).to(torch.float32))
-
-
-def pack_exact(w: torch.Tensor) -> torch.Tensor:
-    """:func:`pack`, stored in bf16 where w is exactly bf16 (:func:`bf16_exact`): the kernel widens each weight back to
-    the same fp32 value, so the product is bit for bit the fp32 panel's, from half the bytes (a decode step is bound by
-    them)."""
-    p = pack(w)
-    return p.to(torch.bfloat16) if bf16_exact(w) else p
-
-
-_PACKED = "_eagleray_packed"  # attribute on the weight tensor
-# The packed layout of w, made once and kept on the tensor (its memory beside w's); made again when w changes
-# (weight_cache says when; forget_packed(w) after a change it cannot see).
-packed = weight_cache.Layout(_PACKED, lambda w: pack_exact(w))  # looked up per use (tests replace it)
-forget_packed = packed.forget
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

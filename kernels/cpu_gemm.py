@@ -9,7 +9,7 @@ A prompt's prefill is GEMM-bound: at 560 tokens SmolLM2's gate/up product ([560,
 92-165 GFLOP/s through ``torch.nn.functional.linear`` (MKL's sgemm, the weight transposed on every call) and at
 ~210 GFLOP/s through oneDNN's linear on a weight reordered once into its blocked layout (a 2-core AMD EPYC VM,
 BENCHMARKS.md). The reordered copy is made on first use and kept on the tensor like the native kernel's
-:func:`~eagleray.kernels.cpu_decode.packed` layout (the weight's memory again); it is made again when the weight
+:func:`~eagleray.kernels.cpu_panels.packed` layout (the weight's memory again); it is made again when the weight
 changes in place or moves. The reference is :func:`torch.nn.functional.linear` (``linear_reference``); the two
 differ by fp32 rounding only (a different summation order), so both the plain and the speculative engine must
 take the same path for a prompt (they do: every prefill goes here).

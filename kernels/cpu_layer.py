@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagleray.kernels import cpu_decode
+from eagleray.kernels import cpu_decode, cpu_panels
 from eagleray.kernels.errors import KernelInputError
 from eagleray.kernels.reference_ops import rotate_half, write_kv
 
@@ -183,7 +183,7 @@ def layer_weights(params: LayerParams) -> LayerWeights:
         _f32(w, want, f"params.{name}")
     if p.hidden_norm is not None:
         _f32(p.hidden_norm, (s.hidden,), "params.hidden_norm")
-    packed = [cpu_decode.packed(w) for w in (p.qkv, p.o, p.gate_up, p.down)]
+    packed = [cpu_panels.packed(w) for w in (p.qkv, p.o, p.gate_up, p.down)]
     held = (p.in_norm, p.post_norm, *packed, p.k_cache, p.v_cache) + (() if p.hidden_norm is None else (p.hidden_norm,))
     pointers = tuple(x.data_ptr() for x in held) + ((0,) if p.hidden_norm is None else ())  # hid_norm NULL: Llama
     bf16 = sum(1 << i for i, q in enumerate(packed) if q.dtype == torch.bfloat16)  # products packed in bf16 (exact)

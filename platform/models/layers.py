@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eagleray.kernels import cpu_decode, cpu_gemm
+from eagleray.kernels import cpu_gemm, cpu_panels
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models import native_layer
 from eagleray.platform.models.arch import LlamaArch
@@ -161,7 +161,7 @@ class DecoderLayer(nn.Module):
 def pack_for_cpu(model: nn.Module) -> int:
     """Make the CPU kernels' packed layouts of every weight the fused model's forward multiplies by, now rather
     than in the first step that uses it; returns how many weights. Each gets the native decode kernel's layout
-    (``cpu_decode.packed``); each but an LM head (a prefill multiplies only each prompt's last row by it, on the
+    (``cpu_panels.packed``); each but an LM head (a prefill multiplies only each prompt's last row by it, on the
     native kernel) also gets oneDNN's for prefill GEMMs (``cpu_gemm.packed``) where PyTorch has oneDNN. The parts
     of a fused q/k/v or gate/up are skipped (only the fused weight is used). Call when the native kernel is on."""
     fused_parts = set()
@@ -177,7 +177,7 @@ def pack_for_cpu(model: nn.Module) -> int:
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and id(m) not in fused_parts:
             weights.append((m.weight, not isinstance(m, ParallelLMHead)))
     for w, gemm in weights:
-        cpu_decode.packed(w)
+        cpu_panels.packed(w)
         if gemm and w.dtype == torch.float32 and cpu_gemm.available():
             cpu_gemm.packed(w)
     return len(weights)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagleray.kernels import cpu_decode, cpu_decode_build, cpu_gemm
+from eagleray.kernels import cpu_decode, cpu_decode_build, cpu_gemm, cpu_panels
 from eagleray.kernels.errors import KernelBuildError, KernelInputError
 
 native = pytest.mark.skipif(
@@ -112,16 +112,16 @@ def test_each_output_is_one_fma_chain_over_k_in_order():
 @native
 def test_packed_layout_is_panels_of_columns_kept_on_the_tensor():
     x, w, b = _data(3, 97, 64)
-    p = cpu_decode.packed(w)
+    p = cpu_panels.packed(w)
     cols = cpu_decode._load().linear_panel_cols()
     assert p.shape == (-(-97 // cols), 64, cols)
     assert torch.equal(p[1, :, 5], w[cols + 5]) and not p[-1, :, 97 % cols :].any(), "panels of columns, zeros past N"
-    assert cpu_decode.packed(w) is p, "kept on the tensor (weight_cache: when it is made again)"
+    assert cpu_panels.packed(w) is p, "kept on the tensor (weight_cache: when it is made again)"
     with torch.no_grad():
         w.mul_(2)
     torch.testing.assert_close(cpu_decode.linear(x, w, b), x @ w.t() + b, atol=1e-4, rtol=1e-5)
-    cpu_decode.forget_packed(w)
-    assert not hasattr(w, cpu_decode._PACKED)
+    cpu_panels.forget_packed(w)
+    assert not hasattr(w, cpu_panels._PACKED)
 
 
 @native
@@ -130,16 +130,16 @@ def test_a_weight_of_bf16_values_is_packed_in_bf16_and_gives_the_fp32_panels_res
     and widened exactly as they are read, so the product is the fp32 panels' bit for bit; other weights stay fp32."""
     x, w, b = _data(9, 100, 70)  # two row tiles (8 + 1), a partial panel, a k tail
     w = w.to(torch.bfloat16).float()
-    p = cpu_decode.packed(w)
-    assert p.dtype == torch.bfloat16 and torch.equal(p.float(), cpu_decode.pack(w)), "the same values in half the bytes"
+    p = cpu_panels.packed(w)
+    assert p.dtype == torch.bfloat16 and torch.equal(p.float(), cpu_panels.pack(w)), "the same values in half the bytes"
     y = cpu_decode.linear(x, w, b)
-    cpu_decode.forget_packed(w)
-    monkeypatch.setattr(cpu_decode, "bf16_exact", lambda w: False)  # the same weight in fp32 panels
-    assert cpu_decode.packed(w).dtype == torch.float32
+    cpu_panels.forget_packed(w)
+    monkeypatch.setattr(cpu_panels, "bf16_values", lambda w: None)  # the same weight in fp32 panels
+    assert cpu_panels.packed(w).dtype == torch.float32
     assert torch.equal(cpu_decode.linear(x, w, b), y)
     monkeypatch.undo()
     _, other, _ = _data(9, 100, 70, seed=1)
-    assert cpu_decode.packed(other).dtype == torch.float32, "a weight that is not all bf16 values keeps fp32 panels"
+    assert cpu_panels.packed(other).dtype == torch.float32, "a weight that is not all bf16 values keeps fp32 panels"
     torch.testing.assert_close(cpu_decode.linear(x, other, b), x @ other.t() + b, atol=1e-4, rtol=1e-5)
 
 

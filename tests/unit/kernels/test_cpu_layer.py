@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagleray.kernels import cpu_decode, cpu_decode_build, cpu_layer
+from eagleray.kernels import cpu_decode, cpu_decode_build, cpu_layer, cpu_panels
 from eagleray.kernels.errors import KernelInputError
 from eagleray.tests.support.cpu_layers import layer_params
 
@@ -133,7 +133,7 @@ def test_a_draft_layer_of_bf16_weights_is_its_fp32_packed_layer_bit_for_bit(monk
     w16 = cpu_layer.layer_weights(p16)
     assert w16.struct.bf16 == 0b1111
     out16 = cpu_layer.decoder_layer(h, step, w16, e)
-    monkeypatch.setattr(cpu_decode, "bf16_exact", lambda w: False)
+    monkeypatch.setattr(cpu_panels, "bf16_values", lambda w: None)
     p32 = bf16_params()
     w32 = cpu_layer.layer_weights(p32)
     assert w32.struct.bf16 == 0

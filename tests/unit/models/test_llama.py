@@ -194,7 +194,7 @@ def test_fused_projections_equal_the_separate_ones_and_still_load(variant, tiny_
 
 
 def test_pack_for_cpu_packs_what_the_forward_multiplies_by_at_load(tiny_dirs, monkeypatch):
-    from eagleray.kernels import cpu_decode, cpu_gemm
+    from eagleray.kernels import cpu_decode, cpu_gemm, cpu_panels
     from eagleray.platform.models.layers import fuse_for_inference, pack_for_cpu
 
     if cpu_decode.status() != "native":
@@ -202,7 +202,7 @@ def test_pack_for_cpu_packs_what_the_forward_multiplies_by_at_load(tiny_dirs, mo
     model = fuse_for_inference(LlamaModel.from_dir(tiny_dirs["llama_untied_mha"]))
     assert pack_for_cpu(model) == 4 * len(model.layers) + 1  # qkv, o, gate_up, down per layer + lm_head
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-    assert not hasattr(attn.q_proj.weight, cpu_decode._PACKED), "a fused part is not packed (its memory)"
+    assert not hasattr(attn.q_proj.weight, cpu_panels._PACKED), "a fused part is not packed (its memory)"
     if cpu_gemm.available():
         gemm_packed = [w for w in (attn.qkv.weight, attn.o_proj.weight, mlp.gate_up.weight, mlp.down_proj.weight)]
         assert all(hasattr(w, cpu_gemm._PACKED) for w in gemm_packed), "prefill GEMM weights packed for oneDNN"
@@ -212,7 +212,7 @@ def test_pack_for_cpu_packs_what_the_forward_multiplies_by_at_load(tiny_dirs, mo
     def no_packing(*args, **kwargs):
         raise AssertionError("packed in a forward")
 
-    monkeypatch.setattr(cpu_decode, "pack", no_packing)
+    monkeypatch.setattr(cpu_panels, "pack", no_packing)
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", no_packing, raising=False)
     ids = torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(6))
     prompt = torch.randint(0, VOCAB, (cpu_decode.PREFILL_NATIVE_ROWS + 4,), generator=torch.Generator().manual_seed(7))
