@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 
 from eagleray.platform.errors import EaglerayError
-from eagleray.serve.engine.prefix_cache import PrefixCache, chain_hashes, draft_key
+from eagleray.serve.engine.prefix_cache import PrefixCache, PrefixStats, chain_hashes, draft_key
 from eagleray.serve.engine.sequence import Sequence
 
 
@@ -28,8 +28,7 @@ class BlockManager:
         self.cache = PrefixCache()
         self.prefix_caching = False  # the engine turns it on (LLMEngine._prefix_caching)
         self.draft_keyed = False  # a draft shares the blocks: keys take the next token, registration waits for it
-        self.query_tokens = 0  # prompt tokens looked up in the prefix cache
-        self.hit_tokens = 0  # of those, found
+        self.stats = PrefixStats()  # the engine's metrics read it
 
     @property
     def num_free(self) -> int:
@@ -83,8 +82,8 @@ class BlockManager:
     def admitted(self, seq: Sequence) -> None:
         """Count an admitted sequence's prompt lookup (its tokens, and how many were cached)."""
         if self.prefix_caching:
-            self.query_tokens += seq.num_tokens
-            self.hit_tokens += seq.num_cached
+            self.stats.queries += seq.num_tokens
+            self.stats.hits += seq.num_cached
 
     def unmatch(self, seq: Sequence) -> None:
         """Undo :meth:`match_prefix` for a sequence that stays waiting: its blocks back to the cache."""
@@ -106,9 +105,11 @@ class BlockManager:
             self.cache.register(seq.block_table[i], self._key(tokens, hashes, i))
         seq.blocks_registered = full
 
-    def clear_prefix_cache(self) -> None:
-        """Forget every registered block (a draft was installed: the blocks hold another model's draft K/V, or none)."""
+    def use_prefix_cache(self, on: bool, draft_keyed: bool) -> None:
+        """Start the prefix cache empty (a draft was installed: the blocks registered so far hold another draft's K/V,
+        or none), matching prefixes if ``on``, keyed for a draft if ``draft_keyed``."""
         self._free.extend(self.cache.clear())
+        self.prefix_caching, self.draft_keyed = on, draft_keyed
 
     def truncate(self, seq: Sequence, num_positions: int) -> int:
         """Roll back: free the blocks past ``num_positions`` (rejected draft slots); returns how many."""

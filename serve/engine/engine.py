@@ -18,6 +18,7 @@ from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.eagle3 import Eagle3Draft
 from eagleray.platform.models.llama import LlamaModel
 from eagleray.serve.engine import startup
+from eagleray.serve.engine.admission import check_request
 from eagleray.serve.engine.block_manager import BlockManager
 from eagleray.serve.engine.config import EngineConfig
 from eagleray.serve.engine.draft_slot import DraftSlot
@@ -70,7 +71,7 @@ class LLMEngine:
         )
         if self.use_rows:
             self.target.rows.capture()  # CUDA: every bucket's graph now (a no-op on CPU)
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(prefix=self.blocks.stats)
         self.prof = StepProfiler(self.device, config.profile_steps)
         self.wall = StepWall()  # the policy's clock: a decode step lasts until the next step starts
         self.steps = TargetSteps(self.target, self.blocks.block_size, self.device, self.prof, self.threads, self.use_rows, config)
@@ -98,14 +99,7 @@ class LLMEngine:
                 )
             self.drafts.install(draft)
             self.metrics.speculation_enabled = True
-        self._prefix_caching()
-
-    def _prefix_caching(self) -> None:
-        """``engine.prefix_caching`` for the draft installed now (or none): the cache starts empty, since the blocks
-        registered so far hold another draft's K/V, or none (:mod:`~eagleray.serve.engine.prefix_cache`)."""
-        self.blocks.clear_prefix_cache()
-        self.blocks.prefix_caching = startup.prefix_caching(self.config, self.device)
-        self.blocks.draft_keyed = self.drafts.spec is not None
+        self._use_prefix_cache()
 
     @classmethod
     def from_config(cls, config: EngineConfig, workdir=None, tp_launch=None) -> "LLMEngine":
@@ -126,23 +120,8 @@ class LLMEngine:
         """Queue a request; ``on_output`` is called with each step's delta (streaming)."""
         params = params or SamplingParams()
         ids = self._tokenize(prompt)
-        if not ids:
-            raise EaglerayError("prompt is empty\n    fix: pass a non-empty prompt")
-        if len(ids) >= self.max_model_len:
-            raise EaglerayError(
-                f"prompt has {len(ids)} tokens, max_model_len is {self.max_model_len}\n    fix: shorten the prompt"
-            )
         need = self.blocks.blocks_for(len(ids) + params.max_tokens + self._lookahead(self.policy.k_max))
-        if need > self.blocks.num_blocks:
-            raise EaglerayError(
-                f"request needs up to {need} KV blocks (prompt {len(ids)} + max_tokens {params.max_tokens} tokens), "
-                f"the cache has {self.blocks.num_blocks}\n    fix: raise engine.num_kv_blocks or lower max_tokens"
-            )
-        if params.capture_states and not self.capture_width:
-            raise EaglerayError(
-                "capture_states is set but this engine does not capture hidden states\n"
-                "    fix: call LLMEngine.enable_capture() first (serving: set serving.capture)"
-            )
+        check_request(ids, params, self.max_model_len, need, self.blocks.num_blocks, bool(self.capture_width))
         rid = request_id or f"req-{len(self._seqs)}-{self._rng.getrandbits(32):08x}"
         if rid in self._seqs:
             raise EaglerayError(f"request_id {rid!r} is already in use\n    fix: pass a unique request_id")
@@ -200,7 +179,7 @@ class LLMEngine:
         """
         self.scheduler.preempt_all()
         self.drafts.install(draft, aux_layer_ids)
-        self._prefix_caching()
+        self._use_prefix_cache()
         self.metrics.speculation_enabled = True
         self.policy.enable()
         self.wall.drop()  # the step before the swap: the old draft's, its interval holding the swap's seconds
@@ -218,6 +197,9 @@ class LLMEngine:
                 self.policy.disable(f"acceptance watchdog (τ={tau:.3f}); no previous draft to roll back to")
 
     # ----------------------------------------------------------------- step
+    def _use_prefix_cache(self) -> None:  # engine.prefix_caching, keyed for the draft installed now (or none)
+        self.blocks.use_prefix_cache(startup.prefix_caching(self.config, self.device), self.drafts.spec is not None)
+
     def _lookahead(self, k: int) -> int:
         if k == 0:
             return 1
@@ -298,7 +280,6 @@ class LLMEngine:
         self.metrics.current_k = self.policy.k if self.policy.speculating else 0
         self.metrics.speculation_enabled = self.drafts.spec is not None and self.policy.speculating
         self.metrics.num_preemptions = self.scheduler.num_preemptions
-        self.metrics.prefix_cache_queries, self.metrics.prefix_cache_hits = self.blocks.query_tokens, self.blocks.hit_tokens
 
     def _speculate(self, seqs: list[Sequence], k: int) -> list[SeqResult]:
         if self.tree is not None:

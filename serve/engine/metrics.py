@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from eagleray.serve.engine.prefix_cache import PrefixStats
 from eagleray.serve.engine.sequence import SpecStats
 
 VLLM_NAMES = (
@@ -49,8 +50,7 @@ class EngineMetrics:
     prefill: StepTimes = field(default_factory=StepTimes)
     num_requests_finished: int = 0
     num_preemptions: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens of admitted requests looked up in the prefix cache (vLLM's name)
-    prefix_cache_hits: int = 0  # of those, found cached
+    prefix: PrefixStats = field(default_factory=PrefixStats)  # the block manager's (LLMEngine shares it)
     watchdog_fired: bool = False
     speculation_enabled: bool = True
     current_k: int = 0
@@ -88,6 +88,6 @@ class EngineMetrics:
             "busy_seconds": round(self.plain.whole_seconds + self.speculative.whole_seconds + self.prefill.whole_seconds, 3),
             "num_requests_finished": self.num_requests_finished,
             "num_preemptions": self.num_preemptions,
-            "prefix_cache_queries": self.prefix_cache_queries,
-            "prefix_cache_hits": self.prefix_cache_hits,
+            "prefix_cache_queries": self.prefix.queries,
+            "prefix_cache_hits": self.prefix.hits,
         }

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from dataclasses import dataclass
 
 ROOT = b"eagleray-prefix-v1"  # the chain's seed: hashes of another scheme never collide with these
 
@@ -39,6 +40,14 @@ def draft_key(digest: bytes, next_token: int) -> bytes:
     """A block's key in a speculative engine: its chain hash and the token after its last position (the draft's K/V
     at that position were computed with it)."""
     return hashlib.sha256(digest + int(next_token).to_bytes(8, "little", signed=True)).digest()
+
+
+@dataclass
+class PrefixStats:
+    """Prompt tokens of admitted requests looked up in the cache (vLLM's prefix_cache_queries), and of those found."""
+
+    queries: int = 0
+    hits: int = 0
 
 
 class PrefixCache:

@@ -86,14 +86,14 @@ def test_matched_blocks_go_back_when_the_sequence_cannot_be_admitted():
     sched.add(big)
     assert sched.schedule(lookahead=1) is None
     assert big.block_table == [] and big.num_cached == 0 and bm.num_free == 4 and bm.cache.num_idle == 2
-    assert bm.hit_tokens == 0 and bm.query_tokens == 0, "only admitted sequences are counted"
+    assert bm.stats.hits == 0 and bm.stats.queries == 0, "only admitted sequences are counted"
 
 
 def test_clearing_forgets_every_block_and_frees_the_idle_ones():
     bm = _blocks()
     bm.free(_prefilled(bm, list(range(9))))
     assert bm.cache.num_idle == 2
-    bm.clear_prefix_cache()
+    bm.use_prefix_cache(True, False)
     assert len(bm.cache) == 0 and bm.num_free == 16
     assert bm.match_prefix(Sequence(list(range(9)), SamplingParams())) == 0
 
@@ -135,13 +135,13 @@ def test_a_preempted_sequence_is_readmitted_on_cached_blocks(target, tokenizer):
     want = [o.token_ids for o in make_engine(target, tokenizer, prefix_caching=False).generate(prompts, params)]
     eng = make_engine(target, tokenizer, max_num_seqs=2, num_kv_blocks=17)
     assert [o.token_ids for o in eng.generate(prompts, params)] == want
-    assert eng.metrics.num_preemptions > 0 and eng.metrics.prefix_cache_hits >= 6 * 16
+    assert eng.metrics.num_preemptions > 0 and eng.metrics.prefix.hits >= 6 * 16
 
 
 def test_a_draft_swapped_in_empties_the_cache(target, tokenizer, copy_draft):
     eng = make_engine(target, tokenizer, max_num_seqs=1)
     eng.generate([SHARED + "One.", SHARED + "Two."], GREEDY)
-    assert len(eng.blocks.cache) > 0 and eng.metrics.prefix_cache_hits > 0 and not eng.blocks.draft_keyed
+    assert len(eng.blocks.cache) > 0 and eng.metrics.prefix.hits > 0 and not eng.blocks.draft_keyed
     eng.swap_draft(copy_draft, [1, 2, 4])
     assert len(eng.blocks.cache) == 0 and eng.blocks.draft_keyed, "the blocks hold no K/V of this draft"
     assert eng.blocks.num_free == eng.blocks.num_blocks
@@ -172,7 +172,7 @@ def test_a_speculative_engine_with_the_cache_is_lossless_and_hits_it(target, tok
     eng = make_engine(target, tokenizer, copy_draft, k=2, max_num_seqs=2)
     assert eng.blocks.prefix_caching and eng.blocks.draft_keyed
     assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == want
-    assert eng.metrics.prefix_cache_hits > 0 and eng.metrics.spec.num_accepted_tokens > 0
+    assert eng.metrics.prefix.hits > 0 and eng.metrics.spec.num_accepted_tokens > 0
     assert eng.blocks.num_free == eng.blocks.num_blocks
 
 
