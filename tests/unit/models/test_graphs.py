@@ -42,9 +42,11 @@ def _runner_step(runner, tok, lens):
 def _split_plans(monkeypatch):
     """Every product's K split in two (tiny weights are otherwise never split): the reduce kernel's path."""
     import eagleray.kernels.invariant_linear as il
+    import eagleray.kernels.invariant_pairs as ip
     from eagleray.kernels import invariant_plans
 
-    monkeypatch.setattr(il, "plan", lambda n, k, device=None: invariant_plans.make_plan(n, k, splits=2, block_k=16))
+    for module in (il, ip):
+        monkeypatch.setattr(module, "plan", lambda n, k, device=None: invariant_plans.make_plan(n, k, splits=2, block_k=16))
 
 
 @pytest.mark.parametrize(
@@ -59,11 +61,16 @@ def _split_plans(monkeypatch):
         ("llama3_rope", False, False, False),
         ("llama_tied", True, True, True),  # the batch-invariant step
         ("qwen2", True, True, "split"),  # ... with biases, every product's K split in two (partial sums reduced)
+        ("qwen2", True, True, "unfolded"),  # ... the norms as kernels (a model too large for folded copies)
     ],
 )
 def test_decode_runner_equals_eager(variant, fused, triton, invariant, tiny_dirs, monkeypatch):
+    import eagleray.platform.models.graphs as graphs
+
     if invariant == "split":
         _split_plans(monkeypatch)
+    if invariant == "unfolded":
+        monkeypatch.setattr(graphs, "FOLD_MAX_BYTES", 1000)
     model = LlamaModel.from_dir(tiny_dirs[variant], aux_layer_ids=[0, 2, 4])
     g = torch.Generator().manual_seed(5)
     seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in PROMPTS]
