@@ -21,6 +21,7 @@ from eagleray.serve.engine import startup
 from eagleray.serve.engine.admission import check_request
 from eagleray.serve.engine.block_manager import BlockManager
 from eagleray.serve.engine.config import EngineConfig
+from eagleray.serve.engine.draft_catch_up import joined_positions
 from eagleray.serve.engine.draft_slot import DraftSlot
 from eagleray.serve.engine.metrics import EngineMetrics
 from eagleray.serve.engine.model_runner import TargetRunner
@@ -244,6 +245,8 @@ class LLMEngine:
         """Prefill, plain decode or a speculative step -> one result per sequence, and the seconds it took."""
         t0 = time.perf_counter()
         if batch.is_prefill:
+            if self.drafts.spec is not None:  # the prompt positions the draft will catch up on (join_cost)
+                self.policy.joins.joined(joined_positions(batch.seqs), len(batch.seqs))
             results = self.steps.prefill(batch.seqs)
         else:
             results = self.steps.decode(batch.seqs) if k == 0 else self._speculate(batch.seqs, k)
@@ -274,7 +277,7 @@ class LLMEngine:
             self.wall.defer(started, whole, self.policy.observe_plain, n)
         elif kind == "spec" and self.drafts.spec.measured:  # a step that captured a graph is no measurement
             spec = self.drafts.spec
-            args = (n, k, spec.draft_seconds, spec.lag_seconds, self._last_accepted, spec.join_seconds)
+            args = (n, k, spec.draft_seconds, spec.lag_seconds, self._last_accepted, (spec.join_seconds, spec.join_positions))
             self.wall.defer(started, whole, self.policy.observe_spec_wall, *args)
         self.prof.end_step(kind, n)
         self.metrics.current_k = self.policy.k if self.policy.speculating else 0
@@ -325,6 +328,8 @@ class LLMEngine:
             self.detok.forget(seq)
             self.metrics.num_requests_finished += 1
             self._seqs.pop(seq.request_id, None)
+            if self.drafts.spec is not None:
+                self.policy.joins.finished(seq.joined_positions, len(seq.output_token_ids))
         out = make_output(seq, kept, text, delta_text)
         if out.finished and seq.captured is not None:
             out.hidden = CapturedHidden.take(seq, self.capture_width, self.aux_layer_ids)

@@ -12,12 +12,15 @@
   tokens: the catch-up forward plus k-1 chain forwards and their launches; a catch-up over plain steps' tokens is
   not counted), and t_join(B, k) (the draft's catch-up over the prompts of sequences that joined - the draft's
   prefill, a cost of speculating at all; on the H200 it made SmolLM2's speculative steps at 32-64 sequences 25-30%
-  dearer than the policy predicted). A speculative step catches up every sequence that joined since the last one,
-  so its join time is a cost per token emitted meanwhile (sequences join as others finish, after a number of
-  tokens): t_join(B, k) = (join seconds / tokens emitted, plain and speculative steps, over the last
-  ``JOIN_WINDOW`` speculative steps) * B * E(k). Averaged over speculative steps instead, the catch-up a rare
+  dearer than the policy predicted). A sequence's catch-up is paid once, its tokens over its life, so the join time
+  is a cost per token emitted (sequences join as others finish, after a number of tokens): t_join(B, k) = (catch-up
+  seconds per prompt position x prompt positions joined per token emitted, :mod:`~eagleray.serve.engine.join_cost`)
+  * B * E(k). Averaged over speculative steps instead, the catch-up a rare
   probe pays for a thousand plain steps' joins counted as the cost of every speculative step (10.6 ms at 64
-  SmolLM2 sequences on the H200, where a plain step costs 3.2), and the policy never speculated again.
+  SmolLM2 sequences on the H200, where a plain step costs 3.2), and the policy never speculated again. Per token
+  emitted since the last ``JOIN_WINDOW`` speculative steps (the rate's window before), the first steps after four
+  512-token prompts joined on the CPU charged their whole catch-up to their own few tokens (40 ms a token for 0.6),
+  and at 4 sequences the policy decoded plain for the rest of the run (7 speculative steps of 500).
   t_verify and t_draft are measured per batch-size bucket and per k as the median of the last ``RECENT`` steps
   (one whole step that took 59 ms, where plain steps take 1.2, made a moving average predict 30x for an untrained
   draft on the H200, and it speculated at 0.69x). Drafting is not k times a
@@ -58,6 +61,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from eagleray.serve.engine.join_cost import JoinCost
+
 logger = logging.getLogger(__name__)
 
 PRIOR = 2.0  # the optimistic prior (every draft accepted) counts as this many verified sequences
@@ -65,7 +70,6 @@ EVIDENCE = 16  # verified sequences before acceptance follows the measured rate 
 MEASURE_SEQS = 8  # while acceptance is unknown, a larger step speculates on this many of its sequences
 ACCEPT_WINDOW = 64  # after EVIDENCE, a_i is a moving average over about this many verified sequences
 RECENT = 9  # a cost is the median of this many latest steps
-JOIN_WINDOW = 32  # t_join's rate is over the tokens emitted since this many speculative steps ago
 REDECIDE = 8  # plain choices between two scorings of every k while none pays (a speculative step rescores at once)
 PLAIN_REFRESH = 32  # while speculating, one plain step in this many keeps a bucket's t_plain current
 
@@ -103,20 +107,12 @@ class _Costs:
     plain_steps: int = 0
     spec_steps: int = 0
     recent: dict[tuple, deque] = field(default_factory=dict)  # the latest seconds of each cost above
-    joins: deque = field(default_factory=lambda: deque(maxlen=JOIN_WINDOW))  # (catch-up seconds, tokens emitted)
-    emitted: int = 0  # tokens emitted by decode steps since the last speculative step (its joins' share)
     decision: tuple[int, float] | None = None  # the last (k, predicted speedup) of best(), kept while k = 0
     decision_age: int = 0  # choices since
     since_plain: int = 0  # speculative choices since the last plain step (PLAIN_REFRESH)
     chosen: dict[int, int] = field(default_factory=dict)  # decode steps chosen at each k (0: plain), for reports
     wall: dict[int, list] = field(default_factory=dict)  # k -> [steps, sequences, tokens, seconds]: the run's sums
     predicted: list = field(default_factory=lambda: [0, 0.0])  # [speculative decisions, sum of their predictions]
-
-    @property
-    def join_per_token(self) -> float:
-        """The draft's catch-up over joined prompts, seconds per token emitted."""
-        tokens = sum(t for _, t in self.joins)
-        return sum(s for s, _ in self.joins) / tokens if tokens else 0.0
 
     def update(self, key: tuple, seconds: float) -> float:
         """Record a step's ``seconds`` for the cost ``key`` -> the median of its latest ``RECENT``."""
@@ -148,6 +144,7 @@ class AdaptivePolicy:
         self._seen = [0] * k_max  # sequences verified at position i while counting (up to EVIDENCE)
         self._hits = [0.0] * k_max  # of those, the ones whose first i+1 drafts were accepted
         self.costs: dict[int, _Costs] = {}
+        self.joins = JoinCost()  # t_join's rate (the engine tells it of prefills and finished sequences)
         self.k = k_max  # the choice for the last bucket decided
         self.speculating = True
         self._probe_interval = probe_interval
@@ -267,7 +264,7 @@ class AdaptivePolicy:
 
     def _join_cost(self, c: _Costs, k: int, batch: int) -> float:
         """t_join: the catch-up over joined prompts that a step emitting batch * E(k) tokens pays, on average."""
-        return c.join_per_token * batch * self.expected_tokens(k)
+        return self.joins.per_token * batch * self.expected_tokens(k)
 
     @staticmethod
     def _verify_cost(c: _Costs, k: int) -> float:
@@ -299,34 +296,41 @@ class AdaptivePolicy:
         c = self._bucket(batch)
         c.plain = c.update(("plain",), seconds)
         c.plain_steps += 1
-        c.emitted += batch
+        self.joins.emitted(batch)
         c.since_plain = 0
         _add_wall(c, 0, batch, batch, seconds)
 
     def observe_spec_wall(
-        self, batch: int, k: int, draft: float, lag: float, accepted: list[int], join: float, seconds: float
+        self, batch: int, k: int, draft: float, lag: float, accepted: list[int], join: tuple[float, int], seconds: float
     ) -> None:
         """A speculative step of ``seconds`` from its start to the next step's start (:mod:`step_wall`): verifying
         is what is left after drafting and after the catch-up over plain steps' positions (``lag``, of which ``join``
-        is the draft's prefill of joined sequences, counted per token)."""
-        self.observe_spec(batch, k, max(seconds - draft - lag, 0.0), draft, accepted, join)
+        = (seconds, prompt positions) is the draft's prefill of joined sequences, counted per token)."""
+        self.observe_spec(batch, k, max(seconds - draft - lag, 0.0), draft, accepted, *join)
 
     def observe_spec(
-        self, batch: int, k: int, verify_seconds: float, draft_seconds: float, accepted: list[int], join_seconds: float = 0.0
+        self,
+        batch: int,
+        k: int,
+        verify_seconds: float,
+        draft_seconds: float,
+        accepted: list[int],
+        join_seconds: float = 0.0,
+        join_positions: int = 0,
     ) -> None:
         """A speculative step: its verify and draft time, each sequence's accepted count (of k drafts), and the
-        draft's catch-up over the prompts of sequences that joined since the last one."""
+        draft's catch-up over the prompts of sequences that joined since the last one (seconds, prompt positions)."""
         c = self._bucket(batch)
         for other in self.costs.values():  # new costs and acceptance: every kept plain decision is stale
             other.decision = None
-        c.joins.append((join_seconds, c.emitted + len(accepted) + sum(accepted)))
-        c.emitted = 0
+        self.joins.caught_up(join_seconds, join_positions)
+        self.joins.emitted(len(accepted) + sum(accepted))
         c.verify_by_k[k] = c.update(("verify", k), verify_seconds)
         c.draft_by_k[k] = c.update(("draft", k), draft_seconds)
         c.spec_steps += 1
         if accepted:
             tokens = len(accepted) + sum(accepted)
-            _add_wall(c, k, len(accepted), tokens, verify_seconds + draft_seconds + c.join_per_token * tokens)
+            _add_wall(c, k, len(accepted), tokens, verify_seconds + draft_seconds + self.joins.per_token * tokens)
         rates = [sum(n > i for n in accepted) / len(accepted) for i in range(min(k, self.k_max))] if accepted else []
         for i, rate in enumerate(rates):
             self._observe_accept(i, rate, len(accepted))
@@ -367,6 +371,7 @@ class AdaptivePolicy:
         self._seen = [0] * self.k_max
         self._hits = [0.0] * self.k_max
         self.costs.clear()
+        self.joins = JoinCost()
         self._probe_interval = self.min_probe_interval
         self._since_probe = 0
         self._since_tail = 0

@@ -176,6 +176,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # target KV positions written and valid
     draft_cached: int = 0  # draft KV positions written with target hidden states
+    joined_positions: int = 0  # prompt positions the draft had not seen at its prefill (the policy's t_join)
     pending_aux: PendingAux = field(default_factory=PendingAux)  # positions draft_cached..num_cached-1, in order
     finish_reason: str | None = None
     stop_text_index: int | None = None  # where a stop string cuts the text

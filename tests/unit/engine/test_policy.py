@@ -410,60 +410,6 @@ def test_one_slow_step_does_not_make_an_untrained_draft_look_worth_it():
     assert policy.best(8) == (0, 1.0)
 
 
-def test_the_drafts_prefill_of_joining_sequences_counts_in_the_speculative_cost():
-    """A speculative step that first catches the draft up on a joined sequence's prompt pays the draft's prefill: on
-    the H200 at 32-64 sequences about one sequence joined a step and speculative steps cost 25-30% more than the
-    policy predicted (1.27-1.34x predicted, 0.88-0.94x measured). That catch-up, per token emitted since the
-    previous speculative step, times the tokens a speculative step emits, is part of the step's cost."""
-    accepted = [1] * 16 + [0] * 16  # a_0 = 0.5: a step emits 48 tokens
-    policy = AdaptivePolicy(k_max=1, probe_interval=8)
-    for _ in range(3):
-        policy.observe_plain(32, 0.0017)  # 96 tokens
-    for i in range(4):
-        policy.observe_spec(32, 1, 0.0018, 0.0002, accepted, join_seconds=0.004 if i % 2 else 0.0)
-    per_token = 0.008 / (96 + 4 * 48)
-    assert policy.costs[32].join_per_token == pytest.approx(per_token)
-    join = per_token * 32 * policy.expected_tokens(1)
-    assert policy.expected_tokens(1) == pytest.approx(1.5)
-    assert policy.predicted_speedup(32, 1) == pytest.approx(1.5 * 1.7 / (1.8 + 0.2 + 1e3 * join))  # 0.77: plain
-    assert policy.best(32) == (0, 1.0)
-    assert policy.snapshot()["buckets"][32]["join_ms"] == pytest.approx(1e3 * join, abs=1e-3)
-
-
-def test_a_rare_probes_catch_up_is_spread_over_the_tokens_of_the_steps_before_it():
-    """After a thousand plain steps a probe catches the draft up on every prompt that joined meanwhile (0.3 s at 64
-    sequences): that is the draft's prefill of those thousand steps' joins, not the cost of each speculative step
-    (counted so, it stopped speculation at 32-128 SmolLM2 sequences on the H200 for good, where k=4 steps gained)."""
-    policy = AdaptivePolicy(k_max=1, probe_interval=8)
-    for _ in range(1000):
-        policy.observe_plain(64, 0.003)
-    policy.observe_spec(64, 1, 0.0032, 0.0003, [1] * 64, join_seconds=0.3)  # the probe: 128 tokens
-    per_token = 0.3 / (64_000 + 128)
-    assert policy.costs[64].join_per_token == pytest.approx(per_token)
-    step = 0.0032 + 0.0003 + per_token * 64 * policy.expected_tokens(1)
-    assert policy.predicted_speedup(64, 1) == pytest.approx(policy.expected_tokens(1) * 0.003 / step)
-    assert policy.predicted_speedup(64, 1) > 1.03 and policy.best(64)[0] == 1
-
-
-def test_the_prompt_share_of_a_catch_up(target, tokenizer, copy_draft):
-    """Of the positions the draft has not seen, the prompt's are its prefill (counted), the rest plain steps'
-    (not); a speculative step right after a prefill records its catch-up as a join."""
-    from eagleray.serve.engine.draft_catch_up import prompt_share
-    from eagleray.serve.engine.sequence import Sequence
-
-    a = Sequence(list(range(10)), SamplingParams(max_tokens=8))
-    a.output_token_ids = [1, 2, 3, 4, 5]  # 15 tokens, the draft saw none: 14 positions, 10 of them the prompt's
-    b = Sequence(list(range(4)), SamplingParams(max_tokens=8))
-    b.output_token_ids, b.draft_cached = [1] * 7, 4  # past its prompt: plain steps only
-    assert prompt_share([a]) == pytest.approx(10 / 14)
-    assert prompt_share([a, b]) == pytest.approx(10 / 20)
-    assert prompt_share([b]) == 0.0
-    engine = make_engine(target, tokenizer, copy_draft, k=2, max_num_seqs=1)
-    engine.generate(PROMPTS[-1:], SamplingParams(max_tokens=6, ignore_eos=True))
-    joins = [seconds for seconds, _ in engine.policy.costs[1].joins]
-    assert joins[0] > 0 and all(j == 0 for j in joins[1:])  # the first step caught up the prompt, no other
-
-
 def test_a_plain_decision_is_kept_a_few_steps_and_rescored_after_a_speculative_step(monkeypatch):
     """While no k pays, every k is scored once per REDECIDE plain choices (not every step); a speculative step's new
     costs and acceptance make the next choice score again at once (else a draft that became good waits)."""
