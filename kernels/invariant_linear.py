@@ -213,11 +213,7 @@ if triton is not None:
 
 
 def check_inputs(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    op: str = "invariant_linear",
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, op: str = "invariant_linear"
 ) -> None:
     """The checks of a batch-invariant product's inputs (``op`` names it in the error)."""
 

@@ -116,8 +116,12 @@ if triton is not None:
             kmask = rk < k_hi
             a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BM, BK]
             wmask = cmask[:, None] & kmask[None, :]
-            w1 = tl.load(w_ptr + c1[:, None] * stride_w + rk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")  # [HB, BK]
-            w2 = tl.load(w_ptr + c2[:, None] * stride_w + rk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")  # [HB, BK]
+            w1 = tl.load(
+                w_ptr + c1[:, None] * stride_w + rk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first"
+            )  # [HB, BK]
+            w2 = tl.load(
+                w_ptr + c2[:, None] * stride_w + rk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first"
+            )  # [HB, BK]
             if IEEE:  # fp32 weights: full fp32 products, not TF32
                 acc1 = tl.dot(a, tl.trans(w1), acc1, input_precision="ieee")  # [BM, HB]
                 acc2 = tl.dot(a, tl.trans(w2), acc2, input_precision="ieee")
@@ -226,7 +230,9 @@ if triton is not None:
                 tl.store(dst, y1.to(k_ptr.dtype.element_ty), mask=omask)
                 tl.store(dst + D // 2, y2.to(k_ptr.dtype.element_ty), mask=omask)
         else:
-            tl.store(out_ptr + rm[:, None] * stride_o + c1[None, :], silu_times(y1.to(tl.float32), y2.to(tl.float32), dt), mask=omask)
+            tl.store(
+                out_ptr + rm[:, None] * stride_o + c1[None, :], silu_times(y1.to(tl.float32), y2.to(tl.float32), dt), mask=omask
+            )
 
 
 def _bad(op: str, arg: str, expected: str, got, fix: str) -> KernelInputError:
@@ -295,9 +301,7 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out
 
 
-def rope_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kv: KVWrite, *, norm=None
-) -> torch.Tensor:
+def rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kv: KVWrite, *, norm=None) -> torch.Tensor:
     """q of x [M, K] @ weight [(Hq+2Hkv)*D, K].T (+ bias), rotated at ``kv.positions``; k rotated and v stored at
     ``kv.slots`` of ``kv``'s caches -> q [M, Hq, D]. Batch-invariant; ``norm`` as in :func:`gated_linear`."""
     op = "rope_linear"
@@ -311,7 +315,13 @@ def rope_linear(
             "pass this layer's fused qkv weight (kv.hq, kv.hkv and the cache's head_dim must match it)",
         )  # fmt: skip
     if kv.positions.shape != (x.shape[0],) or kv.slots.shape != (x.shape[0],):
-        raise _bad(op, "kv", f"positions and slots [{x.shape[0]}]", (tuple(kv.positions.shape), tuple(kv.slots.shape)), "one per row of x")
+        raise _bad(
+            op,
+            "kv",
+            f"positions and slots [{x.shape[0]}]",
+            (tuple(kv.positions.shape), tuple(kv.slots.shape)),
+            "one per row of x",
+        )
     p, hb = _half_block(op, weight.shape[0], x.shape[1], x.device, d // 2)
     q = torch.empty(x.shape[0], kv.hq, d, dtype=weight.dtype, device=x.device)  # [M, Hq, D]
     tph = d // 2 // hb

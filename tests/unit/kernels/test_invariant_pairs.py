@@ -14,6 +14,7 @@ from eagleray.kernels.invariant_linear import fold_norm_weight, invariant_linear
 from eagleray.kernels.invariant_pairs import gated_linear, gated_linear_reference, rope_linear, rope_linear_reference
 
 HQ, HKV, D, K = 4, 2, 16, 48
+ALL = slice(None)
 
 
 @pytest.fixture(params=[(1, 64), (2, 8)], ids=["one-split", "two-splits-narrow-tiles"])
@@ -58,8 +59,13 @@ def _kv(rows: int, g: torch.Generator) -> KVWrite:
     return KVWrite(pos, inv_freq, *caches, slots, HQ, HKV)
 
 
-def _fresh(kv: KVWrite, rows=slice(None)) -> KVWrite:
-    return kv._replace(k_cache=torch.zeros_like(kv.k_cache), v_cache=torch.zeros_like(kv.v_cache), positions=kv.positions[rows], slots=kv.slots[rows])
+def _fresh(kv: KVWrite, rows: slice = ALL) -> KVWrite:
+    return kv._replace(
+        k_cache=torch.zeros_like(kv.k_cache),
+        v_cache=torch.zeros_like(kv.v_cache),
+        positions=kv.positions[rows],
+        slots=kv.slots[rows],
+    )
 
 
 @pytest.mark.parametrize("normed", [False, True])
