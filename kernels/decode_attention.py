@@ -283,7 +283,7 @@ def decode_attention(
         HAS_WINDOW=sliding_window is not None,
         HAS_TAIL=has_tail,
         TAIL_W=tail_slots.shape[1] if has_tail else 1,
-        num_warps=4,
+        num_warps=4 if tile <= 64 else 8,  # a 256-token tile: [256, D] of K and of V a program
         **launch,
     )
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)  # [B, Hq, D]

@@ -3,12 +3,13 @@
 # the three back-to-back calls of jobs/bench/engine_h200.sh (BENCHMARKS.md, issue 13):
 #
 #   SETTING=module:Class.ATTR VALUES="a b" TAG=x bash jobs/bench/step_variants_h200.sh kernels   # step-kernels (no GGUF)
+#   (SETTING=mod:A.X,mod2:B.Y sets both to each value; SPECS="smollm2:1 8b:1" picks step-kernels' model:batch runs)
 #   ... bash jobs/bench/step_variants_h200.sh 8b        # engine, random 8B weights, batch 1
 #   ... bash jobs/bench/step_variants_h200.sh smollm2   # engine, SmolLM2 + the shipped champion, batch 1 and 64
 #
 # Each measurement sets the value (a Python literal) in its own process, then runs `python -m eagleray.jobs.bench`;
 # JSON goes to $OUT as <what>-<TAG><value>.json. GPU_TESTS=1 runs the GPU tests first. The wrappers
-# attention_split_h200.sh, norm_fold_h200.sh and paired_h200.sh name their settings.
+# attention_split_h200.sh, norm_fold_h200.sh and fusions_h200.sh name their settings.
 set -u
 : "${SETTING:?set SETTING=module:Class.ATTR}" "${VALUES:?set VALUES to the values to try}"
 TAG=${TAG:-v}
@@ -16,9 +17,10 @@ with_value() {  # VALUE SUITE ARGS...: one bench suite with SETTING = VALUE
   local v=$1
   shift
   python3 -c "import ast, importlib, runpy, sys
-mod, attr = sys.argv[1].split(':')
-cls, name = attr.split('.')
-setattr(getattr(importlib.import_module(mod), cls), name, ast.literal_eval(sys.argv[2]))
+for setting in sys.argv[1].split(','):
+    mod, attr = setting.split(':')
+    cls, name = attr.split('.')
+    setattr(getattr(importlib.import_module(mod), cls), name, ast.literal_eval(sys.argv[2]))
 sys.argv = ['eagleray.jobs.bench'] + sys.argv[3:]
 runpy.run_module('eagleray.jobs.bench', run_name='__main__')" "$SETTING" "$v" "$@"
 }
@@ -33,8 +35,8 @@ fi
 case "${1:-}" in
 kernels)
   for v in $VALUES; do
-    for spec in "smollm2 1" "smollm2 64" "8b 1"; do
-      set -- $spec
+    for spec in ${SPECS:-smollm2:1 smollm2:64 8b:1}; do
+      set -- ${spec/:/ }
       echo "=== $SETTING = $v: step-kernels --model $1 --batch $2"
       suite "$v" 100 step-kernels --model "$1" --batch "$2" --json "$OUT/sk-$1-b$2-$TAG$v.json" 2>&1 | tail -14
     done

@@ -32,6 +32,8 @@ class DecodeMetadata:
     tail_start: torch.Tensor | None = None  # [B] int32 first position read from tail_slots (tree rows), or None
     tail_slots: torch.Tensor | None = None  # [B, W] int64 cache slot of position tail_start + j (a node's ancestors)
 
+    ONE_TILE_SPLITS = True  # a fixed split is read as one tile (one round of loads; class-wide, for measurements)
+
     @property
     def num_tokens(self) -> int:
         return self.seq_lens.shape[0]
@@ -63,6 +65,7 @@ class DecodeMetadata:
             self.seq_lens,
             scale,
             sliding_window,
+            tile=self.split_tokens if self.split_tokens and self.ONE_TILE_SPLITS else 64,
             split_tokens=self.split_tokens,
             reference=not self.use_triton,
             tail_start=self.tail_start,
