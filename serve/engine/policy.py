@@ -18,9 +18,10 @@
   * B * E(k). Averaged over speculative steps instead, the catch-up a rare
   probe pays for a thousand plain steps' joins counted as the cost of every speculative step (10.6 ms at 64
   SmolLM2 sequences on the H200, where a plain step costs 3.2), and the policy never speculated again. Per token
-  emitted since the last ``JOIN_WINDOW`` speculative steps (the rate's window before), the first steps after four
-  512-token prompts joined on the CPU charged their whole catch-up to their own few tokens (40 ms a token for 0.6),
-  and at 4 sequences the policy decoded plain for the rest of the run (7 speculative steps of 500).
+  emitted since the 32 speculative steps before (the rate's window until then), the first steps after four
+  512-token prompts joined on the CPU charged their whole catch-up to their own few tokens (40 ms a token where the
+  sequences' lives made it 0.7), and at 4 sequences the policy decoded plain for the rest of the run (7 speculative
+  steps of 500).
   t_verify and t_draft are measured per batch-size bucket and per k as the median of the last ``RECENT`` steps
   (one whole step that took 59 ms, where plain steps take 1.2, made a moving average predict 30x for an untrained
   draft on the H200, and it speculated at 0.69x). Drafting is not k times a
