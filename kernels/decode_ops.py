@@ -9,9 +9,8 @@ weight reads.
 - :func:`add_rmsnorm`: h' = h + delta (rounded to h's dtype), y = w * rmsnorm(h') -> (y, h')
 - :func:`rope_write_kv`: rotary on q and k of a fused qkv row, k/v stored at their cache slots -> q
 - :func:`silu_mul`: silu(gate) * up of a fused gate_up row
-- :func:`rotary_halves`, :func:`rotate_pair`, :func:`silu_times` (``@triton.jit``): rotary on a head's two halves,
-  SiLU * up; shared with :mod:`eagleray.kernels.decode_gemv` and the paired products' epilogues
-  (:mod:`eagleray.kernels.invariant_pairs`)
+- :func:`rotary_halves` (``@triton.jit``): rotary on one head's two halves, shared with
+  :mod:`eagleray.kernels.decode_gemv`
 """
 
 from __future__ import annotations
@@ -81,12 +80,6 @@ if triton is not None:
         """Rotary on one head's halves a1, a2 [n] (fp32 holding ``dt`` values) at the position ``*pos_ptr``, for
         the frequencies ``inv_ptr[j]``: the bf16 roundings of q*cos + rotate_half(q)*sin -> (o1, o2) in ``dt``."""
         f = tl.load(pos_ptr).to(tl.float32) * tl.load(inv_ptr + j)  # [n] fp32
-        return rotate_pair(a1, a2, f, dt)
-
-    @triton.jit
-    def rotate_pair(a1, a2, f, dt):
-        """Rotary on paired halves a1, a2 (fp32 holding ``dt`` values; any shape) at the angles f (fp32, a1's shape:
-        position * inverse frequency), rounded as :func:`rotary_halves` -> (o1, o2) in ``dt``."""
         c = tl.cos(f).to(dt).to(tl.float32)
         s = tl.sin(f).to(dt).to(tl.float32)
         o1 = ((a1 * c).to(dt).to(tl.float32) + (-(a2 * s)).to(dt).to(tl.float32)).to(dt)
@@ -176,13 +169,9 @@ if triton is not None:
         g = tl.load(gu_ptr + t * 2 * inter + c, mask=mask, other=0.0)
         dt = g.dtype
         u = tl.load(gu_ptr + t * 2 * inter + inter + c, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t * inter + c, silu_times(g.to(tl.float32), u, dt), mask=mask)
-
-    @triton.jit
-    def silu_times(g, u, dt):
-        """silu(g) * u for g, u fp32 holding ``dt`` values: silu rounded to ``dt``, then the product -> ``dt``."""
+        g = g.to(tl.float32)
         a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        return (a * u).to(dt)
+        tl.store(out_ptr + t * inter + c, (a * u).to(dt), mask=mask)
 
 
 def _require_triton(op: str) -> None:

@@ -212,16 +212,12 @@ if triton is not None:
         )  # fmt: skip
 
 
-def check_inputs(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, op: str = "invariant_linear"
-) -> None:
-    """The checks of a batch-invariant product's inputs (``op`` names it in the error)."""
-
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None) -> None:
     def bad(arg: str, expected: str, got, fix: str) -> KernelInputError:
-        return KernelInputError(f"{op}: {arg}", expected, str(got), fix)
+        return KernelInputError(f"invariant_linear: {arg}", expected, str(got), fix)
 
     if triton is None:
-        raise no_triton(op)
+        raise no_triton("invariant_linear")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise bad(
             "x, weight",
@@ -255,11 +251,11 @@ def check_inputs(
         )
 
 
-def check_norm(x: torch.Tensor, norm, op: str = "invariant_linear") -> None:
+def _check_norm(x: torch.Tensor, norm) -> None:
     sq = norm[0]
     if sq.dtype != torch.float32 or sq.dim() != 2 or sq.shape[0] != x.shape[0] or not sq.is_contiguous():
         raise KernelInputError(
-            f"{op}: norm",
+            "invariant_linear: norm",
             f"(x's rows' sums of squares [{x.shape[0]}, T] fp32, contiguous; eps)",
             f"{tuple(sq.shape)} {sq.dtype}",
             "pass the squares returned by the product that made x (squares=True)",
@@ -281,9 +277,9 @@ def invariant_linear(
     ``norm=(sq, eps)``: the product of rmsnorm(x) (no norm weight: fold it into ``weight``, :func:`fold_norm_weight`),
     ``sq`` [M, T] fp32 being x's rows' sums of squares in partials, as a product with ``squares=True`` returns them.
     ``squares``: return (out, the output's rows' sums of squares [M, T] fp32) instead of out."""
-    check_inputs(x, weight, bias, residual)
+    _check(x, weight, bias, residual)
     if norm is not None:
-        check_norm(x, norm)
+        _check_norm(x, norm)
     m, k = x.shape
     n = weight.shape[0]
     p = plan(n, k, x.device)

@@ -9,7 +9,7 @@
 #
 # Each measurement sets the value (a Python literal) in its own process, then runs `python -m eagleray.jobs.bench`;
 # JSON goes to $OUT as <what>-<TAG><value>.json. GPU_TESTS=1 runs the GPU tests first. The wrappers
-# attention_split_h200.sh, norm_fold_h200.sh and fusions_h200.sh name their settings.
+# attention_split_h200.sh, attention_tile_h200.sh and norm_fold_h200.sh name their settings.
 set -u
 : "${SETTING:?set SETTING=module:Class.ATTR}" "${VALUES:?set VALUES to the values to try}"
 TAG=${TAG:-v}

@@ -32,7 +32,9 @@ class DecodeMetadata:
     tail_start: torch.Tensor | None = None  # [B] int32 first position read from tail_slots (tree rows), or None
     tail_slots: torch.Tensor | None = None  # [B, W] int64 cache slot of position tail_start + j (a node's ancestors)
 
-    ONE_TILE_SPLITS = True  # a fixed split is read as one tile (one round of loads; class-wide, for measurements)
+    # a fixed split read as one tile (one round of loads a program; class-wide, for measurements): off, because on the
+    # H200 it made SmolLM2's batch-1 step 4% faster but its k=4 verification at 64 sequences 29% slower (BENCHMARKS.md)
+    ONE_TILE_SPLITS = False
 
     @property
     def num_tokens(self) -> int:

@@ -12,8 +12,7 @@ Two step implementations, both equal to the model's own forward:
 - :class:`FusedDecodeStep`: the same layers in ~10 launches each - q/k/v and gate/up as one GEMM
   each (the parameters become views of one fused tensor), fused residual-add + RMSNorm (in the batch-invariant
   Triton step of a small model: the adds in the products' epilogues, the norms in the next product), fused
-  rotary + KV write, the split-K decode attention kernel, fused SiLU * up (in the batch-invariant Triton step: both in
-  the qkv and gate_up products' epilogues, :mod:`eagleray.kernels.invariant_pairs`). Not for Qwen3 (q/k norm).
+  rotary + KV write, the split-K decode attention kernel, fused SiLU * up. Not for Qwen3 (q/k norm).
 
 Padding rows (a batch of 3 runs in bucket 4) write their K/V to ``pad_slot``, by default the last
 slot of the cache: the block manager must never hand out the cache's last block while a runner
@@ -43,7 +42,6 @@ from eagleray.kernels.decode_ops import (
     silu_mul_reference,
 )
 from eagleray.kernels.invariant_linear import fold_norm_weight, invariant_linear
-from eagleray.kernels.invariant_pairs import gated_linear, rope_linear
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.attention import KVCache
 from eagleray.platform.models.decode_metadata import DecodeMetadata
@@ -102,13 +100,10 @@ class FusedDecodeStep:
     the LM head, made only where small: :func:`room_for_folded`), 1/rms in its epilogue from the sums of squares the
     product before wrote. Two launches a layer fewer. These products round differently from the model's own layers
     (the norm weight inside the bf16 weight, 1/rms applied to the sums), the same way for every row, so greedy
-    speculation stays lossless. ``PAIRED_EPILOGUES``: rotary + K/V write and SiLU * up run in the epilogues of the qkv and
-    gate_up products (their tiles compute the paired column halves side by side; no weight copy), two launches a
-    layer fewer at any model size.
+    speculation stays lossless.
     """
 
     FOLD_NORMS = True  # the invariant Triton step folds RMSNorm into the products (class-wide, for measurements)
-    PAIRED_EPILOGUES = True  # ... and runs rotary + K/V write and SiLU * up in the qkv and gate_up epilogues
 
     def __init__(self, model, use_triton: bool, use_gemv: bool | None = None, invariant: bool = False):
         arch = model.arch
@@ -142,7 +137,6 @@ class FusedDecodeStep:
             model._decode_fused = fused
         self.qkv, self.gate_up = fused
         self.fold = invariant and use_triton and self.FOLD_NORMS
-        self.paired = invariant and use_triton and self.PAIRED_EPILOGUES
         if self.fold:
             folded = getattr(model, "_decode_folded", None)
             if folded is None:  # once per model, so that every step of it (plain and verification) agrees
@@ -179,11 +173,12 @@ class FusedDecodeStep:
             x, h = self.add_rmsnorm(h, delta, layer.input_layernorm.weight, self.eps)  # [B, H] x2
             if i in wanted:
                 aux.append(h)
-            q = self._qkv_rope(i, x, positions, meta, kv)  # [B, Hq, D]
+            qkv = self._linear(x, *self.qkv[i])  # [B, (Hq+2Hkv)*D]
+            q = self.rope_write_kv(qkv, self._kv_write(i, positions, meta, kv))  # [B, Hq, D]
             o = meta.attend_cached(q, kv.k[i], kv.v[i], self.scale, self.window)  # [B, Hq, D]
             delta = self._proj(layer.self_attn.o_proj, o.reshape(b, -1))  # [B, H]
             x, h = self.add_rmsnorm(h, delta, layer.post_attention_layernorm.weight, self.eps)
-            delta = self._proj(layer.mlp.down_proj, self._gate_up_act(i, x))  # [B, H]
+            delta = self._proj(layer.mlp.down_proj, self.silu_mul(self._linear(x, *self.gate_up[i])))  # [B, H]
         x, h = self.add_rmsnorm(h, delta, m.norm.weight, self.eps)
         if m.arch.num_layers in wanted:
             aux.append(h)
@@ -205,36 +200,20 @@ class FusedDecodeStep:
             attn, mlp = layer.self_attn, layer.mlp
             if sq is None:  # the first layer: h is the embedding, normed by a kernel of its own
                 x, _ = self.add_rmsnorm(h, None, layer.input_layernorm.weight, eps)  # [B, H]
-                q = self._qkv_rope(i, x, positions, meta, kv)  # [B, Hq, D]
+                qkv = invariant_linear(x, *self.qkv[i])
             else:
-                q = self._qkv_rope(i, h, positions, meta, kv, self.folded_qkv[i], (sq, eps))
+                qkv = invariant_linear(h, self.folded_qkv[i], self.qkv[i][1], norm=(sq, eps))  # [B, (Hq+2Hkv)*D]
+            q = self.rope_write_kv(qkv, self._kv_write(i, positions, meta, kv))  # [B, Hq, D]
             o = meta.attend_cached(q, kv.k[i], kv.v[i], self.scale, self.window)  # [B, Hq, D]
             h, sq = invariant_linear(
                 o.reshape(b, -1).contiguous(), attn.o_proj.weight, attn.o_proj.bias, residual=h, squares=True
             )
-            act = self._gate_up_act(i, h, self.folded_gate_up[i], (sq, eps))  # [B, I]
-            h, sq = invariant_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h, squares=True)
+            gu = invariant_linear(h, self.folded_gate_up[i], self.gate_up[i][1], norm=(sq, eps))  # [B, 2I]
+            h, sq = invariant_linear(self.silu_mul(gu), mlp.down_proj.weight, mlp.down_proj.bias, residual=h, squares=True)
         if m.arch.num_layers in wanted:
             aux.append(h)
         logits = invariant_linear(h, self.folded_lm_head, norm=(sq, eps))[:, : m.arch.vocab_size]  # [B, V]
         return logits, (torch.cat(aux, dim=-1) if aux else None)
-
-    def _qkv_rope(self, i, x, positions, meta, kv, weight=None, norm=None) -> torch.Tensor:
-        """Layer ``i``'s q [B, Hq, D], its k and v written to the cache: x's qkv product (``weight`` in place of the
-        layer's, ``norm`` for a folded one), then rotary + K/V write, in the product's epilogue where paired."""
-        w, bias = (self.qkv[i][0] if weight is None else weight), self.qkv[i][1]
-        write = self._kv_write(i, positions, meta, kv)
-        if self.paired:
-            return rope_linear(x, w, bias, write, norm=norm)
-        qkv = invariant_linear(x, w, bias, norm=norm) if norm is not None else self._linear(x, w, bias)
-        return self.rope_write_kv(qkv, write)  # [B, Hq, D]
-
-    def _gate_up_act(self, i, x, weight=None, norm=None) -> torch.Tensor:
-        """silu(gate) * up [B, I] of layer ``i``'s gate_up product of x (``weight``, ``norm`` as :meth:`_qkv_rope`)."""
-        w, bias = (self.gate_up[i][0] if weight is None else weight), self.gate_up[i][1]
-        if self.paired:
-            return gated_linear(x, w, bias, norm=norm)
-        return self.silu_mul(invariant_linear(x, w, bias, norm=norm) if norm is not None else self._linear(x, w, bias))
 
     def _kv_write(self, i: int, positions: torch.Tensor, meta: DecodeMetadata, kv: KVCache) -> KVWrite:
         """Layer ``i``'s new k and v: rotated at ``positions`` [B], stored in its cache at the rows' slots."""

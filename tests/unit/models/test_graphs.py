@@ -42,11 +42,9 @@ def _runner_step(runner, tok, lens):
 def _split_plans(monkeypatch):
     """Every product's K split in two (tiny weights are otherwise never split): the reduce kernel's path."""
     import eagleray.kernels.invariant_linear as il
-    import eagleray.kernels.invariant_pairs as ip
     from eagleray.kernels import invariant_plans
 
-    for module in (il, ip):
-        monkeypatch.setattr(module, "plan", lambda n, k, device=None: invariant_plans.make_plan(n, k, splits=2, block_k=16))
+    monkeypatch.setattr(il, "plan", lambda n, k, device=None: invariant_plans.make_plan(n, k, splits=2, block_k=16))
 
 
 @pytest.mark.parametrize(
@@ -109,10 +107,15 @@ def test_from_config_random_model_runs():
     assert float(model.norm.weight.min()) == 1.0
 
 
-def test_invariant_rows_score_a_position_alike_alone_in_a_batch_and_in_a_verification(tiny_dirs):
+@pytest.mark.parametrize("one_tile", [False, True])
+def test_invariant_rows_score_a_position_alike_alone_in_a_batch_and_in_a_verification(tiny_dirs, monkeypatch, one_tile):
     """The batch-invariant row step (its Triton kernels, interpreted): a position's logits and aux are bitwise the
     same scored alone (plain decode at batch 1), beside other sequences (batch 3) and as row j of a 3-row chain
-    verification (k=2). (The torch references of the CPU path are not: SDPA's batched reduction varies.)"""
+    verification (k=2), with the attention's splits read in tiles or each as one tile (``ONE_TILE_SPLITS``). (The
+    torch references of the CPU path are not: SDPA's batched reduction varies.)"""
+    from eagleray.platform.models.decode_metadata import DecodeMetadata
+
+    monkeypatch.setattr(DecodeMetadata, "ONE_TILE_SPLITS", one_tile)
     triton = True
     model = LlamaModel.from_dir(tiny_dirs["llama_tied"], aux_layer_ids=[0, 2, 4])
     g = torch.Generator().manual_seed(7)
