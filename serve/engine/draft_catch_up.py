@@ -2,7 +2,7 @@
 a joined sequence's prompt, the tokens of plain steps), with the target's aux rows those positions produced.
 
 - :func:`draft_catch_up`: every unseen position in one forward -> the draft's logits and hidden state at N-2 (the
-  first draft of the next chain); a long catch-up is timed as lag, its prompt share (:func:`prompt_share`) as the
+  first draft of the next chain); a long catch-up is timed as lag, its prompt part (:func:`prompt_part`) as the
   draft's prefill of joined sequences.
 - :func:`settle_draft`: all but the last unseen position as rows through the draft's graphs, so the chain step's
   graphs catch up one row a sequence.
@@ -46,8 +46,7 @@ def draft_catch_up(
         else:
             lagging = max(lens) > ctx.draft.max_rows // max(len(seqs), 1) if tables is not None else max(lens) > 64
         start = ctx.clock.mark() if lagging else None
-        ctx.lag_prompt_share = prompt_share(seqs) if lagging else 0.0
-        ctx.lag_prompt_positions = prompt_positions(seqs) if lagging else 0
+        ctx.lag_prompt = prompt_part(seqs) if lagging else (0.0, 0)
         if use_rows:
             rows, last = _catch_up_rows(seqs, tokens, lens, tables, ctx.draft)
         else:
@@ -68,24 +67,20 @@ def draft_catch_up(
     return logits, hidden
 
 
-def prompt_share(seqs: list[Sequence]) -> float:
-    """Of the positions the draft has not seen in ``seqs``, the share that are prompt positions: a catch-up over them
-    is the draft's prefill of sequences that joined (a cost of speculating at all, which the adaptive policy counts),
-    the rest the price of plain steps taken meanwhile (which it does not)."""
+def prompt_part(seqs: list[Sequence]) -> tuple[float, int]:
+    """Of the positions the draft has not seen in ``seqs``, (the share that are prompt positions, how many): a
+    catch-up over them is the draft's prefill of sequences that joined (a cost of speculating at all, which the
+    adaptive policy counts), the rest the price of plain steps taken meanwhile (which it does not)."""
     rows = sum(s.num_tokens - 1 - s.draft_cached for s in seqs)
-    return prompt_positions(seqs) / rows if rows > 0 else 0.0
-
-
-def prompt_positions(seqs: list[Sequence]) -> int:
-    """The prompt positions of ``seqs`` the draft has not seen."""
-    return sum(max(0, min(len(s.prompt_token_ids), s.num_tokens - 1) - s.draft_cached) for s in seqs)
+    prompt = sum(max(0, min(len(s.prompt_token_ids), s.num_tokens - 1) - s.draft_cached) for s in seqs)
+    return (prompt / rows if rows > 0 else 0.0), prompt
 
 
 def joined_positions(seqs: list[Sequence]) -> int:
     """Sequences just prefilled: the prompt positions the draft will catch up on, each kept on its sequence
     (``joined_positions``: the adaptive policy counts them per token of its life) -> their sum."""
     for s in seqs:
-        s.joined_positions = max(0, len(s.prompt_token_ids) - s.draft_cached)  # prompt_positions once it is prefilled
+        s.joined_positions = max(0, len(s.prompt_token_ids) - s.draft_cached)  # prompt_part's count once it is prefilled
     return sum(s.joined_positions for s in seqs)
 
 

@@ -50,8 +50,7 @@ class SpecContext:
     lag_seconds: float = 0.0  # the last step's catch-up over plain steps' positions (kept out of drafting)
     join_seconds: float = 0.0  # the share of lag_seconds spent on prompt positions: the draft's prefill of new sequences
     join_positions: int = 0  # the prompt positions that catch-up covered (join_seconds' positions)
-    lag_prompt_share: float = 0.0  # of the rows of the last long catch-up, the share that were prompt positions
-    lag_prompt_positions: int = 0  # and how many prompt positions it covered
+    lag_prompt: tuple[float, int] = (0.0, 0)  # of the rows of the last long catch-up, the prompt positions' share, count
     clock: StepClock | None = None
     lag_marks: tuple | None = None  # a catch-up over more than a step's positions (after plain steps), not drafting cost
     graphs: ChainStepGraphs | None = None  # CUDA rows: greedy chain steps as two graphs per (batch bucket, k)
@@ -65,8 +64,8 @@ class SpecContext:
         step as its verify cost."""
         lag = self.clock.seconds(*self.lag_marks) if self.lag_marks is not None else 0.0
         self.lag_marks, self.lag_seconds = None, lag
-        self.join_seconds, self.lag_prompt_share = lag * self.lag_prompt_share, 0.0
-        self.join_positions, self.lag_prompt_positions = self.lag_prompt_positions, 0
+        share, self.join_positions = self.lag_prompt
+        self.join_seconds, self.lag_prompt = lag * share, (0.0, 0)
         self.draft_seconds = max(self.clock.seconds(m0, m1) - lag, 0.0)
         self.measured = measured
 

@@ -20,7 +20,7 @@ import torch
 
 from eagleray.kernels import cpu_decode
 from eagleray.platform.models.row_graphs import DecodeRows
-from eagleray.serve.engine.draft_catch_up import draft_catch_up, prompt_positions, prompt_share, settle_draft, take_aux
+from eagleray.serve.engine.draft_catch_up import draft_catch_up, prompt_part, settle_draft, take_aux
 from eagleray.serve.engine.model_runner import ForwardBatch, block_table_tensor
 from eagleray.serve.engine.sampling import draw, filter_logits, scaled_probs
 from eagleray.serve.engine.sequence import AuxRows, Sequence
@@ -181,7 +181,7 @@ def graph_chain_step(ctx: SpecContext, seqs: list[Sequence], k: int) -> list[Seq
     m0 = ctx.clock.mark()
     lagging = [s for s in seqs if s.num_tokens - 1 - s.draft_cached > g.columns]
     if lagging:
-        ctx.lag_prompt_share, ctx.lag_prompt_positions = prompt_share(lagging), prompt_positions(lagging)
+        ctx.lag_prompt = prompt_part(lagging)
         settle_draft(ctx, lagging)
         ctx.lag_marks = (m0, ctx.clock.mark())
     with ctx.prof.phase("prepare"):

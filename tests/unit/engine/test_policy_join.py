@@ -93,16 +93,16 @@ def test_the_engine_counts_each_joined_prompt_its_catch_up_and_its_life(target, 
     """Of the positions the draft has not seen, the prompt's are its prefill (counted), the rest plain steps'
     (not); a speculative step right after a prefill records its catch-up as a join, over the prompt's positions, and
     a finished sequence its prompt positions and tokens."""
-    from eagleray.serve.engine.draft_catch_up import prompt_positions, prompt_share
+    from eagleray.serve.engine.draft_catch_up import prompt_part
     from eagleray.serve.engine.sequence import Sequence
 
     a = Sequence(list(range(10)), SamplingParams(max_tokens=8))
     a.output_token_ids = [1, 2, 3, 4, 5]  # 15 tokens, the draft saw none: 14 positions, 10 of them the prompt's
     b = Sequence(list(range(4)), SamplingParams(max_tokens=8))
     b.output_token_ids, b.draft_cached = [1] * 7, 4  # past its prompt: plain steps only
-    assert prompt_share([a]) == pytest.approx(10 / 14) and prompt_positions([a]) == 10
-    assert prompt_share([a, b]) == pytest.approx(10 / 20) and prompt_positions([a, b]) == 10
-    assert prompt_share([b]) == 0.0 and prompt_positions([b]) == 0
+    assert prompt_part([a]) == (pytest.approx(10 / 14), 10)
+    assert prompt_part([a, b]) == (pytest.approx(10 / 20), 10)
+    assert prompt_part([b]) == (0.0, 0)
     engine = make_engine(target, tokenizer, copy_draft, k=2, max_num_seqs=1)
     caught = []
     real = engine.policy.joins.caught_up
