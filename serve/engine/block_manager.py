@@ -26,7 +26,7 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self._holders: dict[int, set[int]] = {}  # block id -> seq_ids holding it (several: a shared prefix block)
         self.cache = PrefixCache()
-        self.prefix_caching = False  # the engine turns it on (LLMEngine._prefix_caching)
+        self.prefix_caching = False  # the engine turns it on (LLMEngine._use_prefix_cache -> use_prefix_cache)
         self.draft_keyed = False  # a draft shares the blocks: keys take the next token, registration waits for it
         self.stats = PrefixStats()  # the engine's metrics read it
 

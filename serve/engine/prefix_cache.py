@@ -13,7 +13,7 @@ With a draft the same block ids hold the draft's K/V too, and its K/V at a posit
 row with the *next* token (EAGLE-3's input), so a block's draft K/V are final once the draft has caught up past it
 and depend on one token past its end: a speculative engine registers a block only then, under :func:`draft_key` (the
 chain hash and that next token), and a sequence that matches it starts with the draft caught up to the same
-position. A new draft's K/V are another model's: installing one empties the cache (``LLMEngine._prefix_caching``).
+position. A new draft's K/V are another model's: installing one empties the cache (``LLMEngine._use_prefix_cache``).
 """
 
 from __future__ import annotations
