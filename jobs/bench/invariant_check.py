@@ -1,7 +1,8 @@
 """GPU check of the batch-invariant decode path: bitwise row invariance, accuracy, and its cost vs cuBLAS.
 
 `python -m eagleray.jobs.bench.invariant_check OUT.json` (on a CUDA machine; ``--sweep``: tile configurations
-for every shape at once; ``--tune``: a plan per weight shape, written to ``kernels/invariant_linear_plans.json``):
+for every shape at once; ``--tune [--models 8b,smollm2]``: a plan per weight shape, merged into
+``kernels/invariant_linear_plans.json`` or the file ``EAGLERAY_INVARIANT_PLANS`` names):
 
 1. :func:`~eagleray.kernels.invariant_linear.invariant_linear` on Llama-3.1-8B and SmolLM2 weight
    shapes (bf16): every row of M = 5, 64, 320 equals the same row computed alone, bit for bit; error
@@ -16,11 +17,14 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from eagleray.jobs.bench.common import SMOLLM2, log
+from eagleray.kernels import invariant_plans
 from eagleray.kernels.invariant_linear import invariant_linear, invariant_linear_reference
 from eagleray.kernels.invariant_plans import PLANS_FILE, make_plan, measured_plans, plan
 
@@ -176,23 +180,45 @@ def sweep_records() -> list[dict]:
     return out
 
 
-TUNE_TILES = [(32, 128, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3), (32, 64, 4, 4)]
+# (block_n, block_k, warps, stages): the first six were the 2026-12-02 tuning's; the rest (narrow column tiles, deeper
+# K tiles, more stages) give one row more programs in flight or fewer loop trips (2026-12-07)
+TUNE_TILES = [
+    (32, 128, 4, 3),
+    (64, 128, 4, 3),
+    (128, 64, 4, 3),
+    (64, 64, 4, 4),
+    (128, 128, 8, 3),
+    (32, 64, 4, 4),
+    (16, 64, 4, 4),
+    (16, 128, 4, 3),
+    (16, 256, 4, 3),
+    (16, 128, 2, 4),
+    (32, 128, 4, 4),
+    (32, 256, 4, 3),
+    (32, 128, 2, 3),
+    (64, 64, 4, 6),
+    (64, 128, 4, 4),
+    (64, 256, 4, 3),
+    (128, 64, 4, 4),
+    (128, 128, 4, 3),
+]
 TUNE_ROWS = {
     1: 3.0,
-    5: 1.0,
+    5: 2.0,
     8: 1.0,
     64: 1.0,
     320: 0.25,
-}  # rows M -> weight in a plan score (batch 1 first; 5: its k=4 verification)
+}  # rows M -> weight in a plan score (batch 1 first; 5: its k=4 verification, whose step is held to 1.5x batch 1's)
 
 
 def _candidates(n: int, k: int) -> list:
-    """Plans to try for a weight [N, K]: each tile configuration with no split, its default split, half and double."""
+    """Plans to try for a weight [N, K]: each tile configuration with no split, two, its default split, half and
+    double (make_plan drops splits K cannot hold)."""
 
     seen, out = set(), []
     for bn, bk, warps, stages in TUNE_TILES:
         default = make_plan(n, k, None, bn, bk, warps, stages).splits
-        for splits in sorted({1, default, max(1, default // 2), default * 2}):
+        for splits in sorted({1, 2, default, max(1, default // 2), default * 2}):
             p = make_plan(n, k, splits, bn, bk, warps, stages)
             if p not in seen:
                 seen.add(p)
@@ -200,35 +226,58 @@ def _candidates(n: int, k: int) -> list:
     return out
 
 
-def tune_records() -> tuple[list[dict], dict]:
-    """Per weight shape of both models: every candidate plan's time at M = 1, 8, 64, 320 (CUDA graphs) and whether its
-    rows are bitwise the same at every M; the plan of the best score among the invariant ones -> (records, table)."""
+def _shipped_plans() -> dict:
+    """The plans shipped in the package for this GPU (whatever ``EAGLERAY_INVARIANT_PLANS`` names), by shape."""
+    shipped = Path(invariant_plans.__file__).with_name("invariant_linear_plans.json")
+    return json.loads(shipped.read_text()).get(torch.cuda.get_device_name(), {})
+
+
+def _try_plan(il, p, w, x) -> tuple | None:
+    """One candidate plan on weight ``w``: (score, plan, rows invariant, us by M), or None when it does not fit the GPU
+    (Triton's OutOfResources: shared memory or registers)."""
+    from triton.runtime.errors import OutOfResources
+
+    il.plan = lambda n_, k_, device=None, p=p: p  # noqa: E731 - this candidate for the shape
+    try:
+        alone = invariant_linear(x[:4].contiguous(), w)
+    except OutOfResources as e:
+        log(f"  skip {_plan_dict(p)}: {e}")
+        return None
+    same = all(torch.equal(invariant_linear(x[:m].contiguous(), w)[:4], alone) for m in (8, 64, 320))
+    us = {m: _graph_time(lambda xm=x[:m], w=w: invariant_linear(xm, w)) for m in TUNE_ROWS}
+    return sum(TUNE_ROWS[m] * t for m, t in us.items()), p, same, us
+
+
+def tune_records(models: list[str]) -> tuple[list[dict], dict]:
+    """Per weight shape of ``models``: every candidate plan's time at M = 1, 5, 8, 64, 320 (CUDA graphs) and whether
+    its rows are bitwise the same at every M; the plan of the best score among the invariant ones, beside the default
+    and the shipped plan, merged into the plans file shape by shape -> (records, table)."""
     import eagleray.kernels.invariant_linear as il
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    saved, records, table = il.plan, [], {}
+    saved, records, table, shipped = il.plan, [], {}, _shipped_plans()
+    shapes = [(model, n, k) for model in models for n, k in SHAPES[model]]
+    t0 = time.monotonic()
     try:
-        for model, shapes in SHAPES.items():
-            for n, k in shapes:
-                w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-                x = torch.randn(max(TUNE_ROWS), k, device="cuda", dtype=torch.bfloat16, generator=gen)
-                default, tried = make_plan(n, k), []
-                for p in _candidates(n, k):
-                    il.plan = lambda n_, k_, device=None, p=p: p  # noqa: E731 - this candidate for the shape
-                    alone = invariant_linear(x[:4].contiguous(), w)
-                    same = all(torch.equal(invariant_linear(x[:m].contiguous(), w)[:4], alone) for m in (8, 64, 320))
-                    us = {m: _graph_time(lambda xm=x[:m], w=w: invariant_linear(xm, w)) for m in TUNE_ROWS}
-                    score = sum(TUNE_ROWS[m] * t for m, t in us.items())
-                    tried.append((score, p, same, us))
-                best = min((t for t in tried if t[2]), key=lambda t: t[0])
-                base = next(t for t in tried if t[1] == default)
-                rec = {"model": model, "n": n, "k": k, "candidates": len(tried), "invariant": all(t[2] for t in tried)}
-                for name, t in (("default", base), ("chosen", best)):
-                    rec[name] = {"plan": _plan_dict(t[1]), "score_us": round(t[0], 2)}
-                    rec[name].update({f"us_m{m}": round(v, 2) for m, v in t[3].items()})
-                records.append(rec)
-                table[f"{n}x{k}"] = _plan_dict(best[1])
-                log(json.dumps(rec))
+        for i, (model, n, k) in enumerate(shapes):
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+            x = torch.randn(max(TUNE_ROWS), k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            default = make_plan(n, k)
+            before = make_plan(n, k, **shipped[f"{n}x{k}"]) if f"{n}x{k}" in shipped else None
+            tried = [t for t in (_try_plan(il, p, w, x) for p in _candidates(n, k)) if t is not None]
+            best = min((t for t in tried if t[2]), key=lambda t: t[0])
+            rec = {"model": model, "n": n, "k": k, "candidates": len(tried), "invariant": all(t[2] for t in tried)}
+            named = [("default", next(t for t in tried if t[1] == default)), ("chosen", best)]
+            named += [("shipped", t) for t in tried if before is not None and t[1] == before]
+            for name, t in named:
+                rec[name] = {"plan": _plan_dict(t[1]), "score_us": round(t[0], 2)}
+                rec[name].update({f"us_m{m}": round(v, 2) for m, v in t[3].items()})
+            records.append(rec)
+            table[f"{n}x{k}"] = _plan_dict(best[1])
+            _write_plans({torch.cuda.get_device_name(): {f"{n}x{k}": table[f"{n}x{k}"]}})  # kept if the run is cut off
+            done = time.monotonic() - t0
+            log(f"[{i + 1}/{len(shapes)}] {done:.0f} s, ETA {done / (i + 1) * (len(shapes) - i - 1):.0f} s")
+            log(json.dumps(rec))
     finally:
         il.plan = saved
     return records, {torch.cuda.get_device_name(): table}
@@ -242,7 +291,8 @@ def _write_plans(table: dict) -> None:
     """Merge ``table`` (device name -> shape -> plan) into the plans the kernel reads."""
 
     old = json.loads(PLANS_FILE.read_text()) if PLANS_FILE.exists() else {}
-    old.update(table)
+    for device, shapes in table.items():  # shape by shape: a tuning of one model keeps the other's plans
+        old.setdefault(device, {}).update(shapes)
     PLANS_FILE.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
     measured_plans.cache_clear()
     log(f"wrote {PLANS_FILE}")
@@ -251,10 +301,10 @@ def _write_plans(table: dict) -> None:
 def main(argv: list[str]) -> int:
     out = argv[0] if argv else "invariant-check.json"
     result = {"device": torch.cuda.get_device_name()}
-    if "--tune" in argv:
-        result["tune"], table = tune_records()
+    if "--tune" in argv:  # --models 8b,smollm2 (default both)
+        models = argv[argv.index("--models") + 1].split(",") if "--models" in argv else list(SHAPES)
+        result["tune"], table = tune_records(models)
         result["plans"] = table
-        _write_plans(table)
         with open(out, "w") as f:
             json.dump(result, f, indent=1)
         return 0
