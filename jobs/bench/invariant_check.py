@@ -28,6 +28,8 @@ from eagleray.kernels import invariant_plans
 from eagleray.kernels.invariant_linear import invariant_linear, invariant_linear_reference
 from eagleray.kernels.invariant_plans import PLANS_FILE, make_plan, measured_plans, plan
 
+# the best plans among the earlier candidates (TUNE_TILES[:OLD_TILES]) beside the plans file, for an A/B on any GPU
+OLD_PLANS_FILE = PLANS_FILE.with_suffix(".old-tiles.json")
 SHAPES = {
     "8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)],
     "smollm2": [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)],
@@ -202,6 +204,7 @@ TUNE_TILES = [
     (128, 64, 4, 4),
     (128, 128, 4, 3),
 ]
+OLD_TILES = 6  # TUNE_TILES[:6] with no split of two: the earlier tuning's candidates, whose best is recorded beside
 TUNE_ROWS = {
     1: 3.0,
     5: 2.0,
@@ -209,6 +212,15 @@ TUNE_ROWS = {
     64: 1.0,
     320: 0.25,
 }  # rows M -> weight in a plan score (batch 1 first; 5: its k=4 verification, whose step is held to 1.5x batch 1's)
+
+
+def _old_candidate(n: int, k: int, p) -> bool:
+    """Whether plan ``p`` for a weight [N, K] was among the earlier tuning's candidates (its tiles, its splits)."""
+    for bn, bk, warps, stages in TUNE_TILES[:OLD_TILES]:
+        default = make_plan(n, k, None, bn, bk, warps, stages).splits
+        if any(p == make_plan(n, k, s, bn, bk, warps, stages) for s in {1, default, max(1, default // 2), default * 2}):
+            return True
+    return False
 
 
 def _candidates(n: int, k: int) -> list:
@@ -266,15 +278,18 @@ def tune_records(models: list[str]) -> tuple[list[dict], dict]:
             before = make_plan(n, k, **shipped[f"{n}x{k}"]) if f"{n}x{k}" in shipped else None
             tried = [t for t in (_try_plan(il, p, w, x) for p in _candidates(n, k)) if t is not None]
             best = min((t for t in tried if t[2]), key=lambda t: t[0])
+            old = min((t for t in tried if t[2] and _old_candidate(n, k, t[1])), key=lambda t: t[0])
             rec = {"model": model, "n": n, "k": k, "candidates": len(tried), "invariant": all(t[2] for t in tried)}
-            named = [("default", next(t for t in tried if t[1] == default)), ("chosen", best)]
+            named = [("default", next(t for t in tried if t[1] == default)), ("chosen", best), ("old_tiles", old)]
             named += [("shipped", t) for t in tried if before is not None and t[1] == before]
             for name, t in named:
                 rec[name] = {"plan": _plan_dict(t[1]), "score_us": round(t[0], 2)}
                 rec[name].update({f"us_m{m}": round(v, 2) for m, v in t[3].items()})
             records.append(rec)
             table[f"{n}x{k}"] = _plan_dict(best[1])
-            _write_plans({torch.cuda.get_device_name(): {f"{n}x{k}": table[f"{n}x{k}"]}})  # kept if the run is cut off
+            # written as each shape is done (kept if the run is cut off); the earlier candidates' best beside, to compare
+            _write_plans({torch.cuda.get_device_name(): {f"{n}x{k}": table[f"{n}x{k}"]}})
+            _write_plans({torch.cuda.get_device_name(): {f"{n}x{k}": _plan_dict(old[1])}}, OLD_PLANS_FILE)
             done = time.monotonic() - t0
             log(f"[{i + 1}/{len(shapes)}] {done:.0f} s, ETA {done / (i + 1) * (len(shapes) - i - 1):.0f} s")
             log(json.dumps(rec))
@@ -287,15 +302,15 @@ def _plan_dict(p) -> dict:
     return {"splits": p.splits, "block_n": p.block_n, "block_k": p.block_k, "warps": p.warps, "stages": p.stages}
 
 
-def _write_plans(table: dict) -> None:
-    """Merge ``table`` (device name -> shape -> plan) into the plans the kernel reads."""
-
-    old = json.loads(PLANS_FILE.read_text()) if PLANS_FILE.exists() else {}
+def _write_plans(table: dict, path: Path | None = None) -> None:
+    """Merge ``table`` (device name -> shape -> plan) into the plans the kernel reads (or the file ``path``)."""
+    path = path or PLANS_FILE
+    old = json.loads(path.read_text()) if path.exists() else {}
     for device, shapes in table.items():  # shape by shape: a tuning of one model keeps the other's plans
         old.setdefault(device, {}).update(shapes)
-    PLANS_FILE.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
+    path.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
     measured_plans.cache_clear()
-    log(f"wrote {PLANS_FILE}")
+    log(f"wrote {path}")
 
 
 def main(argv: list[str]) -> int:

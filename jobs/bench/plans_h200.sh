@@ -9,10 +9,13 @@
 #   bash jobs/bench/engine_h200.sh run bash jobs/bench/plans_h200.sh 8b                   # random 8B weights
 #
 # `kernels`, `smollm2` and `8b` are step_variants_h200.sh's runs with SETTING=env:EAGLERAY_INVARIANT_PLANS and the
-# values "-" (the shipped plans) and $NEW; `tests` runs the GPU tests on $NEW. $NEW is copied to $OUT after a tuning:
-# copy it over kernels/invariant_linear_plans.json's device entry to ship it.
+# values $PLANS: by default $OLD (the best plans among the earlier tuning's candidates, which the tuning writes beside
+# $NEW: an A/B on a GPU with no shipped plans too) and $NEW ("-" is the shipped file); `tests` runs the GPU tests on
+# $NEW. Both files are copied to $OUT after a tuning: copy $NEW's device entry into kernels/invariant_linear_plans.json
+# to ship it.
 set -u
 NEW=${NEW:-/root/engine-run/plans-new.json}
+OLD=${NEW%.json}.old-tiles.json
 while [ $# -gt 0 ]; do
   what=$1
   shift
@@ -23,10 +26,10 @@ while [ $# -gt 0 ]; do
     echo "=== tune $models -> $NEW"
     EAGLERAY_INVARIANT_PLANS=$NEW timeout "${TUNE_LIMIT:-420}" python3 -m eagleray.jobs.bench.invariant_check \
       "$OUT/tune-$models.json" --tune --models "$models" 2>&1 | grep -v '^  skip' | tail -40
-    cp "$NEW" "$OUT/"
+    cp "$NEW" "$OLD" "$OUT/"
     ;;
   8b | smollm2 | kernels)
-    SETTING=env:EAGLERAY_INVARIANT_PLANS VALUES="- $NEW" TAG=plans- bash "$(dirname "$0")/step_variants_h200.sh" "$what"
+    SETTING=env:EAGLERAY_INVARIANT_PLANS VALUES="${PLANS:-$OLD $NEW}" TAG=plans- bash "$(dirname "$0")/step_variants_h200.sh" "$what"
     ;;
   tests)
     echo "=== GPU tests on $NEW"
