@@ -53,6 +53,25 @@ def load_serving(path: str) -> ServingConfig:
     return cfg.model_copy(update={k: http[k] for k in ("host", "port") if k in http})
 
 
+def direct_ingress_env(cfg: ServingConfig, ray_address: str | None) -> dict[str, str]:
+    """What this process's environment needs before it starts Ray for ``serving.direct_port`` (Ray's processes
+    inherit it); a Ray cluster started elsewhere (RAY_ADDRESS) was started without it."""
+    env = cfg.direct_ingress_env()
+    if env and ray_address:
+        raise ConfigError(
+            [
+                Problem(
+                    "serving.direct_port",
+                    f"Ray Serve reads direct ingress from the environment its processes start with, and RAY_ADDRESS "
+                    f"({ray_address}) joins a Ray started elsewhere",
+                    "start that cluster with " + " ".join(f"{k}={v}" for k, v in env.items()) + " in its environment "
+                    "and unset direct_port here, or unset RAY_ADDRESS so that eagleray serve starts Ray itself",
+                )
+            ]
+        )
+    return env
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -67,11 +86,15 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_serving(args.config)
     cfg = cfg.model_copy(update={k: v for k, v in (("port", args.port), ("host", args.host)) if v is not None})
     app = build(cfg)  # before Ray starts: a draft the guard refuses is the error the user sees (exit 2)
+    os.environ.update(direct_ingress_env(cfg, os.environ.get("RAY_ADDRESS")))
     ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     url = f"http://{cfg.host}:{cfg.port}"
     wait_ready(url, cfg.api_key, timeout_s=600)
+    if cfg.direct_port is not None:
+        url = f"http://{cfg.host}:{cfg.direct_port}"  # the replica's own server; the proxy's stays up on cfg.port
+        wait_ready(url, cfg.api_key, timeout_s=120)
     print(
         f"eagleray serving {cfg.model_name!r} at {url}/v1 (draft: {cfg.draft.source if cfg.draft else 'none'}); Ctrl-C stops",
         flush=True,

@@ -11,17 +11,21 @@ until the replacement is up. Keep ``ingress: separate`` where that matters (docs
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from eagleray.platform.config.load import parse_config
 from eagleray.serve.engine_client import LocalClient
 from eagleray.serve.engine_server import EngineServer
 from eagleray.serve.ingress import OpenAIIngress
+from eagleray.serve.serving_config import ServingConfig
 
 
 class EngineIngress(OpenAIIngress):
     """Ray Serve ingress class of ``ingress: engine`` (wrapped with ``serve.deployment`` + ``serve.ingress(app)``)."""
 
     def __init__(self, serving: dict[str, Any]):
+        parse_config(ServingConfig, serving, prefix="serving").check_direct_ingress(os.environ)  # before the engine loads
         self.server = EngineServer(serving)
         super().__init__(LocalClient(self.server), serving)
 

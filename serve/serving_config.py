@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from eagleray.platform.config.load import StrictModel
 from eagleray.platform.config.schemas import FaultHooks, MlflowConfig, check_custom_resources, testing_delay, testing_hooks
+from eagleray.platform.errors import EaglerayError
 from eagleray.serve.engine import EngineConfig
 
 
@@ -99,6 +101,12 @@ class ServingConfig(EngineConfig):
         "separate",
         description="Where the OpenAI routes run. separate: a replica of their own that calls the engine replica (a lost engine replica is answered with a clean 503 by a replica that is still up: docs/fault-model.md); engine: in the engine's replica, one process and one hop per token fewer (faster on a small machine), and a lost replica takes its routes along.",
     )
+    direct_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Serve HTTP from the engine's replica itself on this port (Ray Serve's direct ingress), besides Serve's proxy on port: a streamed token skips the proxy's Ray hop (on the 2-core CPU at c4 with 512-token prompts the replica's decode step 39-46 -> 35-41 ms, BENCHMARKS.md). Needs ingress: engine and Ray started by `eagleray serve` (Ray Serve reads it from the environment its processes start with). None: only the proxy.",
+    )
     ingress_resources: dict[str, float] = Field(
         default_factory=dict,
         description="Custom Ray resources of the HTTP ingress replica, e.g. {'node:__internal_head__': 0.01} keeps it on the head node, so that losing a worker node never drops the entry point.",
@@ -112,6 +120,14 @@ class ServingConfig(EngineConfig):
             raise ValueError(
                 "ingress_resources: places a separate ingress replica, but ingress is 'engine' (the routes run in the "
                 "engine replica, placed by engine_resources); set ingress: separate or remove ingress_resources"
+            )
+        if self.direct_port is not None and self.ingress != "engine":
+            raise ValueError(
+                "direct_port: serves HTTP from the replica that runs the routes and the engine; set ingress: engine or remove direct_port"
+            )
+        if self.direct_port is not None and self.direct_port == self.port:
+            raise ValueError(
+                f"direct_port: {self.direct_port} is also port, where Serve's proxy listens; choose another port for direct_port"
             )
         if self.capture is not None and self.draft is None:
             raise ValueError(
@@ -131,6 +147,29 @@ class ServingConfig(EngineConfig):
         """Environment variables the engine replica's process starts with (its Ray runtime env); a command it runs
         (``adapt_schedule``) goes without them."""
         return {"GOMP_SPINCOUNT": "0"} if self.cpu_omp_passive and self.target.device != "cuda" else {}
+
+    def direct_ingress_env(self) -> dict[str, str]:
+        """The environment Ray Serve's controller and replicas must start with for ``direct_port`` (read once, at
+        their start): direct ingress on, and the replica's HTTP port range that one port ({} without direct_port)."""
+        if self.direct_port is None:
+            return {}
+        return {
+            "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(self.direct_port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(self.direct_port + 1),
+        }
+
+    def check_direct_ingress(self, env: Mapping[str, str]) -> None:
+        """In the replica: ``direct_port`` set but this process started without :meth:`direct_ingress_env` (``serve run``
+        or ``serve deploy`` of the YAML instead of ``eagleray serve``) would never listen on it; raise instead."""
+        want = self.direct_ingress_env()
+        if any(env.get(k) != v for k, v in want.items()):
+            have = {k: env.get(k) for k in want}
+            raise EaglerayError(
+                f"serving.direct_port={self.direct_port}: this replica started without Ray Serve's direct ingress on that "
+                f"port (its environment has {have})\n    fix: start it with `eagleray serve --config ...` (it sets "
+                f"{want} before Ray starts), or set them in the Ray cluster's environment, or remove direct_port"
+            )
 
     def engine_config(self, **update: Any) -> EngineConfig:
         """The engine's part of this config, with ``update`` applied (e.g. the resolved target and draft)."""

@@ -40,12 +40,14 @@ SERVERS = (
     "eagleray-separate",
     "eagleray-spin",
     "eagleray-2k",
+    "eagleray-direct",
 )
 PLAIN = {  # the plain eagleray servers: the config without a draft, with these serving fields changed
     "eagleray": {},
     "eagleray-separate": {"ingress": "separate"},  # the engine-hosted routes against a replica of their own
     "eagleray-spin": {"cpu_omp_passive": False},  # libgomp's default spinning workers (A/B of cpu_omp_passive)
     "eagleray-2k": {"max_num_batched_tokens": 2048},  # a prefill step's budget as vLLM's API server on a CPU (A/B)
+    "eagleray-direct": {},  # loaded on serving.direct_port (the replica's own HTTP server), not the proxy's port
 }
 CHAMPION_K = 4  # the *-champion servers: the shipped SmolLM2 champion, chain k=4 on both sides
 KEEP = ("completed", "failed", "output_throughput", "median_ttft_ms", "median_tpot_ms", "mean_ttft_ms", "mean_tpot_ms")
@@ -66,7 +68,9 @@ def _champion_dir() -> Path:
     return shipped_draft(SMOLLM2_CHAMPION)
 
 
-def _server_command(name: str, port: int, model_dir: Path, work: Path, max_num_seqs: int) -> list[str]:
+def _server_command(
+    name: str, port: int, model_dir: Path, work: Path, max_num_seqs: int, direct_port: int | None = None
+) -> list[str]:
     if name.startswith("vllm"):
         spec = {"method": "eagle3", "model": str(_champion_dir()), "num_speculative_tokens": CHAMPION_K}
         return [
@@ -83,6 +87,8 @@ def _server_command(name: str, port: int, model_dir: Path, work: Path, max_num_s
     if name == "eagleray-champion":
         serving["draft"] |= {"source": str(_champion_dir()), "num_speculative_tokens": CHAMPION_K}
     serving["max_num_seqs"] = max_num_seqs
+    if direct_port is not None:
+        serving["direct_port"] = direct_port
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return [sys.executable, "-m", "eagleray.jobs.serve", "--config", str(path), "--port", str(port)]
@@ -157,11 +163,12 @@ def _steal_share(before: list[int] | None, after: list[int] | None) -> float | N
 def _serve_and_load(name: str, args: argparse.Namespace, model_dir: Path, load_args: list[str], work: Path) -> dict:
     """Start ``name`` alone, load it with vLLM's load generator, stop it; its record."""
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    direct = free_port() if name == "eagleray-direct" else None
+    url = f"http://127.0.0.1:{direct or port}"  # the load goes where the server answers fastest
     logf = open(work / f"{name}.log", "w")  # noqa: SIM115 - closed below
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"))
     proc = subprocess.Popen(
-        _server_command(name, port, model_dir, work, args.max_num_seqs), stdout=logf, stderr=subprocess.STDOUT, env=env
+        _server_command(name, port, model_dir, work, args.max_num_seqs, direct), stdout=logf, stderr=subprocess.STDOUT, env=env
     )
     try:
         _wait_ready(proc, url, timeout_s=600)
@@ -195,6 +202,7 @@ MODES = {
     "eagleray-separate": "plain, ingress: separate",
     "eagleray-spin": "plain, cpu_omp_passive: false",
     "eagleray-2k": "plain, max_num_batched_tokens 2048",
+    "eagleray-direct": "plain, direct_port (Ray Serve's direct ingress)",
     "vllm": "plain",
     "eagleray-draft": "draft random (adaptive)",
     "eagleray-champion": f"draft shipped champion, k={CHAMPION_K} (adaptive)",

@@ -105,3 +105,17 @@ def test_the_2k_server_is_the_plain_server_with_vllms_cpu_prefill_budget(tmp_pat
     old, plain = serving("eagleray-2k"), serving("eagleray")
     assert old.pop("max_num_batched_tokens") == 2048 and "max_num_batched_tokens" not in plain
     assert old == plain and old["draft"] is None
+
+
+def test_the_direct_server_is_the_plain_server_on_the_replicas_own_port(tmp_path):
+    import yaml
+
+    from eagleray.jobs.bench.serve_load import PEER, _server_command
+
+    def serving(name, direct=None):
+        cmd = _server_command(name, 8002, tmp_path / "model", tmp_path, 8, direct)
+        return yaml.safe_load(Path(cmd[cmd.index("--config") + 1]).read_text())["applications"][0]["args"]["serving"]
+
+    direct, plain = serving("eagleray-direct", 8003), serving("eagleray")
+    assert direct.pop("direct_port") == 8003 and "direct_port" not in plain
+    assert direct == plain and direct["draft"] is None and direct["ingress"] == "engine" and PEER["eagleray-direct"] == "vllm"

@@ -1,0 +1,121 @@
+"""``serving.direct_port`` through ``eagleray serve`` on real Ray Serve: the engine's replica answers HTTP on its own
+port (Ray Serve's direct ingress) with everything the proxy's port gives: the routes, their 4xx bodies and auth,
+SSE streaming, a draft hot-swap and rollback through the admin routes, and a client leaving mid-stream freeing its
+sequence. ``python -m eagleray.jobs.serve`` runs in a subprocess: Ray's processes start with the environment it
+sets, as a user's would (this test process's Ray, if any, is untouched)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import yaml
+
+from eagleray.platform.checkpoints.draft_factory import make_random_draft
+from eagleray.platform.checkpoints.target import TargetSpec
+from eagleray.platform.host import free_port
+from eagleray.tests.support.http import AUTH, KEY, get, post, sse_events
+
+CTX = 256
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_target, tmp_path_factory):
+    spec, root = TargetSpec.from_dir(tiny_target), tmp_path_factory.mktemp("drafts")
+    return {name: make_random_draft(spec, root / name, seed=seed) for name, seed in (("d1", 1), ("d2", 2))}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target, drafts, tmp_path_factory):
+    work = tmp_path_factory.mktemp("direct")
+    port, direct = free_port(), free_port()
+    serving = {
+        "target": {"model": str(tiny_target), "device": "cpu", "max_model_len": CTX},
+        "draft": {"source": str(drafts["d1"]), "num_speculative_tokens": 3, "policy": {"adaptive": False}},
+        "model_name": "tiny",
+        "api_key": KEY,
+        "max_num_seqs": 8,
+        "ingress": "engine",
+        "port": port,
+        "direct_port": direct,
+    }
+    (work / "serving.yaml").write_text(yaml.safe_dump(serving))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    log = open(work / "serve.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eagleray.jobs.serve", "--config", str(work / "serving.yaml")],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    url, deadline = f"http://127.0.0.1:{direct}", time.monotonic() + 180
+    try:
+        while "serving 'tiny' at " + url not in (work / "serve.log").read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"eagleray serve did not come up on {url}:\n{(work / 'serve.log').read_text()[-4000:]}")
+            time.sleep(1)
+        yield url, f"http://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGTERM)  # eagleray serve stops Serve and Ray on SIGTERM
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def _generated(url: str) -> int:
+    return get(url, "/health").json()["engine"]["generation_tokens"]
+
+
+def test_the_replicas_own_port_serves_the_routes_and_streams(server):
+    url, proxy = server
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Explain speculative decoding"}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    whole = post(url, "/v1/chat/completions", body)
+    assert whole.status_code == 200 and whole.json()["eagleray"]["draft_version"] == "d1"
+    code, events = sse_events(url, "/v1/chat/completions", {**body, "stream": True})
+    assert code == 200 and events[-1] == "[DONE]"
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
+    assert streamed == whole.json()["choices"][0]["message"]["content"]
+    long = post(url, "/v1/completions", {"model": "tiny", "prompt": "word " * CTX, "max_tokens": 4})
+    assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded"
+    assert httpx.get(url + "/admin/draft", timeout=30).status_code == 401, "admin routes need the key here too"
+    assert get(url, "/v1/models").json()["data"][0]["id"] == "tiny" and get(url, "/health").json()["status"] == "ok"
+    assert get(proxy, "/v1/models").status_code == 200, "Serve's proxy still answers on serving.port"
+
+
+def test_hot_swap_and_rollback_through_the_replicas_own_port(server, drafts):
+    url, _ = server
+    assert post(url, "/admin/draft", {"source": str(drafts["d2"])}, timeout=120).json()["outcome"] == "swapped"
+    r = post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["eagleray"]["draft_version"] == "d2"
+    assert post(url, "/admin/rollback", {}).json()["outcome"] == "rolled_back"
+    assert get(url, "/admin/draft").json()["draft_version"] == "d1"
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_sequence(server):
+    url, _ = server
+    body = {"model": "tiny", "prompt": "stream me", "max_tokens": CTX - 16, "ignore_eos": True, "stream": True}
+    before = _generated(url)
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200
+        next(r.iter_bytes())  # the first event, then the client goes away
+    made, idle_since = _generated(url), time.monotonic()
+    while time.monotonic() - idle_since < 1.0:  # no new token for a second: the engine is idle
+        time.sleep(0.1)
+        now = _generated(url)
+        made, idle_since = now, (idle_since if now == made else time.monotonic())
+    assert made - before < (CTX - 16) // 2, f"the abandoned request went on generating ({made - before} tokens)"
+    assert post(url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 4}).status_code == 200
