@@ -214,28 +214,23 @@ TUNE_ROWS = {
 }  # rows M -> weight in a plan score (batch 1 first; 5: its k=4 verification, whose step is held to 1.5x batch 1's)
 
 
-def _old_candidate(n: int, k: int, p) -> bool:
-    """Whether plan ``p`` for a weight [N, K] was among the earlier tuning's candidates (its tiles, its splits)."""
-    for bn, bk, warps, stages in TUNE_TILES[:OLD_TILES]:
-        default = make_plan(n, k, None, bn, bk, warps, stages).splits
-        if any(p == make_plan(n, k, s, bn, bk, warps, stages) for s in {1, default, max(1, default // 2), default * 2}):
-            return True
-    return False
-
-
-def _candidates(n: int, k: int) -> list:
-    """Plans to try for a weight [N, K]: each tile configuration with no split, two, its default split, half and
-    double (make_plan drops splits K cannot hold)."""
-
+def _candidates(n: int, k: int, tiles: list | None = None, extra_splits: tuple[int, ...] = (2,)) -> list:
+    """Plans to try for a weight [N, K]: each tile configuration of ``tiles`` (default :data:`TUNE_TILES`) with no
+    split, its default split, half and double, and ``extra_splits`` (make_plan drops splits K cannot hold)."""
     seen, out = set(), []
-    for bn, bk, warps, stages in TUNE_TILES:
+    for bn, bk, warps, stages in TUNE_TILES if tiles is None else tiles:
         default = make_plan(n, k, None, bn, bk, warps, stages).splits
-        for splits in sorted({1, 2, default, max(1, default // 2), default * 2}):
+        for splits in sorted({1, default, max(1, default // 2), default * 2, *extra_splits}):
             p = make_plan(n, k, splits, bn, bk, warps, stages)
             if p not in seen:
                 seen.add(p)
                 out.append(p)
     return out
+
+
+def _old_candidates(n: int, k: int) -> set:
+    """The earlier tuning's candidates for a weight [N, K]: its six tile configurations, no split of two."""
+    return set(_candidates(n, k, TUNE_TILES[:OLD_TILES], ()))
 
 
 def _shipped_plans() -> dict:
@@ -278,7 +273,8 @@ def tune_records(models: list[str]) -> tuple[list[dict], dict]:
             before = make_plan(n, k, **shipped[f"{n}x{k}"]) if f"{n}x{k}" in shipped else None
             tried = [t for t in (_try_plan(il, p, w, x) for p in _candidates(n, k)) if t is not None]
             best = min((t for t in tried if t[2]), key=lambda t: t[0])
-            old = min((t for t in tried if t[2] and _old_candidate(n, k, t[1])), key=lambda t: t[0])
+            earlier = _old_candidates(n, k)
+            old = min((t for t in tried if t[2] and t[1] in earlier), key=lambda t: t[0])
             rec = {"model": model, "n": n, "k": k, "candidates": len(tried), "invariant": all(t[2] for t in tried)}
             named = [("default", next(t for t in tried if t[1] == default)), ("chosen", best), ("old_tiles", old)]
             named += [("shipped", t) for t in tried if before is not None and t[1] == before]
