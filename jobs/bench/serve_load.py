@@ -41,6 +41,7 @@ SERVERS = (
     "eagleray-spin",
     "eagleray-2k",
     "eagleray-direct",
+    "eagleray-champion-direct",
 )
 PLAIN = {  # the plain eagleray servers: the config without a draft, with these serving fields changed
     "eagleray": {},
@@ -84,7 +85,7 @@ def _server_command(
     if name in PLAIN:
         serving["draft"] = None
         serving |= PLAIN[name]
-    if name == "eagleray-champion":
+    if name in ("eagleray-champion", "eagleray-champion-direct"):
         serving["draft"] |= {"source": str(_champion_dir()), "num_speculative_tokens": CHAMPION_K}
     serving["max_num_seqs"] = max_num_seqs
     if direct_port is not None:
@@ -163,7 +164,7 @@ def _steal_share(before: list[int] | None, after: list[int] | None) -> float | N
 def _serve_and_load(name: str, args: argparse.Namespace, model_dir: Path, load_args: list[str], work: Path) -> dict:
     """Start ``name`` alone, load it with vLLM's load generator, stop it; its record."""
     port = free_port()
-    direct = free_port() if name == "eagleray-direct" else None
+    direct = free_port() if name.endswith("-direct") else None
     url = f"http://127.0.0.1:{direct or port}"  # the load goes where the server answers fastest
     logf = open(work / f"{name}.log", "w")  # noqa: SIM115 - closed below
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"))
@@ -206,9 +207,11 @@ MODES = {
     "vllm": "plain",
     "eagleray-draft": "draft random (adaptive)",
     "eagleray-champion": f"draft shipped champion, k={CHAMPION_K} (adaptive)",
+    "eagleray-champion-direct": f"draft shipped champion, k={CHAMPION_K} (adaptive), direct_port",
     "vllm-champion": f"draft shipped champion, k={CHAMPION_K}",
 }
 PEER = dict.fromkeys(PLAIN, "vllm") | {"eagleray-draft": "vllm", "eagleray-champion": "vllm-champion"}
+PEER["eagleray-champion-direct"] = "vllm-champion"
 
 
 def vs_vllm(records: list[dict]) -> dict[str, dict[str, dict]]:

@@ -119,3 +119,18 @@ def test_the_direct_server_is_the_plain_server_on_the_replicas_own_port(tmp_path
     direct, plain = serving("eagleray-direct", 8003), serving("eagleray")
     assert direct.pop("direct_port") == 8003 and "direct_port" not in plain
     assert direct == plain and direct["draft"] is None and direct["ingress"] == "engine" and PEER["eagleray-direct"] == "vllm"
+
+
+def test_the_champion_direct_server_is_the_champion_server_on_the_replicas_own_port(tmp_path):
+    import yaml
+
+    from eagleray.jobs.bench.serve_load import MODES, PEER, _server_command
+
+    def serving(name, direct=None):
+        cmd = _server_command(name, 8002, tmp_path / "model", tmp_path, 8, direct)
+        return yaml.safe_load(Path(cmd[cmd.index("--config") + 1]).read_text())["applications"][0]["args"]["serving"]
+
+    direct, champion = serving("eagleray-champion-direct", 8003), serving("eagleray-champion")
+    assert direct.pop("direct_port") == 8003 and "direct_port" not in champion
+    assert direct == champion and champion["draft"]["source"] != "random"
+    assert PEER["eagleray-champion-direct"] == "vllm-champion" and "direct_port" in MODES["eagleray-champion-direct"]
