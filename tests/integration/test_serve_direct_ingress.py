@@ -1,7 +1,8 @@
 """``serving.direct_port`` through ``eagleray serve`` on real Ray Serve: the engine's replica answers HTTP on its own
 port (Ray Serve's direct ingress) with everything the proxy's port gives: the routes, their 4xx bodies and auth,
 SSE streaming, a draft hot-swap and rollback through the admin routes, and a client leaving mid-stream freeing its
-sequence. ``python -m eagleray.jobs.serve`` runs in a subprocess: Ray's processes start with the environment it
+sequence, a request captured as a training row, and the replica's metrics (what Ray exports as /metrics) counting
+what it served. ``python -m eagleray.jobs.serve`` runs in a subprocess: Ray's processes start with the environment it
 sets, as a user's would (this test process's Ray, if any, is untouched)."""
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def server(tiny_target, drafts, tmp_path_factory):
         "ingress": "engine",
         "port": port,
         "direct_port": direct,
+        "capture": {"path": str(work / "traffic"), "rate": 1.0, "flush_seconds": 1},
     }
     (work / "serving.yaml").write_text(yaml.safe_dump(serving))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -60,7 +62,7 @@ def server(tiny_target, drafts, tmp_path_factory):
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"eagleray serve did not come up on {url}:\n{(work / 'serve.log').read_text()[-4000:]}")
             time.sleep(1)
-        yield url, f"http://127.0.0.1:{port}"
+        yield url, f"http://127.0.0.1:{port}", work / "traffic"
     finally:
         proc.send_signal(signal.SIGTERM)  # eagleray serve stops Serve and Ray on SIGTERM
         try:
@@ -76,7 +78,7 @@ def _generated(url: str) -> int:
 
 
 def test_the_replicas_own_port_serves_the_routes_and_streams(server):
-    url, proxy = server
+    url, proxy, _ = server
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "Explain speculative decoding"}],
@@ -97,7 +99,7 @@ def test_the_replicas_own_port_serves_the_routes_and_streams(server):
 
 
 def test_hot_swap_and_rollback_through_the_replicas_own_port(server, drafts):
-    url, _ = server
+    url, _, _ = server
     assert post(url, "/admin/draft", {"source": str(drafts["d2"])}, timeout=120).json()["outcome"] == "swapped"
     r = post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     assert r.status_code == 200 and r.json()["eagleray"]["draft_version"] == "d2"
@@ -106,7 +108,7 @@ def test_hot_swap_and_rollback_through_the_replicas_own_port(server, drafts):
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_sequence(server):
-    url, _ = server
+    url, _, _ = server
     body = {"model": "tiny", "prompt": "stream me", "max_tokens": CTX - 16, "ignore_eos": True, "stream": True}
     before = _generated(url)
     with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
@@ -119,3 +121,22 @@ def test_a_client_that_leaves_mid_stream_frees_its_sequence(server):
         made, idle_since = now, (idle_since if now == made else time.monotonic())
     assert made - before < (CTX - 16) // 2, f"the abandoned request went on generating ({made - before} tokens)"
     assert post(url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 4}).status_code == 200
+
+
+def test_a_request_through_the_replicas_own_port_is_captured_and_counted(server):
+    import pyarrow.parquet as pq
+
+    from eagleray.platform import capture_store
+
+    url, _, traffic = server
+    before = get(url, "/health").json()["metrics"]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "capture me"}], "max_tokens": 6, "temperature": 0}
+    r = post(url, "/v1/chat/completions", body)
+    assert r.status_code == 200
+    deadline, rows = time.monotonic() + 60, []
+    while not rows and time.monotonic() < deadline:
+        time.sleep(0.5)
+        rows = [row for s in capture_store.list_shards(traffic) for row in pq.read_table(s.path).to_pylist()]
+    assert any(row["response"] == r.json()["choices"][0]["message"]["content"] for row in rows), rows
+    after = get(url, "/health").json()["metrics"]
+    assert after["requests"] > before.get("requests", 0) and after["capture_requests"] > before.get("capture_requests", 0)
