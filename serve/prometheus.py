@@ -190,5 +190,7 @@ class ServeMetrics:
         now = self._clock()  # an idle replica's token rate decays to 0 instead of keeping its last value
         self._expire(now)
         tokens = self._sums[0]
-        self.snapshot["tokens_per_s"] = tokens / max(now - self._recent[0][0], 1.0) if tokens else 0.0
+        span = max(now - self._recent[0][0], 1.0) if tokens else 0.0
+        self.snapshot["tokens_per_s"] = tokens / span if tokens else 0.0
+        self.snapshot["window_tokens"], self.snapshot["window_s"] = tokens, span  # the rate's two terms
         return dict(self.snapshot)

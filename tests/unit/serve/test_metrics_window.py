@@ -73,3 +73,13 @@ def test_gauges_set_at_most_once_a_second_while_streaming_and_at_every_finish(me
     assert metrics.gauge_sets == 2
     metrics.record_request(101, {"num_drafts": 2, "num_accepted_tokens": 2})
     assert metrics.gauge_sets == 3 and metrics.snapshot["tau"] == pytest.approx(2.0)
+
+
+def test_health_reports_the_rates_two_terms(metrics):
+    _stream(metrics, 64, 10.0)
+    d = metrics.to_dict()
+    assert d["window_tokens"] == 64 and d["window_s"] == pytest.approx(10.0 - 10.0 / 64)  # from the first token
+    assert d["tokens_per_s"] == pytest.approx(d["window_tokens"] / d["window_s"])
+    metrics._clock.t += 31.0
+    d = metrics.to_dict()
+    assert d["window_tokens"] == 0 and d["window_s"] == 0.0 and d["tokens_per_s"] == 0.0
