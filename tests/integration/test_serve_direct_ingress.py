@@ -20,7 +20,7 @@ import yaml
 from eagleray.platform.checkpoints.draft_factory import make_random_draft
 from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.platform.host import free_port
-from eagleray.tests.support.http import AUTH, KEY, get, post, sse_events
+from eagleray.tests.support.http import KEY, check_abandoned_stream_stops, check_serving_then_rollback, get, post, sse_events
 
 CTX = 256
 
@@ -73,10 +73,6 @@ def server(tiny_target, drafts, tmp_path_factory):
         log.close()
 
 
-def _generated(url: str) -> int:
-    return get(url, "/health").json()["engine"]["generation_tokens"]
-
-
 def test_the_replicas_own_port_serves_the_routes_and_streams(server):
     url, proxy, _ = server
     body = {
@@ -101,26 +97,12 @@ def test_the_replicas_own_port_serves_the_routes_and_streams(server):
 def test_hot_swap_and_rollback_through_the_replicas_own_port(server, drafts):
     url, _, _ = server
     assert post(url, "/admin/draft", {"source": str(drafts["d2"])}, timeout=120).json()["outcome"] == "swapped"
-    r = post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
-    assert r.status_code == 200 and r.json()["eagleray"]["draft_version"] == "d2"
-    assert post(url, "/admin/rollback", {}).json()["outcome"] == "rolled_back"
-    assert get(url, "/admin/draft").json()["draft_version"] == "d1"
+    check_serving_then_rollback(url, "d2", "d1")
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_sequence(server):
     url, _, _ = server
-    body = {"model": "tiny", "prompt": "stream me", "max_tokens": CTX - 16, "ignore_eos": True, "stream": True}
-    before = _generated(url)
-    with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
-        assert r.status_code == 200
-        next(r.iter_bytes())  # the first event, then the client goes away
-    made, idle_since = _generated(url), time.monotonic()
-    while time.monotonic() - idle_since < 1.0:  # no new token for a second: the engine is idle
-        time.sleep(0.1)
-        now = _generated(url)
-        made, idle_since = now, (idle_since if now == made else time.monotonic())
-    assert made - before < (CTX - 16) // 2, f"the abandoned request went on generating ({made - before} tokens)"
-    assert post(url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 4}).status_code == 200
+    check_abandoned_stream_stops(url, CTX - 16)
 
 
 def test_a_request_through_the_replicas_own_port_is_captured_and_counted(server):

@@ -8,7 +8,6 @@ leaves mid-stream frees its sequence (the engine stops generating for it).
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
@@ -16,7 +15,7 @@ import pytest
 from eagleray.platform.checkpoints.draft_factory import make_random_draft
 from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.serve.serving_config import ServingConfig
-from eagleray.tests.support.http import AUTH, KEY, get, post, sse_events
+from eagleray.tests.support.http import KEY, check_abandoned_stream_stops, check_serving_then_rollback, get, post, sse_events
 
 CTX = 256
 
@@ -47,10 +46,6 @@ def server(tiny_target, drafts):
     stop_local_ray()
 
 
-def _generated(url: str) -> int:
-    return get(url, "/health").json()["engine"]["generation_tokens"]
-
-
 def test_one_replica_serves_the_routes_and_the_engine(server):
     import ray
 
@@ -77,23 +72,9 @@ def test_reconfigure_reaches_the_engine(server, drafts):
     handle = serve.get_deployment_handle("EagleRayEngine", app_name="eagleray")
     handle.reconfigure.remote({"draft": str(drafts["d2"])}).result(timeout_s=120)
     assert get(url, "/admin/draft").json()["draft_version"] == "d2"
-    r = post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
-    assert r.status_code == 200 and r.json()["eagleray"]["draft_version"] == "d2"
-    assert post(url, "/admin/rollback", {}).json()["outcome"] == "rolled_back"
-    assert get(url, "/admin/draft").json()["draft_version"] == "d1"
+    check_serving_then_rollback(url, "d2", "d1")
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_sequence(server):
     url, _ = server
-    body = {"model": "tiny", "prompt": "stream me", "max_tokens": CTX - 16, "ignore_eos": True, "stream": True}
-    before = _generated(url)
-    with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
-        assert r.status_code == 200
-        next(r.iter_bytes())  # the first event, then the client goes away
-    made, idle_since = _generated(url), time.monotonic()
-    while time.monotonic() - idle_since < 1.0:  # no new token for a second: the engine is idle
-        time.sleep(0.1)
-        now = _generated(url)
-        made, idle_since = now, (idle_since if now == made else time.monotonic())
-    assert made - before < (CTX - 16) // 2, f"the abandoned request went on generating ({made - before} tokens)"
-    assert post(url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 4}).status_code == 200
+    check_abandoned_stream_stops(url, CTX - 16)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 
@@ -63,3 +64,34 @@ def sse_events(url, path, body, headers=AUTH, timeout=120, on_first=None) -> tup
             clean(e)
         out.append(e if e == "[DONE]" else json.loads(e))
     return r.status_code, out
+
+
+def generated_tokens(url) -> int:
+    """The engine's generated tokens so far (its /health counter)."""
+    return get(url, "/health").json()["engine"]["generation_tokens"]
+
+
+def check_abandoned_stream_stops(url, max_tokens: int) -> None:
+    """A streamed completion of ``max_tokens`` whose client leaves after the first event stops generating: fewer than
+    half of them are made before the engine goes idle (no new token for a second), and the next request is answered."""
+    body = {"model": "tiny", "prompt": "stream me", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    before = generated_tokens(url)
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200
+        next(r.iter_bytes())  # the first event, then the client goes away
+    made, idle_since = generated_tokens(url), time.monotonic()
+    while time.monotonic() - idle_since < 1.0:
+        time.sleep(0.1)
+        now = generated_tokens(url)
+        made, idle_since = now, (idle_since if now == made else time.monotonic())
+    assert made - before < max_tokens // 2, f"the abandoned request went on generating ({made - before} tokens)"
+    assert post(url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 4}).status_code == 200
+
+
+def check_serving_then_rollback(url, new: str, old: str) -> None:
+    """After a swap to the draft versioned ``new``: a chat request is served by it, and /admin/rollback returns to
+    ``old``."""
+    r = post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["eagleray"]["draft_version"] == new
+    assert post(url, "/admin/rollback", {}).json()["outcome"] == "rolled_back"
+    assert get(url, "/admin/draft").json()["draft_version"] == old

@@ -79,58 +79,40 @@ def test_the_champion_servers_run_the_same_draft_and_are_compared_with_each_othe
     assert r["eagleray-champion"]["output_tok_s"]["rounds"] == [1.5] and r["eagleray"]["output_tok_s"]["rounds"] == [0.5]
 
 
-def test_the_spin_server_is_the_plain_server_with_libgomps_default_workers(tmp_path):
+def _serving(tmp_path, name, direct=None) -> dict:
+    """The serving config ``bench serve`` writes for the server ``name`` (on ``direct``, serving.direct_port)."""
     import yaml
 
     from eagleray.jobs.bench.serve_load import _server_command
 
-    def serving(name):
-        cmd = _server_command(name, 8002, tmp_path / "model", tmp_path, 8)
-        return yaml.safe_load(Path(cmd[cmd.index("--config") + 1]).read_text())["applications"][0]["args"]["serving"]
+    cmd = _server_command(name, 8002, tmp_path / "model", tmp_path, 8, direct)
+    return yaml.safe_load(Path(cmd[cmd.index("--config") + 1]).read_text())["applications"][0]["args"]["serving"]
 
-    spin, plain = serving("eagleray-spin"), serving("eagleray")
+
+def test_the_spin_server_is_the_plain_server_with_libgomps_default_workers(tmp_path):
+    spin, plain = _serving(tmp_path, "eagleray-spin"), _serving(tmp_path, "eagleray")
     assert spin.pop("cpu_omp_passive") is False and "cpu_omp_passive" not in plain
     assert spin == plain and spin["draft"] is None
 
 
 def test_the_2k_server_is_the_plain_server_with_vllms_cpu_prefill_budget(tmp_path):
-    import yaml
-
-    from eagleray.jobs.bench.serve_load import _server_command
-
-    def serving(name):
-        cmd = _server_command(name, 8002, tmp_path / "model", tmp_path, 8)
-        return yaml.safe_load(Path(cmd[cmd.index("--config") + 1]).read_text())["applications"][0]["args"]["serving"]
-
-    old, plain = serving("eagleray-2k"), serving("eagleray")
+    old, plain = _serving(tmp_path, "eagleray-2k"), _serving(tmp_path, "eagleray")
     assert old.pop("max_num_batched_tokens") == 2048 and "max_num_batched_tokens" not in plain
     assert old == plain and old["draft"] is None
 
 
 def test_the_direct_server_is_the_plain_server_on_the_replicas_own_port(tmp_path):
-    import yaml
+    from eagleray.jobs.bench.serve_load import PEER
 
-    from eagleray.jobs.bench.serve_load import PEER, _server_command
-
-    def serving(name, direct=None):
-        cmd = _server_command(name, 8002, tmp_path / "model", tmp_path, 8, direct)
-        return yaml.safe_load(Path(cmd[cmd.index("--config") + 1]).read_text())["applications"][0]["args"]["serving"]
-
-    direct, plain = serving("eagleray-direct", 8003), serving("eagleray")
+    direct, plain = _serving(tmp_path, "eagleray-direct", 8003), _serving(tmp_path, "eagleray")
     assert direct.pop("direct_port") == 8003 and "direct_port" not in plain
     assert direct == plain and direct["draft"] is None and direct["ingress"] == "engine" and PEER["eagleray-direct"] == "vllm"
 
 
 def test_the_champion_direct_server_is_the_champion_server_on_the_replicas_own_port(tmp_path):
-    import yaml
+    from eagleray.jobs.bench.serve_load import MODES, PEER
 
-    from eagleray.jobs.bench.serve_load import MODES, PEER, _server_command
-
-    def serving(name, direct=None):
-        cmd = _server_command(name, 8002, tmp_path / "model", tmp_path, 8, direct)
-        return yaml.safe_load(Path(cmd[cmd.index("--config") + 1]).read_text())["applications"][0]["args"]["serving"]
-
-    direct, champion = serving("eagleray-champion-direct", 8003), serving("eagleray-champion")
+    direct, champion = _serving(tmp_path, "eagleray-champion-direct", 8003), _serving(tmp_path, "eagleray-champion")
     assert direct.pop("direct_port") == 8003 and "direct_port" not in champion
     assert direct == champion and champion["draft"]["source"] != "random"
     assert PEER["eagleray-champion-direct"] == "vllm-champion" and "direct_port" in MODES["eagleray-champion-direct"]
