@@ -87,6 +87,16 @@ def tiny_target(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_drafts(tiny_target, tmp_path_factory) -> dict[str, Path]:
+    """Two random EAGLE-3 drafts of ``tiny_target``, versions ``d1`` and ``d2`` (what a hot-swap test swaps between)."""
+    from eagleray.platform.checkpoints.draft_factory import make_random_draft
+    from eagleray.platform.checkpoints.target import TargetSpec
+
+    spec, root = TargetSpec.from_dir(tiny_target), tmp_path_factory.mktemp("drafts")
+    return {name: make_random_draft(spec, root / name, seed=seed) for name, seed in (("d1", 1), ("d2", 2))}
+
+
+@pytest.fixture(scope="session")
 def smollm2_fp32() -> Path:
     """The real SmolLM2-135M-Instruct converted to an fp32 HF directory (once per cache)."""
     from eagleray.platform.checkpoints.smollm2 import smollm2_dir

@@ -17,8 +17,6 @@ import httpx
 import pytest
 import yaml
 
-from eagleray.platform.checkpoints.draft_factory import make_random_draft
-from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.platform.host import free_port
 from eagleray.tests.support.http import KEY, check_abandoned_stream_stops, check_serving_then_rollback, get, post, sse_events
 
@@ -26,18 +24,12 @@ CTX = 256
 
 
 @pytest.fixture(scope="module")
-def drafts(tiny_target, tmp_path_factory):
-    spec, root = TargetSpec.from_dir(tiny_target), tmp_path_factory.mktemp("drafts")
-    return {name: make_random_draft(spec, root / name, seed=seed) for name, seed in (("d1", 1), ("d2", 2))}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_target, drafts, tmp_path_factory):
+def server(tiny_target, tiny_drafts, tmp_path_factory):
     work = tmp_path_factory.mktemp("direct")
     port, direct = free_port(), free_port()
     serving = {
         "target": {"model": str(tiny_target), "device": "cpu", "max_model_len": CTX},
-        "draft": {"source": str(drafts["d1"]), "num_speculative_tokens": 3, "policy": {"adaptive": False}},
+        "draft": {"source": str(tiny_drafts["d1"]), "num_speculative_tokens": 3, "policy": {"adaptive": False}},
         "model_name": "tiny",
         "api_key": KEY,
         "max_num_seqs": 8,
@@ -94,9 +86,9 @@ def test_the_replicas_own_port_serves_the_routes_and_streams(server):
     assert get(proxy, "/v1/models").status_code == 200, "Serve's proxy still answers on serving.port"
 
 
-def test_hot_swap_and_rollback_through_the_replicas_own_port(server, drafts):
+def test_hot_swap_and_rollback_through_the_replicas_own_port(server, tiny_drafts):
     url, _, _ = server
-    assert post(url, "/admin/draft", {"source": str(drafts["d2"])}, timeout=120).json()["outcome"] == "swapped"
+    assert post(url, "/admin/draft", {"source": str(tiny_drafts["d2"])}, timeout=120).json()["outcome"] == "swapped"
     check_serving_then_rollback(url, "d2", "d1")
 
 
@@ -115,10 +107,11 @@ def test_a_request_through_the_replicas_own_port_is_captured_and_counted(server)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "capture me"}], "max_tokens": 6, "temperature": 0}
     r = post(url, "/v1/chat/completions", body)
     assert r.status_code == 200
-    deadline, rows = time.monotonic() + 60, []
-    while not rows and time.monotonic() < deadline:
+    answer, deadline, found = r.json()["choices"][0]["message"]["content"], time.monotonic() + 60, False
+    while not found and time.monotonic() < deadline:  # the module's earlier requests are captured too: wait for this one
         time.sleep(0.5)
         rows = [row for s in capture_store.list_shards(traffic) for row in pq.read_table(s.path).to_pylist()]
-    assert any(row["response"] == r.json()["choices"][0]["message"]["content"] for row in rows), rows
+        found = any(row["response"] == answer for row in rows)
+    assert found, [row["response"] for row in rows]
     after = get(url, "/health").json()["metrics"]
     assert after["requests"] > before.get("requests", 0) and after["capture_requests"] > before.get("capture_requests", 0)

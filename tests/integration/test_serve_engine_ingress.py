@@ -12,8 +12,6 @@ import json
 import httpx
 import pytest
 
-from eagleray.platform.checkpoints.draft_factory import make_random_draft
-from eagleray.platform.checkpoints.target import TargetSpec
 from eagleray.serve.serving_config import ServingConfig
 from eagleray.tests.support.http import KEY, check_abandoned_stream_stops, check_serving_then_rollback, get, post, sse_events
 
@@ -21,20 +19,14 @@ CTX = 256
 
 
 @pytest.fixture(scope="module")
-def drafts(tiny_target, tmp_path_factory):
-    spec, root = TargetSpec.from_dir(tiny_target), tmp_path_factory.mktemp("drafts")
-    return {name: make_random_draft(spec, root / name, seed=seed) for name, seed in (("d1", 1), ("d2", 2))}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_target, drafts):
+def server(tiny_target, tiny_drafts):
     from eagleray.serve.local import start_local
     from eagleray.tests.support.cluster import stop_local_ray
 
     cfg = ServingConfig.model_validate(
         {
             "target": {"model": str(tiny_target), "device": "cpu", "max_model_len": CTX},
-            "draft": {"source": str(drafts["d1"]), "num_speculative_tokens": 3, "policy": {"adaptive": False}},
+            "draft": {"source": str(tiny_drafts["d1"]), "num_speculative_tokens": 3, "policy": {"adaptive": False}},
             "model_name": "tiny",
             "api_key": KEY,
             "max_num_seqs": 8,
@@ -65,12 +57,12 @@ def test_one_replica_serves_the_routes_and_the_engine(server):
     assert get(url, "/v1/models").json()["data"][0]["id"] == "tiny" and get(url, "/health").json()["status"] == "ok"
 
 
-def test_reconfigure_reaches_the_engine(server, drafts):
+def test_reconfigure_reaches_the_engine(server, tiny_drafts):
     from ray import serve
 
     url, _ = server
     handle = serve.get_deployment_handle("EagleRayEngine", app_name="eagleray")
-    handle.reconfigure.remote({"draft": str(drafts["d2"])}).result(timeout_s=120)
+    handle.reconfigure.remote({"draft": str(tiny_drafts["d2"])}).result(timeout_s=120)
     assert get(url, "/admin/draft").json()["draft_version"] == "d2"
     check_serving_then_rollback(url, "d2", "d1")
 
