@@ -18,7 +18,14 @@ import pytest
 import yaml
 
 from eagleray.platform.host import free_port
-from eagleray.tests.support.http import KEY, check_abandoned_stream_stops, check_serving_then_rollback, get, post, sse_events
+from eagleray.tests.support.http import (
+    check_abandoned_stream_stops,
+    check_serving_then_rollback,
+    engine_ingress_serving,
+    get,
+    post,
+    sse_events,
+)
 
 CTX = 256
 
@@ -27,13 +34,7 @@ CTX = 256
 def server(tiny_target, tiny_drafts, tmp_path_factory):
     work = tmp_path_factory.mktemp("direct")
     port, direct = free_port(), free_port()
-    serving = {
-        "target": {"model": str(tiny_target), "device": "cpu", "max_model_len": CTX},
-        "draft": {"source": str(tiny_drafts["d1"]), "num_speculative_tokens": 3, "policy": {"adaptive": False}},
-        "model_name": "tiny",
-        "api_key": KEY,
-        "max_num_seqs": 8,
-        "ingress": "engine",
+    serving = engine_ingress_serving(tiny_target, tiny_drafts["d1"], CTX) | {
         "port": port,
         "direct_port": direct,
         "capture": {"path": str(work / "traffic"), "rate": 1.0, "flush_seconds": 1},

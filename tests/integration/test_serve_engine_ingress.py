@@ -13,7 +13,14 @@ import httpx
 import pytest
 
 from eagleray.serve.serving_config import ServingConfig
-from eagleray.tests.support.http import KEY, check_abandoned_stream_stops, check_serving_then_rollback, get, post, sse_events
+from eagleray.tests.support.http import (
+    check_abandoned_stream_stops,
+    check_serving_then_rollback,
+    engine_ingress_serving,
+    get,
+    post,
+    sse_events,
+)
 
 CTX = 256
 
@@ -23,16 +30,7 @@ def server(tiny_target, tiny_drafts):
     from eagleray.serve.local import start_local
     from eagleray.tests.support.cluster import stop_local_ray
 
-    cfg = ServingConfig.model_validate(
-        {
-            "target": {"model": str(tiny_target), "device": "cpu", "max_model_len": CTX},
-            "draft": {"source": str(tiny_drafts["d1"]), "num_speculative_tokens": 3, "policy": {"adaptive": False}},
-            "model_name": "tiny",
-            "api_key": KEY,
-            "max_num_seqs": 8,
-            "ingress": "engine",
-        }
-    )
+    cfg = ServingConfig.model_validate(engine_ingress_serving(tiny_target, tiny_drafts["d1"], CTX))
     url = start_local(cfg, num_cpus=2)
     yield url, cfg
     stop_local_ray()

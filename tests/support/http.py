@@ -95,3 +95,16 @@ def check_serving_then_rollback(url, new: str, old: str) -> None:
     assert r.status_code == 200 and r.json()["eagleray"]["draft_version"] == new
     assert post(url, "/admin/rollback", {}).json()["outcome"] == "rolled_back"
     assert get(url, "/admin/draft").json()["draft_version"] == old
+
+
+def engine_ingress_serving(target, draft, max_model_len: int) -> dict:
+    """The serving fields of the engine-hosted ingress tests: the tiny target on the CPU with ``draft`` at a fixed
+    k=3 (no adaptive policy), the routes in the engine's replica, the test key."""
+    return {
+        "target": {"model": str(target), "device": "cpu", "max_model_len": max_model_len},
+        "draft": {"source": str(draft), "num_speculative_tokens": 3, "policy": {"adaptive": False}},
+        "model_name": "tiny",
+        "api_key": KEY,
+        "max_num_seqs": 8,
+        "ingress": "engine",
+    }
