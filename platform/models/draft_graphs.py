@@ -7,11 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from eagleray.kernels.decode_ops import KVWrite, add_rmsnorm, rope_write_kv, silu_mul
+from eagleray.kernels.invariant_linear import invariant_linear
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.models.attention import KVCache
 from eagleray.platform.models.decode_metadata import DecodeMetadata
 from eagleray.platform.models.graphs import fused_weights
-from eagleray.platform.models.row_graphs import DecodeRows, RowGraphs, fill_rows, row_slots
+from eagleray.platform.models.row_graphs import DecodeRows, RowGraphs, chain_metadata, fill_rows
 
 
 class FusedDraftStep:
@@ -19,7 +20,14 @@ class FusedDraftStep:
     step (RMSNorm with the residual add folded in, rotary + KV write, SiLU x up, split-K decode attention) around
     the layer's products. Called as the draft is, ``step(ids, positions, hidden, meta, kv) -> (normed, next_hidden)``,
     with ``meta`` a :class:`DecodeMetadata` on Triton; the same values as the draft's own forward up to the order of
-    its float rounding (the draft's tokens only change which drafts are proposed, never the output)."""
+    its float rounding (the draft's tokens only change which drafts are proposed, never the output).
+
+    The products (fc, qkv, o, gate/up, down, LM head) of a forward of at most ``TRITON_PRODUCT_ROWS`` rows run on the
+    target step's Triton linear (:func:`~eagleray.kernels.invariant_linear.invariant_linear`: plans tuned per GPU,
+    launched with PDL), wider ones on cuBLAS. The draft needs no batch invariance; this is speed alone."""
+
+    # class-wide, for measurements (BENCHMARKS.md): 0 = cuBLAS for every product
+    TRITON_PRODUCT_ROWS = 0
 
     def __init__(self, draft):
         if draft.tp.world != 1:
@@ -44,16 +52,36 @@ class FusedDraftStep:
         hidden = hidden.to(d.arch.dtype)  # [T, H]
         hn, _ = add_rmsnorm(hidden, None, mid.hidden_norm.weight, mid.hidden_norm.eps)  # [T, H]
         en, _ = add_rmsnorm(d.embed(ids), None, mid.input_layernorm.weight, mid.input_layernorm.eps)  # [T, H]
-        qkv = F.linear(torch.cat([en, hn], dim=-1), *self.qkv)  # [T, (Hq+2Hkv)*D]
+        qkv = self._linear(torch.cat([en, hn], dim=-1), *self.qkv)  # [T, (Hq+2Hkv)*D]
         write = KVWrite(positions, self.inv_freq, kv.k[0], kv.v[0], meta.slot_mapping, self.hq, self.hkv)
         q = rope_write_kv(qkv, write)  # [T, Hq, D]; k, v stored at the rows' slots
         o = meta.attend_cached(q, kv.k[0], kv.v[0], self.scale, self.window)  # [T, Hq, D]
         residual = hn if mid.norm_before_residual else hidden
         norm2 = mid.post_attention_layernorm
-        x, h = add_rmsnorm(residual, attn.o_proj(o.reshape(t, -1)), norm2.weight, norm2.eps)  # [T, H] x2
-        m = mlp.down_proj(silu_mul(F.linear(x, *self.gate_up)))  # [T, H]
+        x, h = add_rmsnorm(
+            residual, self._linear(o.reshape(t, -1), attn.o_proj.weight, attn.o_proj.bias), norm2.weight, norm2.eps
+        )
+        m = self._linear(silu_mul(self._linear(x, *self.gate_up)), mlp.down_proj.weight, mlp.down_proj.bias)  # [T, H]
         normed, pre = add_rmsnorm(h, m, d.norm.weight, d.norm.eps)  # [T, H] x2
         return normed, (normed if d.norm_output else pre)
+
+    def combine_hidden_states(self, aux: torch.Tensor) -> torch.Tensor:
+        """The draft's :meth:`~eagleray.platform.models.eagle3.Eagle3Draft.combine_hidden_states` with its product
+        here: aux [T, n_aux*H_t] -> [T, H]."""
+        d = self.draft
+        if d.input_norm is not None or aux.shape[-1] != d.fc_in:  # the draft's own (and its error for a wrong width)
+            return d.combine_hidden_states(aux)
+        return self._linear(aux.to(d.arch.dtype), d.fc.weight, d.fc.bias)
+
+    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """normed [T, H] -> draft logits [T, Vd] (the LM head's product here)."""
+        return self._linear(normed, self.draft.lm_head.weight)[:, : self.draft.draft_vocab_size]
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] @ weight [N, K].T (+ bias) -> [T, N]: Triton up to TRITON_PRODUCT_ROWS rows, else cuBLAS."""
+        if x.shape[0] <= self.TRITON_PRODUCT_ROWS:
+            return invariant_linear(x.contiguous(), weight, bias)
+        return F.linear(x, weight, bias)
 
 
 class DraftGraphRunner:
@@ -92,14 +120,22 @@ class DraftGraphRunner:
         self.chain_tables = torch.full(
             (bmax, self.rows.max_blocks), self.rows.pad_block, dtype=torch.int32, device=dev
         )  # [Bmax, MB]
+        vocab = draft.d2t.shape[0]
+        self._draft_ids = torch.arange(vocab, dtype=torch.int64, device=dev)  # [Vd]
+        self._target_ids = torch.zeros(vocab, dtype=torch.int64, device=dev)  # [Vd]: target_id_map's output
+
+    def target_id_map(self) -> torch.Tensor:
+        """[Vd] the target id of each draft id (draft id + d2t), made by one launch in the graph being captured (a
+        token's mapping is then one gather instead of a gather and an add; d2t is read at every replay)."""
+        return torch.add(self._draft_ids, self.draft.d2t, out=self._target_ids)
 
     def _forward(self, from_aux: bool, tail: bool = False):
         def forward(b: int) -> tuple[torch.Tensor, torch.Tensor]:
             r = self.rows
-            h = self.draft.combine_hidden_states(self.aux_in[:b]) if from_aux else self.hidden_in[:b]  # [b, H]
+            h = self.step.combine_hidden_states(self.aux_in[:b]) if from_aux else self.hidden_in[:b]  # [b, H]
             meta = r.meta(b, self.use_triton, None, tail)
             normed, hidden = self.step(r.input_ids[:b], r.positions[:b], h, meta, self.kv)
-            return self.draft.compute_logits(normed), hidden  # [b, Vd], [b, H]
+            return self.step.compute_logits(normed), hidden  # [b, Vd], [b, H]
 
         return forward
 
@@ -116,14 +152,12 @@ class DraftGraphRunner:
         come from ``chain_first`` and ``chain_tables``, its token from the previous step's argmax."""
 
         def forward(b: int) -> torch.Tensor:
-            bs = self.rows.block_size
             ids, hidden, out = self.chain_ids[:b], self.hidden_in[:b], []
-            tables = self.chain_tables[:b]
-            for j in range(steps):
-                pos = self.chain_first[:b] + j  # [b]
-                meta = DecodeMetadata(tables, (pos + 1).to(torch.int32), row_slots(tables, pos, bs), bs, self.use_triton)
+            to_target = self.target_id_map()  # [Vd]
+            rows = chain_metadata(self.chain_tables[:b], self.chain_first[:b], steps, self.rows.block_size, self.use_triton)
+            for pos, meta in rows:  # [b], its metadata
                 normed, hidden = self.step(ids, pos, hidden, meta, self.kv)  # [b, H]
-                ids = self.draft.to_target_ids(self.draft.compute_logits(normed).argmax(-1))  # [b] target ids
+                ids = to_target[self.step.compute_logits(normed).argmax(-1)]  # [b] target ids
                 out.append(ids)
             return torch.stack(out, dim=1)  # [b, steps]
 

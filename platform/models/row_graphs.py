@@ -89,6 +89,21 @@ def row_slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) ->
     return (block * block_size + pos % block_size).reshape(positions.shape)
 
 
+def chain_metadata(
+    tables: torch.Tensor, first: torch.Tensor, steps: int, block_size: int, use_triton: bool
+) -> list[tuple[torch.Tensor, DecodeMetadata]]:
+    """The rows of ``steps`` greedy chain steps, step j at positions ``first + j``: tables [B, MB] int32, first [B]
+    int64 -> per step (positions [B] int64, its :class:`DecodeMetadata`). Computed for all steps at once ([steps, B]
+    tensors, each step's row contiguous): a chain step's own metadata was ~9 launches, and a drafting graph at batch
+    1 is launch-bound."""
+    if steps == 0:
+        return []
+    pos = first[None, :] + torch.arange(steps, device=first.device)[:, None]  # [S, B]
+    slots = row_slots(tables, pos.t(), block_size).t().contiguous()  # [S, B] int64
+    lens = (pos + 1).to(torch.int32)  # [S, B]
+    return [(pos[j], DecodeMetadata(tables, lens[j], slots[j], block_size, use_triton)) for j in range(steps)]
+
+
 class StepStage:
     """A step's per-sequence integers staged in one host -> device copy: pinned host rows [N, W] int64 (numpy
     view ``host``) and their device copy. The caller writes rows of ``host``, then :meth:`upload` queues one

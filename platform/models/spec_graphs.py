@@ -24,7 +24,7 @@ import torch
 from eagleray.platform.models.decode_metadata import DecodeMetadata
 from eagleray.platform.models.draft_graphs import DraftGraphRunner
 from eagleray.platform.models.graphs import DecodeGraphRunner
-from eagleray.platform.models.row_graphs import GraphSet, StepStage, pick_bucket, row_slots
+from eagleray.platform.models.row_graphs import GraphSet, StepStage, chain_metadata, pick_bucket, row_slots
 
 GreedyVerify = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # logits, drafts -> tokens, nacc
 
@@ -111,7 +111,7 @@ class ChainStepGraphs:
         return m[:, :c], m[:, c], m[:, c + 1], m[:, c + 2], m[:, c + 3], m[:, c + 4 :].to(torch.int32)
 
     def _draft_forward(self, b: int, k: int) -> torch.Tensor:
-        dr, bs, c = self.drafter.draft, self.block_size, self.columns
+        step, bs, c = self.drafter.step, self.block_size, self.columns  # the draft's forward (FusedDraftStep on CUDA)
         tokens, first, count, _, last_pos, tables = self._staged(b)  # [b, C], [b] x4, [b, MB]
         valid = self.col[None, :] < count[:, None]  # [b, C]
         pos = torch.where(valid, first[:, None] + self.col, 0).reshape(-1)  # [b*C]; padding rows at the pad block's 0
@@ -120,16 +120,16 @@ class ChainStepGraphs:
         meta = DecodeMetadata(
             rows_tables, (pos + 1).to(torch.int32), row_slots(rows_tables, pos, bs), bs, self.drafter.use_triton
         )
-        hidden_in = dr.combine_hidden_states(self.aux_cat[src])  # [b*C, H]
-        normed, hidden = self.drafter.step(tokens.reshape(-1), pos, hidden_in, meta, self.drafter.kv)  # [b*C, H] each
+        hidden_in = step.combine_hidden_states(self.aux_cat[src])  # [b*C, H]
+        normed, hidden = step(tokens.reshape(-1), pos, hidden_in, meta, self.drafter.kv)  # [b*C, H] each
         last = self.seq_index[:b] * c + count - 1  # [b] each sequence's last catch-up row
-        ids = dr.to_target_ids(dr.compute_logits(normed[last]).argmax(-1))  # [b] first drafts
+        to_target = self.drafter.target_id_map()  # [Vd]
+        ids = to_target[step.compute_logits(normed[last]).argmax(-1)]  # [b] first drafts
         hidden, out = hidden[last], [ids]  # [b, H]
-        for j in range(k - 1):  # the chain: draft j+1 at the position after the last committed token's
-            p = last_pos + j  # [b]
-            meta = DecodeMetadata(tables, (p + 1).to(torch.int32), row_slots(tables, p, bs), bs, self.drafter.use_triton)
-            normed, hidden = self.drafter.step(ids, p, hidden, meta, self.drafter.kv)  # [b, H]
-            ids = dr.to_target_ids(dr.compute_logits(normed).argmax(-1))  # [b]
+        # the chain: draft j+1 at the position after the last committed token's
+        for p, meta in chain_metadata(tables, last_pos, k - 1, bs, self.drafter.use_triton):  # [b], its metadata
+            normed, hidden = step(ids, p, hidden, meta, self.drafter.kv)  # [b, H]
+            ids = to_target[step.compute_logits(normed).argmax(-1)]  # [b]
             out.append(ids)
         return torch.stack(out, dim=1)  # [b, k]
 

@@ -212,12 +212,21 @@ def test_greedy_chain_graph_equals_the_step_by_step_chain(target, draft_dir):
     assert torch.equal(outs[0], outs[1]), (outs[0], outs[1])
 
 
-@pytest.mark.parametrize("norm_before_residual", [False, True])
-def test_the_fused_draft_step_equals_the_drafts_forward(target, draft_dir, norm_before_residual):
+@pytest.mark.parametrize("norm_before_residual,product_rows", [(False, 0), (True, 0), (False, 8)])
+def test_the_fused_draft_step_equals_the_drafts_forward(target, draft_dir, norm_before_residual, product_rows, monkeypatch):
     """FusedDraftStep (the draft's graphs on CUDA: its Triton kernels, interpreted here) gives the draft's own forward
-    on rows: normed and next hidden states, and the K/V it stores, for rows of three sequences at their positions."""
+    on rows: normed and next hidden states, the K/V it stores, the combined aux states and the logits, for rows of
+    three sequences at their positions; with its products on cuBLAS's stand-in (F.linear) or on the Triton linear."""
     from eagleray.platform.models.decode_metadata import DecodeMetadata
     from eagleray.platform.models.draft_graphs import FusedDraftStep
+
+    monkeypatch.setattr(FusedDraftStep, "TRITON_PRODUCT_ROWS", product_rows)
+    triton_products = []
+    if product_rows:
+        import eagleray.platform.models.draft_graphs as dg
+
+        real = dg.invariant_linear
+        monkeypatch.setattr(dg, "invariant_linear", lambda *a, **kw: triton_products.append(a[1].shape) or real(*a, **kw))
 
     draft = Eagle3Draft.from_checkpoint(draft_dir, target)
     draft.midlayer.norm_before_residual = norm_before_residual
@@ -235,8 +244,16 @@ def test_the_fused_draft_step_equals_the_drafts_forward(target, draft_dir, norm_
     meta = DecodeMetadata(tables, (pos + 1).to(torch.int32), slots, 4, use_triton=True)
     with torch.inference_mode():
         want = draft(ids, pos, hidden, meta, caches[0])
-        got = FusedDraftStep(draft)(ids, pos, hidden, meta, caches[1])
+        step = FusedDraftStep(draft)
+        got = step(ids, pos, hidden, meta, caches[1])
+        aux = torch.randn(3, draft.fc_in, generator=torch.Generator().manual_seed(6))
+        extra = [(step.combine_hidden_states(aux), draft.combine_hidden_states(aux))]
+        extra.append((step.compute_logits(got[0]), draft.compute_logits(want[0])))
     for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    for g, w in extra:
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(caches[1].k, caches[0].k, atol=1e-5, rtol=0)
     torch.testing.assert_close(caches[1].v, caches[0].v, atol=1e-5, rtol=0)
+    # every product (qkv, o, gate/up, down, fc, LM head) on the Triton linear when asked, none otherwise
+    assert len(triton_products) == (6 if product_rows else 0), triton_products

@@ -205,3 +205,21 @@ def test_a_batch_past_the_largest_bucket_is_refused_with_the_fix():
     assert pick_bucket((1, 2, 4), 3, "rows", "-") == 4
     with pytest.raises(EaglerayError, match=r"a batch of 5 sequences exceeds the largest bucket 4\n    fix: max_num_seqs"):
         pick_bucket((1, 2, 4), 5, "sequences", "max_num_seqs")
+
+
+def test_chain_metadata_equals_each_steps_own():
+    """chain_metadata (every chain step's rows computed at once) gives each step j the positions first + j, their
+    sequence lengths and cache slots through the block tables, as one step's own metadata would; no steps, no rows."""
+    from eagleray.platform.models.row_graphs import chain_metadata
+
+    tables = torch.tensor([[5, 2, 8, 0], [3, 9, 1, 6], [7, 4, 10, 11]], dtype=torch.int32)  # [3, 4]
+    first = torch.tensor([3, 6, 9])  # [3]: steps cross block boundaries (block size 4)
+    rows = chain_metadata(tables, first, 3, 4, use_triton=True)
+    assert len(rows) == 3 and chain_metadata(tables, first, 0, 4, use_triton=True) == []
+    for j, (pos, meta) in enumerate(rows):
+        want_pos = first + j
+        want_slots = torch.stack([tables[b, p // 4].long() * 4 + p % 4 for b, p in enumerate(want_pos.tolist())])
+        assert torch.equal(pos, want_pos)
+        assert torch.equal(meta.slot_mapping, want_slots) and meta.slot_mapping.is_contiguous()
+        assert torch.equal(meta.seq_lens, (want_pos + 1).to(torch.int32)) and meta.seq_lens.dtype == torch.int32
+        assert meta.block_tables is tables and meta.block_size == 4 and meta.use_triton
