@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections import deque
 
+import torch
+
 from eagleray.platform.errors import EaglerayError
 from eagleray.serve.engine.prefix_cache import PrefixCache, PrefixStats, chain_hashes, draft_key
 from eagleray.serve.engine.sequence import Sequence
@@ -57,15 +59,19 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> int:
         """A sequence being admitted with no blocks takes the registered blocks its tokens' full blocks hash to, from
         the first on, leaving its last token to compute -> positions cached (``seq.num_cached``; with a draft also
-        ``seq.draft_cached``); 0 when prefix caching is off or the request captures hidden states (every position's)."""
-        if not self.prefix_caching or seq.block_table or seq.captured is not None:
+        ``seq.draft_cached``); 0 when prefix caching is off. A request that captures hidden states (every position's)
+        takes a block only with its captured rows kept (:meth:`keep_captured`), which it takes too (``seq.captured``)."""
+        if not self.prefix_caching or seq.block_table:
             return 0
         tokens = seq.tokens
         hashes = chain_hashes(tokens, self.block_size, seq.block_hashes)
         for i in range((len(tokens) - 1) // self.block_size):
             block = self.cache.lookup(self._key(tokens, hashes, i))
-            if block is None:
-                break
+            rows = None if block is None or seq.captured is None else self.cache.rows(block)
+            if block is None or (seq.captured is not None and rows is None):
+                break  # not cached, or cached without the hidden rows this capture needs: computed from here on
+            if rows is not None:
+                seq.captured.append(rows)  # [bs, W]: the block's positions' rows, in position order
             self.cache.take(block)
             self._holders.setdefault(block, set()).add(seq.seq_id)
             seq.block_table.append(block)
@@ -91,6 +97,8 @@ class BlockManager:
             return
         self.free(seq)
         seq.num_cached = seq.blocks_registered = seq.draft_cached = 0
+        if seq.captured is not None:
+            seq.captured = []  # the matched blocks' rows went with them
 
     def register(self, seq: Sequence) -> None:
         """Register ``seq``'s blocks whose positions are all committed (``num_cached``; with a draft, also in the
@@ -104,6 +112,14 @@ class BlockManager:
         for i in range(seq.blocks_registered, full):
             self.cache.register(seq.block_table[i], self._key(tokens, hashes, i))
         seq.blocks_registered = full
+
+    def keep_captured(self, seq: Sequence, rows: torch.Tensor) -> None:
+        """A finished captured sequence's hidden rows [T, W] (positions 0..T-1), kept beside its registered blocks
+        that have none yet (a copy a block), for the captured requests that match them later."""
+        bs = self.block_size
+        for i in range(min(seq.blocks_registered, rows.shape[0] // bs)):
+            if self.cache.wants_rows(seq.block_table[i]):
+                self.cache.keep_rows(seq.block_table[i], rows[i * bs : (i + 1) * bs].clone())  # [bs, W]
 
     def use_prefix_cache(self, on: bool, draft_keyed: bool) -> None:
         """Start the prefix cache empty (a draft was installed: the blocks registered so far hold another draft's K/V,

@@ -323,7 +323,12 @@ class LLMEngine:
         text, delta_text = texts
         if seq.finish_reason is None and seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
+        hidden = None
         if seq.finish_reason is not None:
+            if seq.captured is not None:  # before its blocks are released: the cached ones keep their rows
+                rows = seq.take_captured()  # [T, A + H]
+                self.blocks.keep_captured(seq, rows)
+                hidden = CapturedHidden.of(rows, self.capture_width, self.aux_layer_ids)
             self.scheduler.finish(seq)
             self.detok.forget(seq)
             self.metrics.num_requests_finished += 1
@@ -331,8 +336,7 @@ class LLMEngine:
             if self.drafts.spec is not None:
                 self.policy.joins.finished(seq.joined_positions, len(seq.output_token_ids))
         out = make_output(seq, kept, text, delta_text)
-        if out.finished and seq.captured is not None:
-            out.hidden = CapturedHidden.take(seq, self.capture_width, self.aux_layer_ids)
+        out.hidden = hidden
         cb = self._callbacks.pop(out.request_id, None) if out.finished else self._callbacks.get(out.request_id)
         if cb is not None:
             cb(out)

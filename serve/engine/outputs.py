@@ -24,11 +24,9 @@ class CapturedHidden:
     aux_layer_ids: list[int]
 
     @classmethod
-    def take(cls, seq, width: int, aux_layer_ids: list[int]) -> "CapturedHidden":
-        """A finished captured sequence's rows (its ``captured`` list, emptied), split into the draft's aux and the
-        target's final state (the last ``width`` columns)."""
-        rows = torch.cat(seq.captured)  # [T, A + H]; never empty: the prefill committed the prompt's rows
-        seq.captured = None
+    def of(cls, rows: torch.Tensor, width: int, aux_layer_ids: list[int]) -> "CapturedHidden":
+        """A finished captured sequence's rows [T, A + H] (:meth:`Sequence.take_captured`), split into the draft's aux
+        and the target's final state (the last ``width`` columns)."""
         return cls(rows[:, :-width], rows[:, -width:], list(aux_layer_ids))
 
 

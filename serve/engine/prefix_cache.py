@@ -14,6 +14,10 @@ row with the *next* token (EAGLE-3's input), so a block's draft K/V are final on
 and depend on one token past its end: a speculative engine registers a block only then, under :func:`draft_key` (the
 chain hash and that next token), and a sequence that matches it starts with the draft caught up to the same
 position. A new draft's K/V are another model's: installing one empties the cache (``LLMEngine._use_prefix_cache``).
+
+Serving capture keeps every position's hidden states of a captured request, so a captured request reuses a block only
+where the block's rows were kept beside it (:meth:`PrefixCache.keep_rows`: a captured request that registered it
+finished); the rows leave with the block (evicted, or the cache emptied).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+
+import torch
 
 ROOT = b"eagleray-prefix-v1"  # the chain's seed: hashes of another scheme never collide with these
 
@@ -57,6 +63,7 @@ class PrefixCache:
         self._block_of: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()  # registered, held by no sequence; oldest first
+        self._rows: dict[int, torch.Tensor] = {}  # registered block -> its positions' captured hidden rows [bs, W]
 
     def __len__(self) -> int:
         return len(self._hash_of)
@@ -78,6 +85,20 @@ class PrefixCache:
             self._block_of[digest] = block
             self._hash_of[block] = digest
 
+    def wants_rows(self, block: int) -> bool:
+        """Whether ``block`` is registered and has no captured rows kept yet."""
+        return block in self._hash_of and block not in self._rows
+
+    def keep_rows(self, block: int, rows: torch.Tensor) -> None:
+        """Keep the captured hidden rows [block_size, W] of registered ``block``'s positions beside it (the first
+        kept stay: the block's K/V are those of the request that registered it)."""
+        if self.wants_rows(block):
+            self._rows[block] = rows
+
+    def rows(self, block: int) -> torch.Tensor | None:
+        """The captured hidden rows kept beside ``block``, or None."""
+        return self._rows.get(block)
+
     def park(self, block: int) -> None:
         """No sequence holds ``block`` any more: it stays cached, last in line for eviction."""
         self._idle[block] = None
@@ -90,6 +111,7 @@ class PrefixCache:
         """The least recently parked block, forgotten (its K/V are about to be overwritten)."""
         block, _ = self._idle.popitem(last=False)
         del self._block_of[self._hash_of.pop(block)]
+        self._rows.pop(block, None)
         return block
 
     def clear(self) -> list[int]:
@@ -98,4 +120,5 @@ class PrefixCache:
         self._block_of.clear()
         self._hash_of.clear()
         self._idle.clear()
+        self._rows.clear()
         return idle

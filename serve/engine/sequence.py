@@ -188,7 +188,8 @@ class Sequence:
     first_token_time: float | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of its tokens' full blocks (prefix_cache)
     blocks_registered: int = 0  # leading blocks of block_table offered to the prefix cache
-    captured: list[torch.Tensor] | None = None  # capture_states: every aux row chunk [n_i, A + H], positions 0..num_cached-1
+    # capture_states: every aux row chunk [n_i, A + H], positions 0..num_cached-1 (a cached prefix's from the prefix cache)
+    captured: list[torch.Tensor] | None = None
 
     def __post_init__(self):
         if self.params.capture_states:
@@ -235,6 +236,13 @@ class Sequence:
         if self.captured is not None:
             self.captured.append(aux.tensor().clone())  # a view would keep the whole step's tensor alive
         self.pending_aux.append(aux)
+
+    def take_captured(self) -> torch.Tensor:
+        """A finished captured sequence's rows [T, A + H] of positions 0..T-1 (its ``captured`` chunks joined; the
+        list is gone after)."""
+        rows = torch.cat(self.captured)  # never empty: the prefill committed the prompt's rows
+        self.captured = None
+        return rows
 
     def append_tokens(self, tokens: list[int], eos_id: int | None) -> list[int]:
         """Add accepted tokens up to the first stop condition; returns the tokens actually kept."""

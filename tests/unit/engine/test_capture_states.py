@@ -41,6 +41,23 @@ def test_captured_states_equal_a_fresh_forward(target, tokenizer, copy_draft, tr
         torch.testing.assert_close(target.compute_logits(out.hidden.final), logits, atol=1e-2, rtol=1e-3)
 
 
+def test_captured_requests_reuse_a_shared_prefix_with_its_hidden_states(target, tokenizer, copy_draft):
+    """Captured requests that begin as an earlier captured one take its cached blocks with the hidden states it left
+    beside them: prompt tokens are found in the prefix cache, and each request's rows still equal a fresh forward."""
+    engine = make_engine(target, tokenizer, copy_draft, max_num_seqs=1)
+    engine.enable_capture()
+    shared = "You are a careful assistant who answers in one short sentence, plainly and without lists. "
+    prompts = [shared + q for q in ("Why is the sky blue?", "Name a prime.", "What is Ray?")]
+    outs = engine.generate(prompts, CAPTURE)
+    assert engine.metrics.prefix.hits >= 2 * 16, "the later two requests found the shared prompt's blocks"
+    for out in outs:
+        ids = out.prompt_token_ids + out.token_ids[:-1]
+        aux, logits = _fresh(target, ids)
+        assert out.hidden.aux.shape == aux.shape
+        torch.testing.assert_close(out.hidden.aux, aux, atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(target.compute_logits(out.hidden.final), logits, atol=1e-2, rtol=1e-3)
+
+
 def test_preempted_request_captures_every_position_once(target, tokenizer, copy_draft):
     """A KV cache too small for all four forces preemption (recompute): rows must not be doubled."""
     engine = make_engine(target, tokenizer, copy_draft, num_kv_blocks=9, block_size=4)

@@ -176,8 +176,36 @@ def test_a_speculative_engine_with_the_cache_is_lossless_and_hits_it(target, tok
     assert eng.blocks.num_free == eng.blocks.num_blocks
 
 
-def test_a_captured_request_matches_no_prefix():
-    bm = _blocks()
-    _prefilled(bm, list(range(9)))
-    seq = Sequence(list(range(9)), SamplingParams(capture_states=True))
-    assert bm.match_prefix(seq) == 0, "a capture keeps every position's hidden states: all are computed"
+CAPTURED = SamplingParams(capture_states=True)
+
+
+def test_a_captured_request_takes_only_blocks_whose_hidden_rows_were_kept_and_takes_the_rows():
+    """A capture keeps every position's hidden states: a block cached without its rows is computed again; a block
+    whose rows a finished captured request left beside it is taken with them, in position order; the rows leave
+    with the block (evicted, the cache emptied) and with an admission undone."""
+    bm = _blocks(num_blocks=6)
+    plain = _prefilled(bm, list(range(9)))  # blocks [0-3] [4-7] registered, by a request not captured
+    assert bm.match_prefix(Sequence(list(range(9)), CAPTURED)) == 0, "no rows beside them: computed"
+    first = Sequence(list(range(9)), CAPTURED)
+    bm.free(plain)
+    bm.use_prefix_cache(True, False)  # empty: first registers the blocks itself
+    bm.match_prefix(first)
+    bm.ensure(first, first.num_tokens)
+    first.num_cached = first.num_tokens - 1
+    bm.register(first)
+    rows = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)  # [T, W]: its positions' rows
+    bm.keep_captured(first, rows)
+    again = Sequence(list(range(8)) + [50, 51], CAPTURED)
+    assert bm.match_prefix(again) == 8
+    assert len(again.captured) == 2 and torch.equal(torch.cat(again.captured), rows), "both blocks' rows, in order"
+    bm.unmatch(again)
+    assert again.captured == [], "rows go with the blocks when the admission is undone"
+    bm.keep_captured(first, rows + 1)
+    assert torch.equal(bm.cache.rows(first.block_table[0]), rows[:4]), "the rows first kept stay"
+    table = list(first.block_table)
+    bm.free(first)
+    bm.ensure(Sequence(list(range(100, 117)), SamplingParams()), 17)  # 5 blocks: the oldest idle one evicted
+    assert bm.match_prefix(Sequence(list(range(9)), CAPTURED)) == 0
+    assert bm.cache.rows(table[0]) is None and bm.cache.rows(table[1]) is not None, "the evicted block's rows left"
+    bm.use_prefix_cache(True, False)
+    assert bm.cache.rows(table[1]) is None, "an emptied cache keeps no rows"
