@@ -26,7 +26,8 @@ class FusedDraftStep:
     target step's Triton linear (:func:`~eagleray.kernels.invariant_linear.invariant_linear`: plans tuned per GPU,
     launched with PDL), wider ones on cuBLAS. The draft needs no batch invariance; this is speed alone."""
 
-    # class-wide, for measurements (BENCHMARKS.md): 0 = cuBLAS for every product
+    # class-wide, for measurements (jobs/bench/step_variants_h200.sh): 0 = cuBLAS for every product, the shipped
+    # setting until the Triton products are measured on a GPU
     TRITON_PRODUCT_ROWS = 0
 
     def __init__(self, draft):

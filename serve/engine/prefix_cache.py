@@ -90,8 +90,8 @@ class PrefixCache:
         return block in self._hash_of and block not in self._rows
 
     def keep_rows(self, block: int, rows: torch.Tensor) -> None:
-        """Keep the captured hidden rows [block_size, W] of registered ``block``'s positions beside it (the first
-        kept stay: the block's K/V are those of the request that registered it)."""
+        """Keep the captured hidden rows [block_size, W] of registered ``block``'s positions beside it (rows already
+        kept stay: every captured holder of a block computed it or took it with those rows)."""
         if self.wants_rows(block):
             self._rows[block] = rows
 
