@@ -33,6 +33,21 @@ def test_bf16_round_trip_is_bit_exact():
     assert torch.equal(y, x.to(torch.bfloat16))
 
 
+def test_fp32_encodes_as_torchs_bf16_rounding_in_numpy():
+    """A CPU fp32 tensor is encoded without torch (numpy): the bits of ``x.to(bfloat16)`` for every magnitude, ties
+    (to even), infinities, signed zeros, subnormals and a strided view; NaN as bf16's quiet NaN; the bf16 and GPU
+    path unchanged."""
+    x = torch.randn(64, 40, generator=torch.Generator().manual_seed(0)) * torch.logspace(-44, 38, 64)[:, None]
+    x[0, :8] = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 3.3895314e38, 1e-45, -1e-45, 1.0000001])
+    x[1, :4] = torch.tensor([1.00390625, 1.01171875, -1.00390625, 2.0**-130])  # halfway: to even
+    for t in (x, x[:, 3:29], x.t()):
+        assert shards.encode_bf16(t) == t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes()
+    nan = torch.tensor([[0x7FFFFFFF, 0x7FC00000]], dtype=torch.int32).view(torch.float32)  # rounding would carry out
+    assert shards.encode_bf16(nan) == bytes.fromhex("c07fc07f")
+    b = x.to(torch.bfloat16)
+    assert shards.encode_bf16(b) == shards.encode_bf16(x)
+
+
 def test_decode_rejects_wrong_length():
     with pytest.raises(DataError, match="does not hold 3 bf16 rows"):
         shards.decode_bf16(b"\x00" * 10, 3)

@@ -135,3 +135,18 @@ def test_requests_of_one_prompt_share_its_id_and_one_side_of_the_gates_hold_out(
     assert held and train and not held & train
     gate = held_out_prompts(tmp_path / "snap", 0.3, limit=100)
     assert sorted(map(tuple, gate)) == sorted(held)  # each held-out prompt once, not once per request
+
+
+def test_a_shard_stores_hidden_states_uncompressed_and_the_rest_zstd(tmp_path):
+    """The writer spends no zstd on the bf16 hidden states (they barely shrink; the CPU is the serving engine's), the
+    other columns are zstd; the rows read back as written."""
+    import pyarrow.parquet as pq
+
+    rows = [row(0), row(1)]
+    path = capture_store.write_shard(tmp_path, rows, meta(1_000))
+    col = pq.ParquetFile(path).metadata.row_group(0)
+    codecs = {col.column(i).path_in_schema.split(".")[0]: col.column(i).compression for i in range(col.num_columns)}
+    assert codecs["aux_hidden"] == codecs["final_hidden"] == "UNCOMPRESSED"
+    assert {c for name, c in codecs.items() if not name.endswith("_hidden")} == {"ZSTD"}
+    back = pq.read_table(path).to_pylist()
+    assert [r["aux_hidden"] for r in back] == [r["aux_hidden"] for r in rows]
