@@ -77,8 +77,9 @@ def shard_meta(path: Path) -> dict[str, Any]:
     return json.loads(raw)
 
 
-# zstd for every column but the hidden states: bf16 activations shrink by ~22% under zstd at ~23 ms of the writer's CPU
-# a 190-token request, which a serving machine's engine pays for (2 cores: 4% of a capture pass's throughput)
+# zstd for every column but the hidden states: bf16 activations shrink by ~22% under zstd for ~23 ms of the writer's CPU
+# a 190-token request, time a serving machine's engine loses (on 2 cores at ~1.5 captured requests a second: ~3.5% of
+# a core)
 # (keyed by Parquet's leaf column paths: a list column's values are "<name>.list.element")
 SHARD_COMPRESSION = {
     f"{f.name}.list.element" if pa.types.is_list(f.type) else f.name: "none" if f.name.endswith("_hidden") else "zstd"
