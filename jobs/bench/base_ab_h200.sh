@@ -43,14 +43,8 @@ bench() {  # NAME PYTHONPATH-SRC SETTING: one engine run
       --batches 1,64)
   fi
   echo "=== $what $name ${setting:-(as is)}"
-  PYTHONPATH=$ROOT/site:$src timeout "${LIMIT:-170}" python3 -c "import ast, importlib, runpy, sys
-if sys.argv[1]:
-    target, value = sys.argv[1].split('=', 1)
-    mod, attr = target.split(':')
-    cls, name = attr.split('.')
-    setattr(getattr(importlib.import_module(mod), cls), name, ast.literal_eval(value))
-sys.argv = ['eagleray.jobs.bench'] + sys.argv[2:]
-runpy.run_module('eagleray.jobs.bench', run_name='__main__')" "$setting" engine "${args[@]}" --adaptive-batches '' \
+  PYTHONPATH=$ROOT/site:$src timeout "${LIMIT:-170}" python3 -m eagleray.jobs.bench.with_setting "${setting%%=*}" \
+    "${setting#*=}" engine "${args[@]}" --adaptive-batches '' \
     --json "$OUT/$what-$name.json" 2>&1 | tail -10
 }
 bench base $ROOT/base/src ""

@@ -16,15 +16,7 @@ set -u
 : "${SETTING:?set SETTING=module:Class.ATTR}" "${VALUES:?set VALUES to the values to try}"
 TAG=${TAG:-v}
 with_value() {  # VALUE SUITE ARGS...: one bench suite with SETTING = VALUE
-  local v=$1
-  shift
-  python3 -c "import ast, importlib, runpy, sys
-for setting in sys.argv[1].split(','):
-    mod, attr = setting.split(':')
-    cls, name = attr.split('.')
-    setattr(getattr(importlib.import_module(mod), cls), name, ast.literal_eval(sys.argv[2]))
-sys.argv = ['eagleray.jobs.bench'] + sys.argv[3:]
-runpy.run_module('eagleray.jobs.bench', run_name='__main__')" "$SETTING" "$v" "$@"
+  python3 -m eagleray.jobs.bench.with_setting "$SETTING" "$@"
 }
 suite() {  # VALUE TIMEOUT SUITE ARGS...
   local v=$1 limit=$2
