@@ -17,13 +17,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from eagleray.platform.errors import DataError
+
+if TYPE_CHECKING:
+    import torch
+# torch is imported by the functions that return or take tensors, not here: the serving capture's writer actor writes
+# shards through this module (platform/capture_store) in a process that never needs torch (serve/capture_writer)
 
 SHARD_SCHEMA = pa.schema(
     [
@@ -49,6 +53,8 @@ def encode_bf16(x: torch.Tensor) -> bytes:
     thread, where a torch op of this size starts a second OpenMP thread team beside the engine thread's (a request's
     aux rows took 6 ms there against 0.2 with one thread on the 2-core CPU, and a second team slows the engine's own
     parallel regions)."""
+    import torch
+
     if x.device.type == "cpu" and x.dtype == torch.float32:
         return _fp32_to_bf16_bits(x.detach().numpy()).astype("<u2", copy=False).tobytes()
     raw = x.detach().to(torch.bfloat16).contiguous().cpu().view(torch.int16).numpy()
@@ -72,6 +78,8 @@ def decode_bf16(buf: bytes, num_tokens: int) -> torch.Tensor:
         raise DataError("bf16 shards are little-endian; this reader supports little-endian hosts only")
     if num_tokens <= 0 or len(buf) % (2 * num_tokens):
         raise DataError(f"hidden-state blob of {len(buf)} bytes does not hold {num_tokens} bf16 rows")
+    import torch
+
     return torch.frombuffer(bytearray(buf), dtype=torch.bfloat16).view(num_tokens, -1)
 
 
@@ -91,6 +99,8 @@ def read_vocab_counts(data_dir: str | Path) -> torch.Tensor:
     path = Path(data_dir) / VOCAB_COUNTS
     if not path.is_file():
         raise DataError(f"data_dir: {path} does not exist\n    fix: rerun datagen to finish the dataset")
+    import torch
+
     return torch.from_numpy(np.load(path)).to(torch.int64)
 
 
@@ -104,6 +114,7 @@ def ids_and_mask(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
 def count_loss_tokens(files: list[Path], vocab_size: int) -> torch.Tensor:
     """Token counts [V] int64 over the loss-masked tokens of ``files`` (what datagen writes for all shards)."""
     import pyarrow.parquet as pq
+    import torch
 
     counts = np.zeros(vocab_size, dtype=np.int64)  # [V]
     for p in files:

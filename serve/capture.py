@@ -1,10 +1,11 @@
 """Serving capture: a sample of finished requests -> training shards, without the request waiting.
 
-    engine deployment (a request finished with its hidden states)
+    engine deployment: at start, CaptureClient waits for its writer to say it can write under ``path``
+    (a request finished with its hidden states)
         CaptureClient.submit: build the shard row (bf16 bytes), hand it to the writer actor
             (``writer.add.remote``: no wait); more than ``buffer_requests`` unacknowledged
             -> the capture is dropped and counted, the request is not touched
-    CaptureWriter (a Ray actor, one per engine replica, 0 CPUs)
+    CaptureWriter (serve/capture_writer: a Ray actor, one per engine replica, 0 CPUs)
         buffers rows; writes a shard (platform/capture_store) at rows_per_shard or flush_seconds,
         then deletes shards past retention_days / over max_gib
 
@@ -18,20 +19,21 @@ import asyncio
 import hashlib
 import logging
 import random
-import time
 from typing import Any
 
 import numpy as np
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import GetTimeoutError, RayError
 
-from eagleray.platform import capture_store
+from eagleray.platform.errors import EaglerayError
 from eagleray.platform.shard_format import encode_bf16
+from eagleray.serve.capture_config import CaptureConfig
+from eagleray.serve.capture_writer import CaptureWriterActor
 from eagleray.serve.engine import RequestOutput
 from eagleray.serve.prometheus import ServeMetrics
-from eagleray.serve.serving_config import CaptureConfig
 
 logger = logging.getLogger(__name__)
+WRITER_START_S = 120.0  # a writer actor's start: a worker process and the torch-free serve/capture_writer
 
 
 def prompt_key(prompt_ids: list[int]) -> str:
@@ -64,73 +66,6 @@ def shard_row(request_id: str, prompt_ids: list[int], out: RequestOutput) -> dic
     }
 
 
-class CaptureWriter:
-    """Buffers captured rows and writes them as shards (the body of the writer actor)."""
-
-    def __init__(self, cfg: dict[str, Any], meta: dict[str, Any]):
-        self.cfg = CaptureConfig.model_validate(cfg)
-        self.meta = dict(meta)  # target/tokenizer fingerprints, hidden_size
-        self.rows: list[dict[str, Any]] = []
-        self.first_ms: int | None = None
-        self.aux_ids: list[int] | None = None
-        self.draft_versions: set[str] = set()
-        self.written = {"shards": 0, "rows": 0, "bytes": 0, "expired": 0, "evicted": 0}
-        self._ticker: asyncio.Task | None = None
-
-    async def add(self, row: dict[str, Any], draft_version: str | None) -> dict[str, Any]:
-        """Buffer one row (flushing first when it reads other aux layers); returns ``{"stored": True}``."""
-        if self._ticker is None:
-            self._ticker = asyncio.get_running_loop().create_task(self._tick())
-        if self.cfg.testing.write_delay_s:
-            time.sleep(self.cfg.testing.write_delay_s)  # blocks the actor like a slow disk would
-        aux_ids = row.pop("_aux_layer_ids")
-        if self.aux_ids is not None and aux_ids != self.aux_ids:
-            self.flush()  # a shard holds one aux-layer set
-        self.aux_ids = aux_ids
-        now = int(time.time() * 1000)
-        self.first_ms = self.first_ms or now
-        self.rows.append(row)
-        if draft_version:
-            self.draft_versions.add(draft_version)
-        if len(self.rows) >= self.cfg.rows_per_shard:
-            self.flush()
-        return {"stored": True}
-
-    async def _tick(self) -> None:
-        while True:
-            await asyncio.sleep(min(1.0, self.cfg.flush_seconds))
-            if self.rows and time.time() * 1000 - self.first_ms >= self.cfg.flush_seconds * 1000:
-                self.flush()
-
-    def flush(self) -> dict[str, Any]:
-        """Write the buffered rows as one shard (if any), then apply retention and the size cap."""
-        if self.rows:
-            meta = {
-                **self.meta,
-                "aux_layer_ids": self.aux_ids,
-                "first_ms": self.first_ms,
-                "last_ms": int(time.time() * 1000),
-                "rows": len(self.rows),
-                "draft_versions": sorted(self.draft_versions),
-            }
-            path = capture_store.write_shard(self.cfg.path, self.rows, meta)
-            self.written["shards"] += 1
-            self.written["rows"] += len(self.rows)
-            self.written["bytes"] += path.stat().st_size
-            logger.info("capture: wrote %s (%d requests)", path.name, len(self.rows))
-            self.rows, self.first_ms, self.draft_versions = [], None, set()
-        limits = capture_store.enforce_limits(self.cfg.path, int(self.cfg.max_gib * 2**30), self.cfg.retention_days * 86400)
-        self.written["expired"] += limits["expired"]
-        self.written["evicted"] += limits["evicted"]
-        return self.status(limits["bytes"])
-
-    def status(self, disk_bytes: int | None = None) -> dict[str, Any]:
-        return {"buffered": len(self.rows), **self.written, **({"disk_bytes": disk_bytes} if disk_bytes is not None else {})}
-
-
-CaptureWriterActor = ray.remote(num_cpus=0, max_concurrency=1)(CaptureWriter)
-
-
 class CaptureClient:
     """The engine deployment's side: the sampling draw, the hand-off, the counts (never blocks a request)."""
 
@@ -138,8 +73,23 @@ class CaptureClient:
         self.cfg, self.metrics = cfg, metrics
         self.rng = random.Random(cfg.seed)
         self.writer = CaptureWriterActor.remote(cfg.model_dump(mode="json"), meta)
+        self._wait_ready()
         self.inflight = 0
         self._acks: set[asyncio.Task] = set()
+
+    def _wait_ready(self) -> None:
+        """Wait for the writer to start (so that its start-up does not run beside the first requests' steps) and to
+        say it can write under ``path``; a writer that cannot is an error of the replica's start, not of each capture."""
+        try:
+            problem = ray.get(self.writer.ready.remote(), timeout=WRITER_START_S)
+        except (RayError, GetTimeoutError) as err:
+            raise EaglerayError(
+                f"serving.capture: the capture writer actor did not start within {WRITER_START_S:.0f} s ({type(err).__name__})\n"
+                "    fix: check the Ray cluster's logs for the writer (CaptureWriter), or turn serving.capture off"
+            ) from None
+        if problem:
+            ray.kill(self.writer)
+            raise EaglerayError(problem)
 
     def wants(self, store: bool | None) -> bool:
         """Whether to capture a request with this ``store`` field (decided before it runs)."""

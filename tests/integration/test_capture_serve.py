@@ -174,3 +174,15 @@ def test_the_adaptation_command_runs_on_its_schedule(capture_server):
     until(lambda: ticks.exists() and len(ticks.read_text()) >= 2, 60, "two scheduled runs")
     assert set(ticks.read_text()) == {"x"}, "the scheduled command got the replica's passive OpenMP setting"
     until(lambda: httpx.get(url + "/health", timeout=30).json()["metrics"].get("adapt_runs_ok", 0) >= 2, 30, "runs counted")
+
+
+def test_a_replica_whose_writer_cannot_write_refuses_to_start(capture_server, tmp_path):
+    from eagleray.platform.errors import EaglerayError
+    from eagleray.serve.capture import CaptureClient
+    from eagleray.serve.capture_config import CaptureConfig
+    from eagleray.serve.prometheus import ServeMetrics
+
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    with pytest.raises(EaglerayError, match=r"^serving\.capture\.path: cannot write captured shards under .*\n    fix:"):
+        CaptureClient(CaptureConfig(path=str(afile / "traffic")), {}, ServeMetrics("tiny"))
