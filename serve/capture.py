@@ -1,11 +1,11 @@
 """Serving capture: a sample of finished requests -> training shards, without the request waiting.
 
-    engine deployment: at start, CaptureClient waits for its writer to say it can write under ``path``
+    engine deployment: at start, CaptureClient starts its writer and waits for it to say it can write under ``path``
     (a request finished with its hidden states)
-        CaptureClient.submit: build the shard row (bf16 bytes), hand it to the writer actor
-            (``writer.add.remote``: no wait); more than ``buffer_requests`` unacknowledged
-            -> the capture is dropped and counted, the request is not touched
-    CaptureWriter (serve/capture_writer: a Ray actor, one per engine replica, 0 CPUs)
+        CaptureClient.submit: build the shard row (bf16 bytes), hand it to the writer
+            (no wait); more than ``buffer_requests`` unacknowledged -> the capture is dropped and counted,
+            the request is not touched
+    CaptureWriter (serve/capture_writer; one per engine replica, on a thread of the replica or a Ray actor)
         buffers rows; writes a shard (platform/capture_store) at rows_per_shard or flush_seconds,
         then deletes shards past retention_days / over max_gib
 
@@ -19,21 +19,19 @@ import asyncio
 import hashlib
 import logging
 import random
+from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
-import ray
-from ray.exceptions import GetTimeoutError, RayError
 
 from eagleray.platform.errors import EaglerayError
 from eagleray.platform.shard_format import encode_bf16
 from eagleray.serve.capture_config import CaptureConfig
-from eagleray.serve.capture_writer import CaptureWriterActor
+from eagleray.serve.capture_writer import HOSTS, CaptureWriteFailed
 from eagleray.serve.engine import RequestOutput
 from eagleray.serve.prometheus import ServeMetrics
 
 logger = logging.getLogger(__name__)
-WRITER_START_S = 120.0  # a writer actor's start: a worker process and the torch-free serve/capture_writer
 
 
 def prompt_key(prompt_ids: list[int]) -> str:
@@ -72,24 +70,13 @@ class CaptureClient:
     def __init__(self, cfg: CaptureConfig, meta: dict[str, Any], metrics: ServeMetrics):
         self.cfg, self.metrics = cfg, metrics
         self.rng = random.Random(cfg.seed)
-        self.writer = CaptureWriterActor.remote(cfg.model_dump(mode="json"), meta)
-        self._wait_ready()
+        self.writer = HOSTS[cfg.writer](cfg, meta)
+        problem = self.writer.ready()  # a writer that cannot write fails the replica's start, not each capture later
+        if problem:
+            self.writer.close()
+            raise EaglerayError(problem)
         self.inflight = 0
         self._acks: set[asyncio.Task] = set()
-
-    def _wait_ready(self) -> None:
-        """Wait for the writer to start (so that its start-up does not run beside the first requests' steps) and to
-        say it can write under ``path``; a writer that cannot is an error of the replica's start, not of each capture."""
-        try:
-            problem = ray.get(self.writer.ready.remote(), timeout=WRITER_START_S)
-        except (RayError, GetTimeoutError) as err:
-            raise EaglerayError(
-                f"serving.capture: the capture writer actor did not start within {WRITER_START_S:.0f} s ({type(err).__name__})\n"
-                "    fix: check the Ray cluster's logs for the writer (CaptureWriter), or turn serving.capture off"
-            ) from None
-        if problem:
-            ray.kill(self.writer)
-            raise EaglerayError(problem)
 
     def wants(self, store: bool | None) -> bool:
         """Whether to capture a request with this ``store`` field (decided before it runs)."""
@@ -108,15 +95,15 @@ class CaptureClient:
             return
         nbytes = len(row["aux_hidden"]) + len(row["final_hidden"]) + 4 * len(row["input_ids"])
         self.inflight += 1
-        task = asyncio.get_running_loop().create_task(self._ack(self.writer.add.remote(row, draft_version), nbytes))
+        task = asyncio.get_running_loop().create_task(self._ack(self.writer.add(row, draft_version), nbytes))
         self._acks.add(task)
         task.add_done_callback(self._acks.discard)
 
-    async def _ack(self, ref: ray.ObjectRef, nbytes: int) -> None:
+    async def _ack(self, stored: Awaitable[dict[str, Any]], nbytes: int) -> None:
         try:
-            result = await ref
-        except RayError as err:  # the writer died or failed: this capture is lost, serving goes on
-            logger.warning("capture writer failed: %s", err)
+            result = await stored
+        except CaptureWriteFailed as err:  # the writer died or its write failed: this capture is lost, serving goes on
+            logger.warning("%s", err)
             self.metrics.record_capture_drop("writer_failed")
             return
         finally:
@@ -127,11 +114,11 @@ class CaptureClient:
             self.metrics.record_capture_drop(result["reason"])
 
     async def flush(self) -> dict[str, Any]:
-        """Write what the writer holds now (tests, shutdown) and return its counts."""
+        """Write what the writer holds now (tests, the adaptation loop's --flush) and return its counts."""
         if self._acks:
             await asyncio.gather(*self._acks)
-        return await self.writer.flush.remote()
+        return await self.writer.flush()
 
     def close(self) -> None:
-        """Ask the writer to write its buffer (the replica is going away; not waited for)."""
-        self.writer.flush.remote()
+        """Have the writer write its buffer (the replica is going away)."""
+        self.writer.close()

@@ -3,6 +3,8 @@ a process that never imports the engine (serve/capture_writer)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from eagleray.platform.config.load import StrictModel
@@ -33,11 +35,15 @@ class CaptureConfig(StrictModel):
     buffer_requests: int = Field(
         64,
         ge=1,
-        description="Captures handed to the writer actor and not yet buffered by it; a capture beyond this is dropped (counted), the request never waits.",
+        description="Captures handed to the writer and not yet buffered by it; a capture beyond this is dropped (counted), the request never waits.",
     )
     rows_per_shard: int = Field(64, ge=1, description="Requests per shard: the writer writes a shard when it holds this many.")
     flush_seconds: float = Field(
         30.0, gt=0.0, description="A shard is written at the latest this long after its first request was buffered."
+    )
+    writer: Literal["thread", "actor"] = Field(
+        "thread",
+        description="Where the shard writer runs: thread, a thread of the engine replica (no process of its own: the cheapest on a machine whose cores the engine fills; measured in BENCHMARKS.md); actor, a Ray actor of its own (0 CPUs), isolated from the replica's memory, GIL and crashes.",
     )
     seed: int | None = Field(None, description="Seed of the per-request sampling draw (None: from the OS).")
     testing: CaptureTesting = testing_hooks(CaptureTesting)

@@ -46,6 +46,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=4, help="draft tokens per step")
     p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--capture-writer", choices=["thread", "actor"], default="thread", help="serving.capture.writer")
     p.add_argument(
         "--overhead-rounds",
         type=int,
@@ -242,7 +243,7 @@ def serving(args, uri: str, capture: str | None):
             "mlflow": {"tracking_uri": uri},
             "max_num_seqs": args.concurrency,
             "decode_path": "varlen",
-            **({"capture": {"path": capture, "rate": 1.0, "flush_seconds": 2}} if capture else {}),
+            **({"capture": {"path": capture, "rate": 1.0, "flush_seconds": 2, "writer": args.capture_writer}} if capture else {}),
         }
     )
 

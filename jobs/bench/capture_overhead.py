@@ -27,6 +27,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=4, help="draft tokens per step")
     p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--capture-writer", choices=["thread", "actor"], default="thread", help="serving.capture.writer")
     p.add_argument("--overhead-rounds", type=int, default=3, help="rounds of one capture-off and one capture-on pass, ABBA order")
     p.add_argument("--work", default=".cache/capture-overhead")
     p.add_argument("--json", default="docs/bench/capture-overhead.json")

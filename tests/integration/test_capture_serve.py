@@ -80,8 +80,8 @@ def until(fn, timeout_s: float, what: str):
     pytest.fail(f"{what} within {timeout_s:.0f}s; last: {last!r}")
 
 
-def rows_on_disk(cfg: ServingConfig) -> list[dict]:
-    return [r for s in capture_store.list_shards(cfg.capture.path) for r in pq.read_table(s.path).to_pylist()]
+def rows_on_disk(path: str | Path) -> list[dict]:
+    return [r for s in capture_store.list_shards(path) for r in pq.read_table(s.path).to_pylist()]
 
 
 def test_captured_request_is_a_training_row_and_store_false_is_not(capture_server):
@@ -90,7 +90,7 @@ def test_captured_request_is_a_training_row_and_store_false_is_not(capture_serve
     shared = chat(url, "a question anyone may learn from")
     assert private.status_code == shared.status_code == 200, (private.text, shared.text)
     until(lambda: counts(url).get("capture_requests") == 1, 30, "one capture acknowledged")
-    rows = until(lambda: rows_on_disk(cfg), 30, "the shard written")
+    rows = until(lambda: rows_on_disk(cfg.capture.path), 30, "the shard written")
     assert len(rows) == 1 and counts(url).get("capture_requests") == 1  # store: false left no row
     row, usage = rows[0], shared.json()["usage"]
     n = usage["prompt_tokens"] + usage["completion_tokens"] - 1  # the last token never ran through the target
@@ -176,7 +176,8 @@ def test_the_adaptation_command_runs_on_its_schedule(capture_server):
     until(lambda: httpx.get(url + "/health", timeout=30).json()["metrics"].get("adapt_runs_ok", 0) >= 2, 30, "runs counted")
 
 
-def test_a_replica_whose_writer_cannot_write_refuses_to_start(capture_server, tmp_path):
+@pytest.mark.parametrize("writer", ["thread", "actor"])
+def test_a_replica_whose_writer_cannot_write_refuses_to_start(capture_server, tmp_path, writer):
     from eagleray.platform.errors import EaglerayError
     from eagleray.serve.capture import CaptureClient
     from eagleray.serve.capture_config import CaptureConfig
@@ -185,4 +186,27 @@ def test_a_replica_whose_writer_cannot_write_refuses_to_start(capture_server, tm
     afile = tmp_path / "afile"
     afile.write_text("not a directory")
     with pytest.raises(EaglerayError, match=r"^serving\.capture\.path: cannot write captured shards under .*\n    fix:"):
-        CaptureClient(CaptureConfig(path=str(afile / "traffic")), {}, ServeMetrics("tiny"))
+        CaptureClient(CaptureConfig(path=str(afile / "traffic"), writer=writer), {}, ServeMetrics("tiny"))
+
+
+def test_the_actor_writer_stores_rows_and_a_dead_one_fails_the_capture_not_serving(capture_server, tmp_path):
+    import asyncio
+
+    import ray
+
+    from eagleray.serve.capture_config import CaptureConfig
+    from eagleray.serve.capture_writer import ActorHost, CaptureWriteFailed
+    from eagleray.tests.support.capture import META, captured
+
+    host = ActorHost(CaptureConfig(path=str(tmp_path), writer="actor"), META)
+    assert host.ready() is None
+
+    async def go():
+        assert await host.add(captured(0), "v1") == {"stored": True}
+        assert (await host.flush())["rows"] == 1
+        ray.kill(host.actor)
+        with pytest.raises(CaptureWriteFailed, match="capture writer actor"):
+            await host.add(captured(1), "v1")
+
+    asyncio.run(go())
+    assert [r["prompt_id"] for r in rows_on_disk(tmp_path)] == ["req-0"]
