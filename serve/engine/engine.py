@@ -249,7 +249,7 @@ class LLMEngine:
                 self.policy.joins.joined(joined_positions(batch.seqs), len(batch.seqs))
             results = self.steps.prefill(batch.seqs)
         else:
-            results = self.steps.decode(batch.seqs) if k == 0 else self._speculate(batch.seqs, k)
+            results = self.steps.decode(batch.seqs, self.drafts.spec is not None) if k == 0 else self._speculate(batch.seqs, k)
         return results, time.perf_counter() - t0
 
     def _postprocess(self, batch, k: int, results: list[SeqResult], seconds: float, started: float) -> list[RequestOutput]:

@@ -13,7 +13,7 @@ from eagleray.serve.engine.config import EngineConfig
 from eagleray.serve.engine.model_runner import ForwardBatch, TargetRunner, block_table_tensor
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.sampling import filter_logits, sample_rows
-from eagleray.serve.engine.sequence import AuxRows, Sequence
+from eagleray.serve.engine.sequence import AuxRows, Sequence, queue_step_rows
 from eagleray.serve.engine.spec_context import SeqResult
 from eagleray.serve.engine.startup import CpuThreads
 
@@ -108,19 +108,22 @@ class TargetSteps:
         with self.prof.phase("sample"):
             return _results(seqs, logits, aux, sizes)
 
-    def decode(self, seqs: list[Sequence]) -> list[SeqResult]:
-        """One new token per sequence: rows through the target's graphs (CUDA), else the varlen forward."""
+    def decode(self, seqs: list[Sequence], for_draft: bool) -> list[SeqResult]:
+        """One new token per sequence: rows through the target's graphs (CUDA), else the varlen forward.
+        ``for_draft``: a draft is installed; each sequence's aux row is queued for it here (results carry none)."""
         self.measured = True
         if self.use_rows:
-            return self._decode_rows(seqs)
+            return self._decode_rows(seqs, for_draft)
         with self.prof.phase("prepare"):
             batch = self._varlen(seqs)
         with self.prof.phase("target"):
             logits, aux = self.target.forward(batch)  # [B, V], [B, A]
         with self.prof.phase("sample"):
-            return _results(seqs, logits, aux, [1] * len(seqs))
+            if for_draft and aux is not None:
+                queue_step_rows(seqs, aux)
+            return [SeqResult([t], None, 0, 0) for t in sample(seqs, logits)]
 
-    def _decode_rows(self, seqs: list[Sequence]) -> list[SeqResult]:
+    def _decode_rows(self, seqs: list[Sequence], for_draft: bool) -> list[SeqResult]:
         """Rows staged by one copy, scored by one graph replay that also takes the greedy tokens; one read-back."""
         n, captures = len(seqs), self.target.rows.captures
         with self.prof.phase("prepare"):
@@ -130,8 +133,9 @@ class TargetSteps:
         self.measured = self.target.rows.captures == captures  # a new aux layer set captures again
         with self.prof.phase("sample"):
             tokens = greedy.tolist() if all(s.params.greedy for s in seqs) else sample(seqs, logits.float())
-            parts = [None] * n if aux is None else [AuxRows(aux, b, 1) for b in range(n)]
-            return [SeqResult([t], a, 0, 0) for t, a in zip(tokens, parts)]
+            if for_draft and aux is not None:
+                queue_step_rows(seqs, aux)
+            return [SeqResult([t], None, 0, 0) for t in tokens]
 
     def _varlen(self, seqs: list[Sequence]) -> ForwardBatch:
         starts = [s.num_tokens - 1 for s in seqs]

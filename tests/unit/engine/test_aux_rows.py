@@ -78,3 +78,18 @@ def test_plain_steps_of_a_speculative_engine_queue_rows_without_an_object_per_se
     assert kept == 0  # ... and none as an object of its own
     aux, counts = gather_aux(seqs)
     assert counts == [s.num_cached - s.draft_cached for s in seqs] and aux.shape[0] == sum(counts)
+
+
+def test_a_plain_engine_queues_no_aux_rows_though_its_target_computes_them(target, tokenizer):
+    """The shared target captures aux layers; without a draft nothing reads them, so a plain step must not queue them
+    (each queued row keeps its step's whole aux tensor alive for the sequence's life)."""
+    engine = make_engine(target, tokenizer)
+    assert target.aux_layer_ids  # the rows are computed ...
+    for p in PROMPTS:
+        engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.step()  # prefill
+    seqs = list(engine.scheduler.running)
+    for _ in range(3):
+        engine.step()
+    assert all(s.num_cached > len(s.prompt_token_ids) for s in seqs)
+    assert [len(s.pending_aux) for s in seqs] == [0] * len(seqs)  # ... and not queued
