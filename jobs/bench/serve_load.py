@@ -42,6 +42,7 @@ SERVERS = (
     "eagleray-2k",
     "eagleray-direct",
     "eagleray-champion-direct",
+    "eagleray-2k-direct",
 )
 PLAIN = {  # the plain eagleray servers: the config without a draft, with these serving fields changed
     "eagleray": {},
@@ -49,6 +50,7 @@ PLAIN = {  # the plain eagleray servers: the config without a draft, with these 
     "eagleray-spin": {"cpu_omp_passive": False},  # libgomp's default spinning workers (A/B of cpu_omp_passive)
     "eagleray-2k": {"max_num_batched_tokens": 2048},  # a prefill step's budget as vLLM's API server on a CPU (A/B)
     "eagleray-direct": {},  # loaded on serving.direct_port (the replica's own HTTP server), not the proxy's port
+    "eagleray-2k-direct": {"max_num_batched_tokens": 2048},  # both: TTFT bought with the direct port's TPOT margin
 }
 CHAMPION_K = 4  # the *-champion servers: the shipped SmolLM2 champion, chain k=4 on both sides
 KEEP = ("completed", "failed", "output_throughput", "median_ttft_ms", "median_tpot_ms", "mean_ttft_ms", "mean_tpot_ms")
@@ -204,6 +206,7 @@ MODES = {
     "eagleray-spin": "plain, cpu_omp_passive: false",
     "eagleray-2k": "plain, max_num_batched_tokens 2048",
     "eagleray-direct": "plain, direct_port (Ray Serve's direct ingress)",
+    "eagleray-2k-direct": "plain, max_num_batched_tokens 2048, direct_port",
     "vllm": "plain",
     "eagleray-draft": "draft random (adaptive)",
     "eagleray-champion": f"draft shipped champion, k={CHAMPION_K} (adaptive)",
