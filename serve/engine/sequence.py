@@ -128,9 +128,10 @@ class PendingAux:
 
 def queue_step_rows(seqs: list["Sequence"], aux: torch.Tensor) -> None:
     """A plain decode step's aux rows [B, W] (row b: ``seqs[b]``'s one committed position) queued for the draft;
-    a captured sequence also keeps a copy of its row. Three list appends a sequence: an :class:`AuxRows` apiece
-    plus ``append_aux`` cost ~1.4 µs a sequence (92 µs a step at 64 sequences on the dev CPU), which a speculative
-    engine's plain steps paid and a plain engine's did not (3-6% of the H100's plain step at 8-64 sequences)."""
+    a captured sequence also keeps a copy of its row. Three list appends a sequence: an :class:`AuxRows` apiece,
+    its ``head`` and ``append_aux`` in the commit took 61 µs a step at 64 sequences on the dev CPU, now 19 (both
+    with the step's SeqResults). A host cost a plain engine does not pay: the speculative engine's plain steps were
+    3-6% dearer than the plain engine's on the H100 at 8-64 sequences (BENCHMARKS.md, 2026-12-07)."""
     for b, s in enumerate(seqs):
         p = s.pending_aux
         p.srcs.append(aux)

@@ -41,6 +41,23 @@ def test_captured_states_equal_a_fresh_forward(target, tokenizer, copy_draft, tr
         torch.testing.assert_close(target.compute_logits(out.hidden.final), logits, atol=1e-2, rtol=1e-3)
 
 
+def test_plain_steps_of_a_speculative_engine_capture_every_position(target, tokenizer, copy_draft):
+    """With speculation off (the adaptive policy's k = 0) every decode step is plain: each step's row is queued for
+    the draft and, for a captured request, copied into its capture."""
+    engine = make_engine(target, tokenizer, copy_draft)
+    engine.enable_capture()
+    engine.policy.disable("plain steps only")
+    outs = engine.generate(PROMPTS[:2], [CAPTURE, GREEDY])
+    assert engine.metrics.speculative.steps == 0 and engine.metrics.plain.steps > 0
+    out = outs[0]
+    ids = out.prompt_token_ids + out.token_ids[:-1]
+    aux, logits = _fresh(target, ids)
+    assert out.hidden.aux.shape == aux.shape
+    torch.testing.assert_close(out.hidden.aux, aux, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(target.compute_logits(out.hidden.final), logits, atol=1e-2, rtol=1e-3)
+    assert outs[1].hidden is None
+
+
 def test_captured_requests_reuse_a_shared_prefix_with_its_hidden_states(target, tokenizer, copy_draft):
     """Captured requests that begin as an earlier captured one take its cached blocks with the hidden states it left
     beside them: prompt tokens are found in the prefix cache, and each request's rows still equal a fresh forward."""
