@@ -167,8 +167,9 @@ def chain_step(ctx: SpecContext, seqs: list[Sequence], k: int) -> list[SeqResult
             p = filter_logits(p, rows.top_k.repeat_interleave(k + 1), rows.top_p.repeat_interleave(k + 1))
         p = p.view(len(seqs), k + 1, -1)  # [B, k+1, V]
         tokens, nacc = ctx.verifier.chain(
-            p, draft_tokens.to(p.device), None if q is None else q.to(p.device), rows.temperature, rows.seed
-        )
+            p, draft_tokens.to(p.device), None if q is None else q.to(p.device), rows.temperature, rows.seed,
+            all(s.params.greedy for s in seqs),
+        )  # fmt: skip
         tokens, nacc = tokens.tolist(), nacc.tolist()  # the step's one device -> host transfer of results
     ctx.record_times(m0, m1)
     return [SeqResult(tokens[b][: n + 1], None if aux[b] is None else aux[b].head(n + 1), k, n) for b, n in enumerate(nacc)]

@@ -42,10 +42,13 @@ class Verifier:
         draft_probs: torch.Tensor | None,
         temperature: torch.Tensor,
         seed: torch.Tensor,
+        all_greedy: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """target_logits [B, K+1, V] fp32, draft_tokens [B, K] int64 target ids, draft_probs [B, K, Vd] or None,
-        temperature [B] f32, seed [B] i64 -> tokens [B, K+1] (padded -1), num_accepted [B]."""
-        all_greedy = bool((temperature == 0).all())
+        temperature [B] f32, seed [B] i64 -> tokens [B, K+1] (padded -1), num_accepted [B]. ``all_greedy``: whether
+        every temperature is 0, if the caller knows it on the host (else read from ``temperature``)."""
+        if all_greedy is None:
+            all_greedy = bool((temperature == 0).all())
         kernel = use_kernel(self.backend, target_logits.device)
         if draft_probs is None or all_greedy:
             if kernel:

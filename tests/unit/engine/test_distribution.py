@@ -76,9 +76,9 @@ def test_broken_verifier_is_detected(target, tokenizer, copy_draft, exact, monke
 
     real = Verifier.chain
 
-    def argmax_q(self, logits, tokens, probs, temperature, seed):
+    def argmax_q(self, logits, tokens, probs, temperature, seed, all_greedy=None):
         wrong = torch.nn.functional.one_hot(probs.argmax(-1), probs.shape[-1]).to(probs.dtype)  # [B, K, Vd]
-        return real(self, logits, tokens, wrong, temperature, seed)
+        return real(self, logits, tokens, wrong, temperature, seed, all_greedy)
 
     monkeypatch.setattr(Verifier, "chain", argmax_q)
     samples = _sample(target, tokenizer, copy_draft, range(N, 2 * N), check_rate=False)

@@ -61,6 +61,22 @@ def test_greedy_pytorch_path_equals_the_hand_computed_answer_and_the_reference()
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
 
 
+def test_greedy_acceptance_on_the_host_equals_the_tensor_ops():
+    """The CPU path (a loop over host ints) and the device path (tensor ops a CUDA graph captures) agree row by row:
+    accepted prefixes, rejections at every position, padding, no drafts, one row."""
+    from eagleray.kernels.verify_chain import accept_greedy, accept_greedy_host
+
+    g = torch.Generator().manual_seed(3)
+    for bsz, k in ((1, 1), (1, 4), (7, 3), (33, 5)):
+        arg = torch.randint(0, 6, (bsz, k + 1), generator=g)
+        d = torch.randint(0, 6, (bsz, k), generator=g)
+        d[::3] = arg[::3, :k]  # every draft accepted in every third row
+        d[1::4, k // 2 :] = -1  # padded rows
+        host, dev = accept_greedy_host(arg, d), accept_greedy(arg, d)
+        assert torch.equal(host[0], dev[0]) and torch.equal(host[1], dev[1]), (bsz, k)
+        assert host[0].dtype == dev[0].dtype and host[1].dtype == dev[1].dtype
+
+
 def test_greedy_k1_and_bf16():
     logits = _onehot_logits([[2, 9], [2, 9]]).to(torch.bfloat16)
     draft = torch.tensor([[2], [5]])
