@@ -35,6 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from eagleray.kernels import cpu_decode
 from eagleray.kernels.reference_ops import write_kv
 from eagleray.platform.errors import EaglerayError
+from eagleray.platform.models import attention_host
 
 # Not cuDNN: its attention builds an execution plan for every new shape, ~1.5 ms of host time a layer (measured on
 # the H200: 46 ms of a 79 ms one-prompt prefill of SmolLM2); flash, memory-efficient and math attention need none.
@@ -133,6 +134,8 @@ def _slot_mapping(query_lens: list[int], ctx: list[int], bt: torch.Tensor, block
     if block_size <= 0:
         raise EaglerayError("attention: block_size must be > 0 when block_tables are given")
     dev = bt.device
+    if attention_host.use_host(sum(query_lens), dev):
+        return attention_host.slot_mapping(query_lens, ctx, bt, block_size)
     need = [(c + q + block_size - 1) // block_size for c, q in zip(ctx, query_lens)]
     short = [b for b, n in enumerate(need) if n > bt.shape[1]]
     ql = torch.tensor(query_lens, device=dev)  # [B]
@@ -223,6 +226,8 @@ def row_keys(meta: AttentionMetadata) -> cpu_decode.RowKeys:
     order, so a causal row's value does not depend on which description it gets.
     """
     rows = meta.layouts.get("rows")
+    if rows is None and sum(meta.query_lens) <= attention_host.HOST_ROWS:  # the native kernel's: CPU rows
+        rows = meta.layouts["rows"] = attention_host.row_keys(meta.query_lens, meta.context_lens, meta.tree_masks)
     if rows is None:
         ql = torch.tensor(meta.query_lens, dtype=torch.int64)  # [B]
         seq = torch.repeat_interleave(torch.arange(len(ql)), ql)  # [T]
