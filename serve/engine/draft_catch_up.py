@@ -118,7 +118,7 @@ def settle_draft(ctx: SpecContext, seqs: list[Sequence]) -> None:
         lasts = [s.pending_aux.last() for s in seqs]  # the row the step graphs' catch-up reads
         aux, counts = take_aux(ctx, seqs)  # [T + B, A]
         for s, last in zip(seqs, lasts):
-            s.pending_aux.append(last)  # emptied by take_aux
+            s.pending_aux.append(*last)  # emptied by take_aux
         starts = [sum(counts[:b]) for b in range(len(seqs))]
         keep = [i for st, c in zip(starts, counts) for i in range(st, st + c - 1)]
         aux = aux[torch.tensor(keep, dtype=torch.int64, device=aux.device)].to(ctx.draft.device)  # [T, A]: all but lasts

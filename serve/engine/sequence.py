@@ -105,10 +105,11 @@ class PendingAux:
         self.starts: list[int] = []
         self.counts: list[int] = []
 
-    def append(self, rows: AuxRows) -> None:
-        self.srcs.append(rows.src)
-        self.starts.append(rows.start)
-        self.counts.append(rows.count)
+    def append(self, src: torch.Tensor, start: int, count: int) -> None:
+        """Queue rows ``start .. start+count-1`` of ``src`` (an :class:`AuxRows`' fields)."""
+        self.srcs.append(src)
+        self.starts.append(start)
+        self.counts.append(count)
 
     def clear(self) -> None:
         self.srcs.clear()
@@ -127,18 +128,13 @@ class PendingAux:
 
 
 def queue_step_rows(seqs: list["Sequence"], aux: torch.Tensor) -> None:
-    """A plain decode step's aux rows [B, W] (row b: ``seqs[b]``'s one committed position) queued for the draft;
-    a captured sequence also keeps a copy of its row. Three list appends a sequence: an :class:`AuxRows` apiece,
-    its ``head`` and ``append_aux`` in the commit took 61 µs a step at 64 sequences on the dev CPU, now 19 (both
-    with the step's SeqResults). A host cost a plain engine does not pay: the speculative engine's plain steps were
-    3-6% dearer than the plain engine's on the H100 at 8-64 sequences (BENCHMARKS.md, 2026-12-07)."""
+    """A plain decode step's aux rows [B, W] (row b: ``seqs[b]``'s one committed position) queued for the draft
+    (:meth:`Sequence.queue_aux`, no :class:`AuxRows` a sequence: an AuxRows apiece, its ``head`` and ``append_aux``
+    in the commit took 61 µs a step at 64 sequences on the dev CPU, now ~20, both with the step's SeqResults). A
+    host cost a plain engine does not pay: the speculative engine's plain steps were 3-6% dearer than the plain
+    engine's on the H100 at 8-64 sequences (BENCHMARKS.md, 2026-12-07)."""
     for b, s in enumerate(seqs):
-        p = s.pending_aux
-        p.srcs.append(aux)
-        p.starts.append(b)
-        p.counts.append(1)
-        if s.captured is not None:
-            s.captured.append(aux[b : b + 1].clone())  # a view would keep the whole step's tensor alive
+        s.queue_aux(aux, b, 1)
 
 
 def gather_aux(seqs: list["Sequence"], extra: int = 0) -> tuple[torch.Tensor, list[int]]:
@@ -246,11 +242,14 @@ class Sequence:
         """Queue the aux rows of newly committed positions for the draft (their first A columns are the draft's;
         while the engine captures, the target's final normed state [H] follows). A captured sequence also keeps
         a copy of the whole rows."""
-        if aux is None:
-            return
+        if aux is not None:
+            self.queue_aux(aux.src, aux.start, aux.count)
+
+    def queue_aux(self, src: torch.Tensor, start: int, count: int) -> None:
+        """Queue rows ``start .. start+count-1`` of a step's aux rows ``src`` [R, W] (see :meth:`append_aux`)."""
         if self.captured is not None:
-            self.captured.append(aux.tensor().clone())  # a view would keep the whole step's tensor alive
-        self.pending_aux.append(aux)
+            self.captured.append(src[start : start + count].clone())  # a view would keep the whole step's tensor alive
+        self.pending_aux.append(src, start, count)
 
     def take_captured(self) -> torch.Tensor:
         """A finished captured sequence's rows [T, A + H] of positions 0..T-1 (its ``captured`` chunks joined; the

@@ -112,18 +112,20 @@ class TargetSteps:
         """One new token per sequence: rows through the target's graphs (CUDA), else the varlen forward.
         ``for_draft``: a draft is installed; each sequence's aux row is queued for it here (results carry none)."""
         self.measured = True
-        if self.use_rows:
-            return self._decode_rows(seqs, for_draft)
+        tokens, aux = self._decode_rows(seqs) if self.use_rows else self._decode_varlen(seqs)  # [B], [B, A] | None
+        if for_draft and aux is not None:
+            queue_step_rows(seqs, aux)
+        return [SeqResult([t], None, 0, 0) for t in tokens]
+
+    def _decode_varlen(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor | None]:
         with self.prof.phase("prepare"):
             batch = self._varlen(seqs)
         with self.prof.phase("target"):
             logits, aux = self.target.forward(batch)  # [B, V], [B, A]
         with self.prof.phase("sample"):
-            if for_draft and aux is not None:
-                queue_step_rows(seqs, aux)
-            return [SeqResult([t], None, 0, 0) for t in sample(seqs, logits)]
+            return sample(seqs, logits), aux
 
-    def _decode_rows(self, seqs: list[Sequence], for_draft: bool) -> list[SeqResult]:
+    def _decode_rows(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor | None]:
         """Rows staged by one copy, scored by one graph replay that also takes the greedy tokens; one read-back."""
         n, captures = len(seqs), self.target.rows.captures
         with self.prof.phase("prepare"):
@@ -132,10 +134,7 @@ class TargetSteps:
             logits, greedy, aux = self.target.decode_staged(self.stage.dev, bucket, n)  # [n, V], [n], [n, A] | None
         self.measured = self.target.rows.captures == captures  # a new aux layer set captures again
         with self.prof.phase("sample"):
-            tokens = greedy.tolist() if all(s.params.greedy for s in seqs) else sample(seqs, logits.float())
-            if for_draft and aux is not None:
-                queue_step_rows(seqs, aux)
-            return [SeqResult([t], None, 0, 0) for t in tokens]
+            return (greedy.tolist() if all(s.params.greedy for s in seqs) else sample(seqs, logits.float())), aux
 
     def _varlen(self, seqs: list[Sequence]) -> ForwardBatch:
         starts = [s.num_tokens - 1 for s in seqs]
