@@ -86,7 +86,7 @@ def check_vllm_loadable(ckpt: DraftCheckpoint, num_layers: int) -> list[int]:
 
 
 def tokenize(target_dir: Path, prompts: list[list[dict]]) -> list[list[int]]:
-    """Chat template with the generation prompt, exactly as LLMEngine._tokenize does."""
+    """Chat template with the generation prompt, exactly as LLMEngine.tokenize does."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))

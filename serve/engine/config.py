@@ -19,6 +19,10 @@ class EngineConfig(StrictModel):
         ge=16,
         description="Token budget of one prefill step (a prompt longer than it still prefills, alone). On a 2-core CPU a budget of 2048 (vLLM's API-server default there) measured a better TTFT but a worse TPOT and throughput under four 512-token clients (BENCHMARKS.md), so the default stays 8192.",
     )
+    chunked_prefill: bool | None = Field(
+        None,
+        description="Split a prompt that does not fit the step's token budget (max_num_batched_tokens, less the prompts admitted before it): its first tokens fill the step, the rest continue in later steps, and between two of its chunks the running sequences take a decode step, so a long prompt never stalls them for more than one budget's prefill. Off: a step admits whole prompts only (one longer than the budget prefills alone). None: on on CPU; off on CUDA, where a prompt's chunk boundaries would depend on the prompts beside it and greedy speculation's bitwise equality with plain decoding (bf16) depends on a sequence's prefill path alone.",
+    )
     join_wait_steps: int | None = Field(
         None,
         ge=0,

@@ -29,7 +29,7 @@ from eagleray.serve.engine.outputs import CapturedHidden, Detokenizer, RequestOu
 from eagleray.serve.engine.policy import AdaptivePolicy
 from eagleray.serve.engine.profile import StepProfiler
 from eagleray.serve.engine.sampling import SamplingParams
-from eagleray.serve.engine.scheduler import ScheduledBatch, Scheduler
+from eagleray.serve.engine.scheduler import Scheduler
 from eagleray.serve.engine.sequence import Sequence
 from eagleray.serve.engine.spec_context import SeqResult
 from eagleray.serve.engine.spec_step import chain_step, tree_step
@@ -120,7 +120,7 @@ class LLMEngine:
     ) -> str:
         """Queue a request; ``on_output`` is called with each step's delta (streaming)."""
         params = params or SamplingParams()
-        ids = self._tokenize(prompt)
+        ids = self.tokenize(prompt)
         need = self.blocks.blocks_for(len(ids) + params.max_tokens + self._lookahead(self.policy.k_max))
         check_request(ids, params, self.max_model_len, need, self.blocks.num_blocks, bool(self.capture_width))
         rid = request_id or f"req-{len(self._seqs)}-{self._rng.getrandbits(32):08x}"
@@ -152,14 +152,6 @@ class LLMEngine:
             )
         self.target.capture_final = True
         self.capture_width = self.target.model.hidden_size
-
-    def _tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            out = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
-            return list(out["input_ids"])
-        if isinstance(prompt, str):
-            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        return [int(t) for t in prompt]
 
     def abort(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
@@ -227,39 +219,32 @@ class LLMEngine:
                 self.swap_draft(*rollback)  # drafts may read different target layers
             k = self.policy.choose(max(len(self.scheduler.running), 1)) if self.drafts.spec is not None else 0
             batch = self.scheduler.schedule(self._lookahead(k))
-            if k and batch is not None and not batch.is_prefill:
-                batch = self._measuring(batch)
+            if k and batch is not None and not batch.is_prefill:  # while acceptance is unknown, a few speculate
+                batch = batch.least_behind(self.policy.measuring_seqs(len(batch.seqs)))
             return k, batch
-
-    def _measuring(self, batch: ScheduledBatch) -> ScheduledBatch:
-        """The sequences that speculate this step: all, or while acceptance is unknown the few whose draft catch-up
-        is shortest (:meth:`AdaptivePolicy.measuring_seqs`; the rest wait one step)."""
-        n = self.policy.measuring_seqs(len(batch.seqs))
-        if n >= len(batch.seqs):
-            return batch
-        unseen = sorted(range(len(batch.seqs)), key=lambda i: batch.seqs[i].num_tokens - batch.seqs[i].draft_cached)
-        keep = sorted(unseen[:n])
-        return ScheduledBatch([batch.seqs[i] for i in keep], is_prefill=False)
 
     def _run(self, batch, k: int) -> tuple[list[SeqResult], float]:
         """Prefill, plain decode or a speculative step -> one result per sequence, and the seconds it took."""
         t0 = time.perf_counter()
         if batch.is_prefill:
             if self.drafts.spec is not None:  # the prompt positions the draft will catch up on (join_cost)
-                self.policy.joins.joined(joined_positions(batch.seqs), len(batch.seqs))
-            results = self.steps.prefill(batch.seqs)
+                self.policy.joins.joined(joined_positions(batch.completing), len(batch.completing))
+            results = self.steps.prefill(batch.seqs, batch.chunk)
         else:
             results = self.steps.decode(batch.seqs, self.drafts.spec is not None) if k == 0 else self._speculate(batch.seqs, k)
         return results, time.perf_counter() - t0
 
     def _postprocess(self, batch, k: int, results: list[SeqResult], seconds: float, started: float) -> list[RequestOutput]:
-        """Commit each sequence's tokens, emit its output, account the step."""
+        """Commit each sequence's tokens (a partial prompt's positions), emit its output, account the step."""
+        seqs = batch.completing
         with self.prof.phase("commit"):
-            kept = [self._commit(seq, res) for seq, res in zip(batch.seqs, results)]
+            if batch.chunk:
+                self._commit_chunk(batch.seqs[-1], results[-1], batch.chunk)
+            kept = [self._commit(seq, res) for seq, res in zip(seqs, results)]
         with self.prof.phase("output"):
-            shown = [seq for seq in batch.seqs if seq.params.detokenize]
+            shown = [seq for seq in seqs if seq.params.detokenize]
             texts = dict(zip(map(id, shown), self.detok.update_many(shown)))  # one batched decode a step
-            outputs = [self._emit(seq, toks, texts.get(id(seq), ("", ""))) for seq, toks in zip(batch.seqs, kept)]
+            outputs = [self._emit(seq, toks, texts.get(id(seq), ("", ""))) for seq, toks in zip(seqs, kept)]
         self._account(batch, k, sum(map(len, kept)), seconds, started)
         return outputs
 
@@ -317,6 +302,13 @@ class LLMEngine:
         self.blocks.truncate(seq, seq.num_tokens)
         return kept
 
+    def _commit_chunk(self, seq: Sequence, res: SeqResult, n: int) -> None:
+        """A partial prompt's ``n`` positions scored: committed, their aux rows queued; no token, no output (its blocks
+        go to the prefix cache with its last chunk's commit)."""
+        seq.num_cached += n
+        if self.drafts.spec is not None:
+            seq.append_aux(res.aux)
+
     def _emit(self, seq: Sequence, kept: list[int], texts: tuple[str, str]) -> RequestOutput:
         """Finish the request if it stopped (``texts``: its text and delta, a stop string found), build its output
         and call its callback."""
@@ -368,7 +360,12 @@ class LLMEngine:
     # ----------------------------------------------------------------- accessors for callers outside the engine
     def tokenize(self, prompt: Prompt) -> list[int]:
         """The token ids the engine runs for ``prompt`` (messages -> chat template, text -> tokenizer, ids as given)."""
-        return self._tokenize(prompt)
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            out = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+            return list(out["input_ids"])
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return [int(t) for t in prompt]
 
     @property
     def current_draft(self) -> Eagle3Draft | None:

@@ -2,7 +2,9 @@
 
 Requests join the waiting queue at any time and leave when finished; between steps the
 scheduler admits waiting requests while ``max_num_seqs``, the token budget and the free KV
-blocks allow. A decode step reserves ``lookahead`` cache positions per sequence (1 for plain
+blocks allow. With chunked prefill (``engine.chunked_prefill``) the first prompt that does not fit the budget left
+fills it with its first tokens and stays first in line, holding its blocks, for the rest (a *partial* prompt); the
+running sequences take a decode step between two of its chunks. A decode step reserves ``lookahead`` cache positions per sequence (1 for plain
 decoding, k+1 or the tree size for speculation); when the cache is short, the newest running
 sequence is preempted (its blocks freed, recomputed later). At saturation (a queue beyond the free slots) free slots
 may wait a few decode steps for company (``engine.join_wait_steps``): sequences that finish at different steps, as
@@ -21,7 +23,7 @@ from eagleray.platform.errors import EaglerayError
 from eagleray.serve.engine.block_manager import BlockManager
 from eagleray.serve.engine.config import EngineConfig
 from eagleray.serve.engine.sequence import Sequence, SequenceStatus
-from eagleray.serve.engine.startup import join_wait_steps
+from eagleray.serve.engine.startup import chunked_prefill, join_wait_steps
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +34,36 @@ class ScheduledBatch:
 
     seqs: list[Sequence]
     is_prefill: bool
+    chunk: int = 0  # > 0: the last sequence prefills only this many of its uncached prompt tokens (a partial prompt)
+
+    @property
+    def completing(self) -> list[Sequence]:
+        """The sequences that get a token this step (all but a partial prompt)."""
+        return self.seqs[:-1] if self.chunk else self.seqs
+
+    def least_behind(self, n: int) -> "ScheduledBatch":
+        """A decode batch cut to the ``n`` sequences whose draft has the fewest positions to catch up on (the
+        adaptive policy's measuring steps, :meth:`AdaptivePolicy.measuring_seqs`; the rest wait one step)."""
+        if n >= len(self.seqs):
+            return self
+        behind = sorted(range(len(self.seqs)), key=lambda i: self.seqs[i].num_tokens - self.seqs[i].draft_cached)
+        return ScheduledBatch([self.seqs[i] for i in sorted(behind[:n])], is_prefill=False)
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, join_wait_steps: int = 0):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        join_wait_steps: int = 0,
+        chunked_prefill: bool = False,
+    ):
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
+        self.yield_to_decode = False  # the last step prefilled a chunk: the running sequences decode next
         self.join_wait_steps = join_wait_steps  # engine.join_wait_steps: decode steps free slots may wait for company
         self.join_min = max(1, max_num_seqs // 8)  # free slots worth a prefill step of their own at saturation
         self.held_steps = 0  # decode steps the free slots have waited so far
@@ -49,8 +74,8 @@ class Scheduler:
     @classmethod
     def for_engine(cls, block_manager: BlockManager, config: EngineConfig, device: torch.device) -> Scheduler:
         """The engine's scheduler, ``engine.join_wait_steps`` resolved for ``device`` (:func:`startup.join_wait_steps`)."""
-        wait = join_wait_steps(config, device)
-        return cls(block_manager, config.max_num_seqs, config.max_num_batched_tokens, wait)
+        wait, chunked = join_wait_steps(config, device), chunked_prefill(config, device)
+        return cls(block_manager, config.max_num_seqs, config.max_num_batched_tokens, wait, chunked)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -60,11 +85,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, lookahead: int) -> ScheduledBatch | None:
-        """Prefill first (admission, unless joins wait for company), otherwise decode every running sequence."""
-        batch = None if self._hold_joins() else self._schedule_prefill()
+        """Prefill first (admission, unless joins wait for company, or a chunk was prefilled last step and sequences
+        are running), otherwise decode every running sequence."""
+        yielded, self.yield_to_decode = self.yield_to_decode and bool(self.running), False
+        batch = None if yielded or self._hold_joins() else self._schedule_prefill()
         if batch is not None:
             return batch
-        return self._schedule_decode(lookahead)
+        return self._schedule_decode(lookahead) or (self._schedule_prefill() if yielded else None)
 
     def _hold_joins(self) -> bool:
         """Whether the free slots wait one more decode step before admitting: only at saturation (more requests
@@ -81,23 +108,43 @@ class Scheduler:
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         seqs: list[Sequence] = []
-        tokens = 0
+        tokens = chunk = 0
         while self.waiting and len(self.running) + len(seqs) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = seq.num_tokens - self.blocks.match_prefix(seq)  # the tokens this step computes
-            if (seqs and tokens + n > self.max_num_batched_tokens) or not self.blocks.can_ensure(seq, seq.num_tokens):
-                self.blocks.unmatch(seq)
+            fresh = not seq.block_table  # a partial prompt holds its blocks and its cached count
+            if fresh:
+                self.blocks.match_prefix(seq)
+            n, room = seq.num_tokens - seq.num_cached, self.max_num_batched_tokens - tokens  # tokens to compute, budget left
+            split = self.chunked_prefill and n > room > 0
+            if (seqs and n > room and not split) or (fresh and not self.blocks.can_ensure(seq, seq.num_tokens)):
+                if fresh:
+                    self.blocks.unmatch(seq)
                 break
-            self.blocks.ensure(seq, seq.num_tokens)
-            self.blocks.admitted(seq)
+            if fresh:
+                self.blocks.ensure(seq, seq.num_tokens)  # the whole prompt's blocks: its later chunks never wait for any
+                self.blocks.admitted(seq)
+            seqs.append(seq)
+            if split:  # its first `room` tokens now; it stays first in line for the rest
+                chunk = room
+                break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            seqs.append(seq)
             tokens += n
         if not seqs:
             return None
-        self.running.extend(seqs)
-        return ScheduledBatch(seqs, is_prefill=True)
+        batch = ScheduledBatch(seqs, is_prefill=True, chunk=chunk)
+        self.running.extend(batch.completing)
+        self.yield_to_decode = bool(chunk)
+        return batch
+
+    def _release_partial(self) -> bool:
+        """Free the blocks of a partial prompt (it starts again when admitted) -> whether there was one."""
+        for seq in self.waiting:
+            if seq.block_table:
+                self.blocks.free(seq)
+                seq.reset_for_recompute()
+                return True
+        return False
 
     def _schedule_decode(self, lookahead: int) -> ScheduledBatch | None:
         scheduled: list[Sequence] = []
@@ -105,6 +152,8 @@ class Scheduler:
             if seq not in self.running:
                 continue  # preempted below to make room
             need = seq.num_tokens - 1 + lookahead
+            if not self.blocks.can_ensure(seq, need):
+                self._release_partial()  # a prompt not yet running gives its blocks back first
             while not self.blocks.can_ensure(seq, need) and self.running[-1] is not seq:
                 self._preempt(self.running[-1])
             if not self.blocks.can_ensure(seq, need):
@@ -121,7 +170,9 @@ class Scheduler:
         return ScheduledBatch(scheduled, is_prefill=False) if scheduled else None
 
     def preempt_all(self) -> None:
-        """Send every running sequence back to be recomputed (a draft swap: no draft state crosses it)."""
+        """Send every running sequence back to be recomputed, a partial prompt too (a draft swap: no draft state
+        crosses it)."""
+        self._release_partial()
         for seq in list(self.running):
             self._preempt(seq)
 

@@ -38,6 +38,11 @@ def prefix_caching(config: EngineConfig, device: torch.device) -> bool:
     return config.prefix_caching if config.prefix_caching is not None else device.type != "cuda"
 
 
+def chunked_prefill(config: EngineConfig, device: torch.device) -> bool:
+    """``engine.chunked_prefill`` resolved: as set, else on for a CPU engine and off on CUDA (see there)."""
+    return config.chunked_prefill if config.chunked_prefill is not None else device.type != "cuda"
+
+
 def use_rows(config: EngineConfig, target: LlamaModel, device: torch.device) -> bool:
     """Whether decode and verification run the fixed-shape row step (``engine.decode_path``)."""
     if config.decode_path == "varlen" or (config.decode_path == "auto" and device.type != "cuda"):

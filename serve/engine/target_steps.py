@@ -64,8 +64,10 @@ class TargetSteps:
             runner.run_staged(self.stage.dev, bucket)
         torch.cuda.synchronize()  # the staging copy is done before a step writes the pinned rows again
 
-    def prefill(self, seqs: list[Sequence]) -> list[SeqResult]:
-        """Score every uncached prompt token, a token per sequence from its last one. A sequence with at most
+    def prefill(self, seqs: list[Sequence], chunk: int = 0) -> list[SeqResult]:
+        """Score every uncached prompt token, a token per sequence from its last one; ``chunk`` > 0: the last sequence
+        scores only its next ``chunk`` prompt tokens and gets no token (a partial prompt: its result holds its aux
+        rows alone). A sequence with at most
         ``engine.prefill_rows`` of them runs as rows of the row step (all such sequences of the step together: a
         row's result does not depend on the rows beside it); a longer one runs the eager varlen forward by itself
         (its forward has the same shapes whatever it was scheduled with). So the path, and the bits of the KV cache
@@ -73,32 +75,39 @@ class TargetSteps:
         where a plain engine prefills eight or 32 at once, and a path chosen by the step's total made their
         outputs differ (bf16, H200). Without the row step (``prefill_rows`` 0: the varlen engine, whose decode is not
         batch-invariant either) the step's sequences run one eager forward together."""
+        ends = {id(s): s.num_tokens for s in seqs}  # each sequence's positions to score end here
+        if chunk:
+            ends[id(seqs[-1])] = seqs[-1].num_cached + chunk
         if not self.prefill_rows:
-            return self._prefill_eager(seqs)
-        short = [s for s in seqs if s.num_tokens - s.num_cached <= self.prefill_rows]
-        done = dict(zip(map(id, short), self._prefill_rows(short))) if short else {}
-        return [done[id(s)] if id(s) in done else self._prefill_eager([s])[0] for s in seqs]
+            return self._prefill_eager(seqs, ends, chunk)
+        short = [s for s in seqs if ends[id(s)] - s.num_cached <= self.prefill_rows]
+        part = chunk if short and short[-1] is seqs[-1] else 0
+        done = dict(zip(map(id, short), self._prefill_rows(short, ends, part))) if short else {}
+        for s in seqs:  # the longer ones eagerly, each by itself
+            if id(s) not in done:
+                done[id(s)] = self._prefill_eager([s], ends, chunk if s is seqs[-1] else 0)[0]
+        return [done[id(s)] for s in seqs]
 
-    def _prefill_eager(self, seqs: list[Sequence]) -> list[SeqResult]:
-        """The eager varlen forward over the sequences' uncached tokens."""
+    def _prefill_eager(self, seqs: list[Sequence], ends: dict[int, int], chunk: int) -> list[SeqResult]:
+        """The eager varlen forward over the sequences' uncached tokens up to their ``ends``."""
         with self.prof.phase("prepare"), self.threads.for_gemm():
-            tokens = [s.tokens[s.num_cached :] for s in seqs]
-            positions = [list(range(s.num_cached, s.num_tokens)) for s in seqs]
+            tokens = [s.tokens[s.num_cached : ends[id(s)]] for s in seqs]
+            positions = [list(range(s.num_cached, ends[id(s)])) for s in seqs]
             batch = ForwardBatch.build(
                 tokens, positions, [s.num_cached for s in seqs], [s.block_table for s in seqs], self.block_size, self.device
             )
         with self.prof.phase("target"), self.threads.for_gemm():
             logits, aux = self.target.forward(batch, batch.last_index)  # [B, V], [T, A]
         with self.prof.phase("sample"):
-            return _results(seqs, logits, aux, [len(t) for t in tokens])
+            return _results(seqs, logits, aux, [len(t) for t in tokens], chunk)
 
-    def _prefill_rows(self, seqs: list[Sequence]) -> list[SeqResult]:
+    def _prefill_rows(self, seqs: list[Sequence], ends: dict[int, int], chunk: int) -> list[SeqResult]:
         """The prompt tokens as rows (each attends to its sequence's positions up to its own, K/V written by the
         rows before it in the same replay or by earlier replays), replays of the row step's largest bucket."""
         with self.prof.phase("prepare"):
-            sizes = [s.num_tokens - s.num_cached for s in seqs]
-            ids = torch.tensor([t for s in seqs for t in s.tokens[s.num_cached :]], dtype=torch.int64)  # [R]
-            pos = torch.cat([torch.arange(s.num_cached, s.num_tokens) for s in seqs])  # [R]
+            sizes = [ends[id(s)] - s.num_cached for s in seqs]
+            ids = torch.tensor([t for s in seqs for t in s.tokens[s.num_cached : ends[id(s)]]], dtype=torch.int64)  # [R]
+            pos = torch.cat([torch.arange(s.num_cached, ends[id(s)]) for s in seqs])  # [R]
             row_seq = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(sizes))  # [R]
             tables = block_table_tensor([s.block_table for s in seqs], self.device)  # [B, MB]
             rows = DecodeRows.of(ids.to(self.device), pos.to(self.device), tables, self.block_size, row_seq.to(self.device))
@@ -106,7 +115,7 @@ class TargetSteps:
         with self.prof.phase("target"):
             logits, aux = self.target.prefill_rows(rows, last)  # [B, V], [R, A] | None
         with self.prof.phase("sample"):
-            return _results(seqs, logits, aux, sizes)
+            return _results(seqs, logits, aux, sizes, chunk)
 
     def decode(self, seqs: list[Sequence], for_draft: bool) -> list[SeqResult]:
         """One new token per sequence: rows through the target's graphs (CUDA), else the varlen forward.
@@ -156,8 +165,13 @@ class TargetSteps:
         return bucket
 
 
-def _results(seqs: list[Sequence], logits: torch.Tensor, aux: torch.Tensor | None, sizes: list[int]) -> list[SeqResult]:
+def _results(
+    seqs: list[Sequence], logits: torch.Tensor, aux: torch.Tensor | None, sizes: list[int], chunk: int = 0
+) -> list[SeqResult]:
     """A token per sequence from logits [B, V], with that sequence's rows of ``aux`` [sum(sizes), A] (None without
-    a draft)."""
+    a draft); ``chunk`` > 0: the last sequence is a partial prompt, its logits unused and no token drawn (its sampling
+    generator untouched)."""
     parts = [None] * len(seqs) if aux is None else AuxRows.split(aux, sizes)
-    return [SeqResult([t], a, 0, 0) for t, a in zip(sample(seqs, logits), parts)]
+    done = len(seqs) - 1 if chunk else len(seqs)
+    tokens = [[t] for t in sample(seqs[:done], logits[:done])] if done else []
+    return [SeqResult(t, a, 0, 0) for t, a in zip(tokens + [[]] * (len(seqs) - done), parts)]

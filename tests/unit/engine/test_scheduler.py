@@ -135,3 +135,103 @@ def test_an_engine_whose_joins_wait_emits_the_same_tokens_in_fewer_prefill_steps
         runs[wait] = ([o.token_ids for o in engine.generate(prompts, params)], engine.metrics.prefill.steps)
     assert runs[6][0] == runs[0][0]
     assert runs[6][1] < runs[0][1], runs
+
+
+def _chunked(num_blocks: int = 64, budget: int = 10, max_num_seqs: int = 4) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, 4), max_num_seqs, budget, chunked_prefill=True)
+
+
+def _prefilled(batch) -> None:
+    """Pretend a prefill step ran: the partial prompt's chunk committed, every other sequence got a token."""
+    if batch.chunk:
+        batch.seqs[-1].num_cached += batch.chunk
+    for s in batch.completing:
+        s.output_token_ids.append(1)
+        s.num_cached = s.num_tokens - 1
+
+
+def test_a_prompt_longer_than_the_budget_prefills_in_chunks_holding_its_blocks():
+    sched = _chunked(budget=10)
+    long = _seq(25)
+    sched.add(long)
+    chunks = []
+    for _ in range(3):
+        batch = sched.schedule(lookahead=1)
+        assert batch.is_prefill and batch.seqs == [long]
+        chunks.append(batch.chunk)
+        if batch.chunk:  # partial: first in line, all 7 blocks held, not running
+            assert list(sched.waiting) == [long] and sched.running == [] and len(long.block_table) == 7
+        _prefilled(batch)
+    assert chunks == [10, 10, 0]  # 10 + 10 tokens, then the last 5 complete the prompt and draw its first token
+    assert sched.running == [long] and not sched.waiting and long.num_cached == 25
+
+
+def test_the_budget_left_is_filled_by_the_next_prompts_first_tokens_and_decodes_run_between_chunks():
+    sched = _chunked(budget=10)
+    a, b = _seq(6), _seq(9)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule(lookahead=1)
+    assert first.seqs == [a, b] and first.chunk == 4 and first.completing == [a]  # vLLM's chunked prefill: 6 + 4
+    _prefilled(first)
+    assert sched.running == [a] and sched.waiting[0] is b and b.num_cached == 4
+    between = sched.schedule(lookahead=1)
+    assert not between.is_prefill and between.seqs == [a]  # the running sequence is not stalled by b's rest
+    a.output_token_ids.append(1)
+    a.num_cached = a.num_tokens - 1
+    rest = sched.schedule(lookahead=1)
+    assert rest.is_prefill and rest.seqs == [b] and rest.chunk == 0  # b's last 5 tokens
+    _prefilled(rest)
+    assert sched.running == [a, b]
+
+
+def test_without_chunked_prefill_a_step_admits_whole_prompts():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=10)
+    a, b, long = _seq(6), _seq(9), _seq(25)
+    for s in (a, b, long):
+        sched.add(s)
+    first = sched.schedule(lookahead=1)
+    assert first.seqs == [a] and first.chunk == 0  # b would exceed the budget: it waits whole
+    _prefilled(first)
+    second = sched.schedule(lookahead=1)
+    assert second.is_prefill and second.seqs == [b]  # prefill first: no decode step in between
+    _prefilled(second)
+    alone = sched.schedule(lookahead=1)
+    assert alone.seqs == [long] and alone.chunk == 0  # longer than the budget: it prefills whole, alone
+
+
+def test_a_partial_prompt_gives_its_blocks_back_before_a_running_sequence_is_preempted():
+    sched = _chunked(num_blocks=6, budget=8)
+    a, long = _seq(7), _seq(13)  # a: 2 blocks; long: 4 blocks (13 positions), the cache's 6 all held
+    sched.add(a)
+    sched.add(long)
+    first = sched.schedule(lookahead=1)
+    assert first.seqs == [a, long] and first.chunk == 1
+    _prefilled(first)
+    assert len(long.block_table) == 4 and long.num_cached == 1
+    decode = sched.schedule(lookahead=4)  # a needs a third block: the partial prompt frees its four
+    assert decode.seqs == [a] and sched.num_preemptions == 0
+    assert long.block_table == [] and long.num_cached == 0 and sched.waiting[0] is long  # it starts again later
+
+
+def test_a_draft_swap_releases_a_partial_prompt():
+    sched = _chunked(budget=8)
+    a, long = _seq(7), _seq(13)
+    sched.add(a)
+    sched.add(long)
+    _prefilled(sched.schedule(lookahead=1))
+    long.pending_aux.append(None, 0, 1)  # rows of the old draft's aux layers
+    sched.preempt_all()
+    assert long.block_table == [] and long.num_cached == 0 and len(long.pending_aux) == 0
+    assert list(sched.waiting) == [a, long] and sched.running == []
+
+
+def test_chunked_prefill_default_is_per_device():
+    import torch
+
+    from eagleray.serve.engine import EngineConfig
+
+    bm = BlockManager(8, 4)
+    assert Scheduler.for_engine(bm, EngineConfig(), torch.device("cpu")).chunked_prefill is True
+    assert Scheduler.for_engine(bm, EngineConfig(), torch.device("cuda")).chunked_prefill is False
+    assert Scheduler.for_engine(bm, EngineConfig(chunked_prefill=False), torch.device("cpu")).chunked_prefill is False

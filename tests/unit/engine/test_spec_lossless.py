@@ -131,9 +131,9 @@ def _spy_prefills(engine) -> list:
     for name in ("_prefill_rows", "_prefill_eager"):
         real = getattr(steps, name)
 
-        def spied(seqs, real=real, name=name):
-            calls.append((name, [s.num_tokens - s.num_cached for s in seqs]))
-            return real(seqs)
+        def spied(seqs, ends, chunk, real=real, name=name):
+            calls.append((name, [ends[id(s)] - s.num_cached for s in seqs]))
+            return real(seqs, ends, chunk)
 
         setattr(steps, name, spied)
     return calls
