@@ -17,7 +17,7 @@ class EngineConfig(StrictModel):
     max_num_batched_tokens: int = Field(
         8192,
         ge=16,
-        description="Token budget of one prefill step (a prompt longer than it still prefills, alone). On a 2-core CPU a budget of 2048 (vLLM's API-server default there) measured a better TTFT but a worse TPOT and throughput under four 512-token clients (BENCHMARKS.md), so the default stays 8192.",
+        description="Token budget of one prefill step (a prompt that does not fit prefills in chunks with engine.chunked_prefill, else whole: one longer than the budget alone). On a 2-core CPU a budget of 2048 (vLLM's API-server default there) measured a better TTFT but a worse TPOT and throughput under four 512-token clients (BENCHMARKS.md), so the default stays 8192.",
     )
     chunked_prefill: bool | None = Field(
         None,

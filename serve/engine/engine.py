@@ -228,7 +228,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         if batch.is_prefill:
             if self.drafts.spec is not None:  # the prompt positions the draft will catch up on (join_cost)
-                self.policy.joins.joined(joined_positions(batch.completing), len(batch.completing))
+                self.policy.joins.joined(joined_positions(batch.joining), len(batch.joining))
+                self.policy.joins.emitted(batch.decoding)  # the running sequences' tokens of a mixed step
             results = self.steps.prefill(batch.seqs, batch.chunk)
         else:
             results = self.steps.decode(batch.seqs, self.drafts.spec is not None) if k == 0 else self._speculate(batch.seqs, k)

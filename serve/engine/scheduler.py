@@ -35,11 +35,17 @@ class ScheduledBatch:
     seqs: list[Sequence]
     is_prefill: bool
     chunk: int = 0  # > 0: the last sequence prefills only this many of its uncached prompt tokens (a partial prompt)
+    decoding: int = 0  # a prefill step's first sequences that were running: a token each, in the prompts' forward
 
     @property
     def completing(self) -> list[Sequence]:
         """The sequences that get a token this step (all but a partial prompt)."""
         return self.seqs[:-1] if self.chunk else self.seqs
+
+    @property
+    def joining(self) -> list[Sequence]:
+        """The sequences whose prompt this step completes (they join the running ones)."""
+        return self.completing[self.decoding :]
 
     def least_behind(self, n: int) -> "ScheduledBatch":
         """A decode batch cut to the ``n`` sequences whose draft has the fewest positions to catch up on (the
@@ -108,7 +114,8 @@ class Scheduler:
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         seqs: list[Sequence] = []
-        tokens = chunk = 0
+        decoding = self._decoding_rows()
+        tokens, chunk = len(decoding), 0
         while self.waiting and len(self.running) + len(seqs) < self.max_num_seqs:
             seq = self.waiting[0]
             fresh = not seq.block_table  # a partial prompt holds its blocks and its cached count
@@ -132,10 +139,22 @@ class Scheduler:
             tokens += n
         if not seqs:
             return None
-        batch = ScheduledBatch(seqs, is_prefill=True, chunk=chunk)
-        self.running.extend(batch.completing)
+        batch = ScheduledBatch(decoding + seqs, is_prefill=True, chunk=chunk, decoding=len(decoding))
+        self.running.extend(batch.joining)
         self.yield_to_decode = bool(chunk)
         return batch
+
+    def _decoding_rows(self) -> list[Sequence]:
+        """With chunked prefill, the running sequences, a token of the budget each, to decode in a prefill step's
+        forward (vLLM's mixed batches: on a CPU a decode row beside hundreds of prompt rows costs about nothing, where
+        a step of its own costs a decode step and stalls while prompts prefill), their next positions' slots taken
+        before any prompt's blocks; none if the cache lacks a slot for any of them."""
+        need = sum(self.blocks.blocks_for(s.num_tokens) - len(s.block_table) for s in self.running)
+        if not self.chunked_prefill or need > self.blocks.num_free:
+            return []
+        for seq in self.running:
+            self.blocks.ensure(seq, seq.num_tokens)
+        return list(self.running)
 
     def _release_partial(self) -> bool:
         """Free the blocks of a partial prompt (it starts again when admitted) -> whether there was one."""

@@ -166,23 +166,50 @@ def test_a_prompt_longer_than_the_budget_prefills_in_chunks_holding_its_blocks()
     assert sched.running == [long] and not sched.waiting and long.num_cached == 25
 
 
-def test_the_budget_left_is_filled_by_the_next_prompts_first_tokens_and_decodes_run_between_chunks():
+def test_the_budget_left_is_filled_by_the_next_prompts_first_tokens_and_running_sequences_decode_in_and_between_chunks():
     sched = _chunked(budget=10)
-    a, b = _seq(6), _seq(9)
+    a, b, c = _seq(6), _seq(9), _seq(3)
     sched.add(a)
     sched.add(b)
     first = sched.schedule(lookahead=1)
-    assert first.seqs == [a, b] and first.chunk == 4 and first.completing == [a]  # vLLM's chunked prefill: 6 + 4
+    assert first.seqs == [a, b] and first.chunk == 4 and first.completing == first.joining == [a]  # 6 + 4 of b
     _prefilled(first)
     assert sched.running == [a] and sched.waiting[0] is b and b.num_cached == 4
     between = sched.schedule(lookahead=1)
-    assert not between.is_prefill and between.seqs == [a]  # the running sequence is not stalled by b's rest
+    assert not between.is_prefill and between.seqs == [a]  # a decode step between two chunks
     a.output_token_ids.append(1)
     a.num_cached = a.num_tokens - 1
-    rest = sched.schedule(lookahead=1)
-    assert rest.is_prefill and rest.seqs == [b] and rest.chunk == 0  # b's last 5 tokens
+    sched.add(c)
+    rest = sched.schedule(lookahead=1)  # a's token in the prompts' forward, b's last 5 tokens, c whole (1 + 5 + 3)
+    assert rest.is_prefill and rest.seqs == [a, b, c] and rest.decoding == 1 and rest.chunk == 0
+    assert rest.joining == [b, c] and len(a.block_table) == 2  # a's next position has its slot
     _prefilled(rest)
-    assert sched.running == [a, b]
+    assert sched.running == [a, b, c] and not sched.waiting
+
+
+def test_running_sequences_take_their_next_slots_before_a_prompt_takes_blocks():
+    sched = _chunked(num_blocks=3, budget=10)
+    a = _seq(4)  # one block: its first token's position needs a second
+    sched.add(a)
+    _prefilled(sched.schedule(lookahead=1))
+    b = _seq(7)  # two blocks: with a's second, more than the two free
+    sched.add(b)
+    batch = sched.schedule(lookahead=1)
+    assert not batch.is_prefill and batch.seqs == [a] and len(a.block_table) == 2 and list(sched.waiting) == [b]
+    sched.finish(a)
+    assert sched.schedule(lookahead=1).seqs == [b]
+
+
+def test_running_sequences_decode_in_a_prefill_step_only_if_the_cache_has_a_slot_for_each():
+    sched = _chunked(num_blocks=3, budget=10)
+    a, b = _seq(4), _seq(4)  # a block each; both need a second for their first token's position, one is free
+    sched.add(a)
+    sched.add(b)
+    _prefilled(sched.schedule(lookahead=1))
+    c = _seq(3)
+    sched.add(c)
+    batch = sched.schedule(lookahead=1)
+    assert batch.is_prefill and batch.seqs == [c] and batch.decoding == 0 and len(a.block_table) == 1
 
 
 def test_without_chunked_prefill_a_step_admits_whole_prompts():
