@@ -40,6 +40,8 @@ SERVERS = (
     "eagleray-separate",
     "eagleray-spin",
     "eagleray-2k",
+    "eagleray-3k",
+    "eagleray-4k",
     "eagleray-direct",
     "eagleray-champion-direct",
     "eagleray-2k-direct",
@@ -49,6 +51,8 @@ PLAIN = {  # the plain eagleray servers: the config without a draft, with these 
     "eagleray-separate": {"ingress": "separate"},  # the engine-hosted routes against a replica of their own
     "eagleray-spin": {"cpu_omp_passive": False},  # libgomp's default spinning workers (A/B of cpu_omp_passive)
     "eagleray-2k": {"max_num_batched_tokens": 2048},  # a prefill step's budget as vLLM's API server on a CPU (A/B)
+    "eagleray-3k": {"max_num_batched_tokens": 3072},  # budgets between: TTFT against TPOT with chunked prefill
+    "eagleray-4k": {"max_num_batched_tokens": 4096},
     "eagleray-direct": {},  # loaded on serving.direct_port (the replica's own HTTP server), not the proxy's port
     "eagleray-2k-direct": {"max_num_batched_tokens": 2048},  # both: TTFT bought with the direct port's TPOT margin
 }
@@ -205,6 +209,8 @@ MODES = {
     "eagleray-separate": "plain, ingress: separate",
     "eagleray-spin": "plain, cpu_omp_passive: false",
     "eagleray-2k": "plain, max_num_batched_tokens 2048",
+    "eagleray-3k": "plain, max_num_batched_tokens 3072",
+    "eagleray-4k": "plain, max_num_batched_tokens 4096",
     "eagleray-direct": "plain, direct_port (Ray Serve's direct ingress)",
     "eagleray-2k-direct": "plain, max_num_batched_tokens 2048, direct_port",
     "vllm": "plain",

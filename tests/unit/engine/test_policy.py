@@ -8,7 +8,7 @@ import pytest
 
 from eagleray.platform.config.schemas import PolicyConfig
 from eagleray.serve.engine import SamplingParams
-from eagleray.serve.engine.policy import AdaptivePolicy, bucket
+from eagleray.serve.engine.policy import REDECIDE, AdaptivePolicy, bucket
 from eagleray.serve.engine.watchdog import AcceptanceWatchdog
 
 from .conftest import PROMPTS, make_engine
@@ -471,3 +471,19 @@ def test_an_untrained_draft_is_measured_on_a_few_sequences_and_the_large_batch_d
     assert sizes[: EVIDENCE // MEASURE_SEQS] == [MEASURE_SEQS] * (EVIDENCE // MEASURE_SEQS)
     assert max(caught_up) == MEASURE_SEQS  # the other 4 sequences' prompts were never fed to the draft
     assert engine.metrics.plain.steps >= 8 and 12 not in sizes  # judged hopeless: no full-batch speculation
+
+
+def test_the_probe_intervals_cost_scale_is_scored_again_with_the_buckets_decision():
+    """A probe is rarer the more plain steps it costs (r = t_spec / t_plain); r is kept with the bucket's decision,
+    so it follows t_plain once the decision is scored again (every REDECIDE plain choices)."""
+    policy = AdaptivePolicy(k_max=1, probe_interval=8)
+    for _ in range(3):
+        policy.observe_plain(8, 0.001)
+    for _ in range(3):
+        policy.observe_spec(8, 1, 0.004, 0.001, [0] * 8)  # a step of five plain ones, nothing accepted: plain
+    c = policy.costs[bucket(8)]
+    assert policy.choose(8) == 0 and c.probe_ratio == pytest.approx(5.0)
+    for _ in range(9):
+        policy.observe_plain(8, 0.0025)  # t_plain's median moves to 2.5 ms
+    assert [policy.choose(8) for _ in range(REDECIDE)] == [0] * REDECIDE
+    assert c.probe_ratio == pytest.approx(2.0)
