@@ -27,7 +27,7 @@ from eagleray.tests.support.http import (
     sse_events,
 )
 
-CTX = 256
+CTX = 496  # the tiny target's 512 positions less a margin: an abandoned stream has room to be noticed
 
 
 @pytest.fixture(scope="module")
