@@ -2,9 +2,10 @@
 
 Requests join the waiting queue at any time and leave when finished; between steps the
 scheduler admits waiting requests while ``max_num_seqs``, the token budget and the free KV
-blocks allow. With chunked prefill (``engine.chunked_prefill``) the first prompt that does not fit the budget left
-fills it with its first tokens and stays first in line, holding its blocks, for the rest (a *partial* prompt); the
-running sequences take a decode step between two of its chunks. A decode step reserves ``lookahead`` cache positions per sequence (1 for plain
+blocks allow. With chunked prefill (``engine.chunked_prefill``) the running sequences take a token each in a prefill
+step's forward (a token of the budget each), and the first prompt that does not fit the budget left fills it with its
+first tokens and stays first in line, holding its blocks, for the rest (a *partial* prompt); the running sequences
+take a decode step between two of its chunks. A decode step reserves ``lookahead`` cache positions per sequence (1 for plain
 decoding, k+1 or the tree size for speculation); when the cache is short, the newest running
 sequence is preempted (its blocks freed, recomputed later). At saturation (a queue beyond the free slots) free slots
 may wait a few decode steps for company (``engine.join_wait_steps``): sequences that finish at different steps, as
@@ -123,7 +124,8 @@ class Scheduler:
                 self.blocks.match_prefix(seq)
             n, room = seq.num_tokens - seq.num_cached, self.max_num_batched_tokens - tokens  # tokens to compute, budget left
             split = self.chunked_prefill and n > room > 0
-            if (seqs and n > room and not split) or (fresh and not self.blocks.can_ensure(seq, seq.num_tokens)):
+            over = (seqs or decoding) and n > room and not split  # the first prompt of a step goes whole, even past it
+            if over or (fresh and not self.blocks.can_ensure(seq, seq.num_tokens)):
                 if fresh:
                     self.blocks.unmatch(seq)
                 break

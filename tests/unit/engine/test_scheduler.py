@@ -262,3 +262,21 @@ def test_chunked_prefill_default_is_per_device():
     assert Scheduler.for_engine(bm, EngineConfig(), torch.device("cpu")).chunked_prefill is True
     assert Scheduler.for_engine(bm, EngineConfig(), torch.device("cuda")).chunked_prefill is False
     assert Scheduler.for_engine(bm, EngineConfig(chunked_prefill=False), torch.device("cpu")).chunked_prefill is False
+
+
+def test_running_sequences_that_fill_the_budget_leave_no_room_for_a_prompt():
+    sched = _chunked(budget=16, max_num_seqs=20)
+    running = [_seq(1) for _ in range(16)]
+    for s in running:
+        sched.add(s)
+    _prefilled(sched.schedule(lookahead=1))  # 16 one-token prompts: the whole budget
+    prompt = _seq(4)
+    sched.add(prompt)
+    batch = sched.schedule(lookahead=1)
+    assert not batch.is_prefill and len(batch.seqs) == 16  # 16 decode rows fill the budget: the prompt waits
+    for s in running:
+        s.output_token_ids.append(1)
+        s.num_cached = s.num_tokens - 1
+    sched.finish(running[0])
+    mixed = sched.schedule(lookahead=1)  # one token of room: the prompt's first
+    assert mixed.is_prefill and mixed.decoding == 15 and mixed.seqs[-1] is prompt and mixed.chunk == 1
