@@ -17,7 +17,7 @@ class EngineConfig(StrictModel):
     max_num_batched_tokens: int = Field(
         8192,
         ge=16,
-        description="Token budget of one prefill step (a prompt that does not fit prefills in chunks with engine.chunked_prefill, else whole: one longer than the budget alone). On a 2-core CPU a budget of 2048 (vLLM's API-server default there) measured a better TTFT but a worse TPOT and throughput under four 512-token clients (BENCHMARKS.md), so the default stays 8192.",
+        description="Token budget of one prefill step (a prompt that does not fit prefills in chunks with engine.chunked_prefill, else whole: one longer than the budget alone). On a 2-core CPU with chunked prefill (vLLM serve under its own load generator, BENCHMARKS.md 2026-12-07): 8192 is ahead of vLLM on every median at 4 clients x 512-token prompts and 8 x 128; at 8 x 512 it is behind on TTFT (waves of prompts prefill together) and 2048 behind on TPOT (prefills overlap every decode), so the default stays 8192.",
     )
     chunked_prefill: bool | None = Field(
         None,
