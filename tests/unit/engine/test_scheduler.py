@@ -137,6 +137,14 @@ def test_an_engine_whose_joins_wait_emits_the_same_tokens_in_fewer_prefill_steps
     assert runs[6][1] < runs[0][1], runs
 
 
+def _queue(sched: Scheduler, *lengths: int) -> list[Sequence]:
+    """Sequences with prompts of ``lengths`` tokens, queued in order."""
+    seqs = [_seq(n) for n in lengths]
+    for s in seqs:
+        sched.add(s)
+    return seqs
+
+
 def _chunked(num_blocks: int = 64, budget: int = 10, max_num_seqs: int = 4) -> Scheduler:
     return Scheduler(BlockManager(num_blocks, 4), max_num_seqs, budget, chunked_prefill=True)
 
@@ -152,8 +160,7 @@ def _prefilled(batch) -> None:
 
 def test_a_prompt_longer_than_the_budget_prefills_in_chunks_holding_its_blocks():
     sched = _chunked(budget=10)
-    long = _seq(25)
-    sched.add(long)
+    (long,) = _queue(sched, 25)
     chunks = []
     for _ in range(3):
         batch = sched.schedule(lookahead=1)
@@ -168,9 +175,7 @@ def test_a_prompt_longer_than_the_budget_prefills_in_chunks_holding_its_blocks()
 
 def test_the_budget_left_is_filled_by_the_next_prompts_first_tokens_and_running_sequences_decode_in_and_between_chunks():
     sched = _chunked(budget=10)
-    a, b, c = _seq(6), _seq(9), _seq(3)
-    sched.add(a)
-    sched.add(b)
+    a, b = _queue(sched, 6, 9)
     first = sched.schedule(lookahead=1)
     assert first.seqs == [a, b] and first.chunk == 4 and first.completing == first.joining == [a]  # 6 + 4 of b
     _prefilled(first)
@@ -179,7 +184,7 @@ def test_the_budget_left_is_filled_by_the_next_prompts_first_tokens_and_running_
     assert not between.is_prefill and between.seqs == [a]  # a decode step between two chunks
     a.output_token_ids.append(1)
     a.num_cached = a.num_tokens - 1
-    sched.add(c)
+    (c,) = _queue(sched, 3)
     rest = sched.schedule(lookahead=1)  # a's token in the prompts' forward, b's last 5 tokens, c whole (1 + 5 + 3)
     assert rest.is_prefill and rest.seqs == [a, b, c] and rest.decoding == 1 and rest.chunk == 0
     assert rest.joining == [b, c] and len(a.block_table) == 2  # a's next position has its slot
@@ -189,11 +194,9 @@ def test_the_budget_left_is_filled_by_the_next_prompts_first_tokens_and_running_
 
 def test_running_sequences_take_their_next_slots_before_a_prompt_takes_blocks():
     sched = _chunked(num_blocks=3, budget=10)
-    a = _seq(4)  # one block: its first token's position needs a second
-    sched.add(a)
+    (a,) = _queue(sched, 4)  # one block: its first token's position needs a second
     _prefilled(sched.schedule(lookahead=1))
-    b = _seq(7)  # two blocks: with a's second, more than the two free
-    sched.add(b)
+    (b,) = _queue(sched, 7)  # two blocks: with a's second, more than the two free
     batch = sched.schedule(lookahead=1)
     assert not batch.is_prefill and batch.seqs == [a] and len(a.block_table) == 2 and list(sched.waiting) == [b]
     sched.finish(a)
@@ -202,21 +205,16 @@ def test_running_sequences_take_their_next_slots_before_a_prompt_takes_blocks():
 
 def test_running_sequences_decode_in_a_prefill_step_only_if_the_cache_has_a_slot_for_each():
     sched = _chunked(num_blocks=3, budget=10)
-    a, b = _seq(4), _seq(4)  # a block each; both need a second for their first token's position, one is free
-    sched.add(a)
-    sched.add(b)
+    a, b = _queue(sched, 4, 4)  # a block each; both need a second for their first token's position, one is free
     _prefilled(sched.schedule(lookahead=1))
-    c = _seq(3)
-    sched.add(c)
+    (c,) = _queue(sched, 3)
     batch = sched.schedule(lookahead=1)
     assert batch.is_prefill and batch.seqs == [c] and batch.decoding == 0 and len(a.block_table) == 1
 
 
 def test_without_chunked_prefill_a_step_admits_whole_prompts():
     sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=10)
-    a, b, long = _seq(6), _seq(9), _seq(25)
-    for s in (a, b, long):
-        sched.add(s)
+    a, b, long = _queue(sched, 6, 9, 25)
     first = sched.schedule(lookahead=1)
     assert first.seqs == [a] and first.chunk == 0  # b would exceed the budget: it waits whole
     _prefilled(first)
@@ -229,9 +227,7 @@ def test_without_chunked_prefill_a_step_admits_whole_prompts():
 
 def test_a_partial_prompt_gives_its_blocks_back_before_a_running_sequence_is_preempted():
     sched = _chunked(num_blocks=6, budget=8)
-    a, long = _seq(7), _seq(13)  # a: 2 blocks; long: 4 blocks (13 positions), the cache's 6 all held
-    sched.add(a)
-    sched.add(long)
+    a, long = _queue(sched, 7, 13)  # a: 2 blocks; long: 4 blocks (13 positions), the cache's 6 all held
     first = sched.schedule(lookahead=1)
     assert first.seqs == [a, long] and first.chunk == 1
     _prefilled(first)
@@ -243,9 +239,7 @@ def test_a_partial_prompt_gives_its_blocks_back_before_a_running_sequence_is_pre
 
 def test_a_draft_swap_releases_a_partial_prompt():
     sched = _chunked(budget=8)
-    a, long = _seq(7), _seq(13)
-    sched.add(a)
-    sched.add(long)
+    a, long = _queue(sched, 7, 13)
     _prefilled(sched.schedule(lookahead=1))
     long.pending_aux.append(None, 0, 1)  # rows of the old draft's aux layers
     sched.preempt_all()
@@ -266,12 +260,9 @@ def test_chunked_prefill_default_is_per_device():
 
 def test_running_sequences_that_fill_the_budget_leave_no_room_for_a_prompt():
     sched = _chunked(budget=16, max_num_seqs=20)
-    running = [_seq(1) for _ in range(16)]
-    for s in running:
-        sched.add(s)
+    running = _queue(sched, *[1] * 16)
     _prefilled(sched.schedule(lookahead=1))  # 16 one-token prompts: the whole budget
-    prompt = _seq(4)
-    sched.add(prompt)
+    (prompt,) = _queue(sched, 4)
     batch = sched.schedule(lookahead=1)
     assert not batch.is_prefill and len(batch.seqs) == 16  # 16 decode rows fill the budget: the prompt waits
     for s in running:
