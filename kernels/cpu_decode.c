@@ -1,4 +1,4 @@
-// eagleray CPU kernels for decode-sized steps (decode, verification, drafting) in fp32, AVX-512.
+// eagleray CPU kernels for decode-sized steps (decode, verification, drafting) in fp32, AVX-512 or AVX2 (cpu_simd.h).
 //
 // linear: y = x w^T + b, y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]); x [M, K] (row stride ldx),
 // y [M, N] (row stride ldy), the weight packed once as panels of 48 output columns (p[panel][k][j] =
@@ -120,26 +120,36 @@ void parallel_run(work_fn fn, const void* ctx, int64_t nchunks, int threads) {
 // While it runs, pf_lines cache lines of the next panel are prefetched into L2, spread over the k loop.
 // BF: the panel holds bf16 weights, each widened to fp32 exactly (its 16 bits above 16 zero bits) before the same FMA:
 // a weight stored in bf16 that is exactly its fp32 value gives the fp32 panel's result bit for bit, from half the bytes.
-static inline __attribute__((always_inline)) __m512 pload(const int BF, const void* p, int64_t at) {
-    if (BF) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p + at))), 16));
-    return _mm512_loadu_ps((const float*)p + at);
+static inline __attribute__((always_inline)) vf pload(const int BF, const void* p, int64_t at) {
+    if (BF) return vf_load_bf16((const uint16_t*)p + at);
+    return vf_loadu((const float*)p + at);
 }
 
 static inline __attribute__((always_inline)) void ptile(const int MT, const int BF, const void* p, const float* x,
                                                         float* y, const float* b, const float* r, int64_t K,
                                                         int64_t ldx, int64_t ldy, int64_t ldr, int64_t ncols,
                                                         const char* pf, int64_t pf_lines) {
-    __m512 acc[PMT][PNV];
-    for (int i = 0; i < MT; i++) for (int v = 0; v < PNV; v++) acc[i][v] = _mm512_setzero_ps();
+    vf acc[PMT][PNV];
+    for (int i = 0; i < MT; i++) for (int v = 0; v < PNV; v++) acc[i][v] = vf_zero();
     int64_t kq = K / 4, pf_acc = 0;
     const char* pfl = pf;
+#if defined(__AVX512F__)  // the panel's k-th weight vectors loaded once, then a row at a time
 #define KSTEP(kk) do { \
-        __m512 wv[PNV]; \
+        vf wv[PNV]; \
         for (int v = 0; v < PNV; v++) wv[v] = pload(BF, p, (kk) * PANEL + 16 * v); \
         for (int i = 0; i < MT; i++) { \
-            __m512 xb = _mm512_set1_ps(x[i * ldx + (kk)]); \
-            for (int v = 0; v < PNV; v++) acc[i][v] = _mm512_fmadd_ps(wv[v], xb, acc[i][v]); \
+            vf xb = vf_set1(x[i * ldx + (kk)]); \
+            for (int v = 0; v < PNV; v++) acc[i][v] = vf_fmadd(wv[v], xb, acc[i][v]); \
         } } while (0)
+#else  // AVX2 (16 registers): the rows' broadcasts first, then a weight vector at a time
+#define KSTEP(kk) do { \
+        vf xb[PMT]; \
+        for (int i = 0; i < MT; i++) xb[i] = vf_set1(x[i * ldx + (kk)]); \
+        for (int v = 0; v < PNV; v++) { \
+            vf wv = pload(BF, p, (kk) * PANEL + 16 * v); \
+            for (int i = 0; i < MT; i++) acc[i][v] = vf_fmadd(wv, xb[i], acc[i][v]); \
+        } } while (0)
+#endif
     for (int64_t q = 0; q < kq; q++) {
         for (pf_acc += pf_lines; /* Bresenham: pf_lines spread over kq steps, no division */ pf_acc >= kq && kq > 0; pf_acc -= kq) { _mm_prefetch(pfl, _MM_HINT_T1); pfl += 64; }
         int64_t k = 4 * q;
@@ -151,11 +161,11 @@ static inline __attribute__((always_inline)) void ptile(const int MT, const int 
         for (int v = 0; v < PNV; v++) {
             int64_t c = 16 * v, left = ncols - c;
             if (left <= 0) break;
-            __mmask16 mk = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-            __m512 o = acc[i][v];
-            if (b) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(mk, b + c));
-            if (r) o = _mm512_add_ps(_mm512_maskz_loadu_ps(mk, r + i * ldr + c), o);  // residual + product, as h + f(h)
-            _mm512_mask_storeu_ps(y + i * ldy + c, mk, o);
+            vmask mk = vmask_first(left);
+            vf o = acc[i][v];
+            if (b) o = vf_add(o, vf_maskz_loadu(mk, b + c));
+            if (r) o = vf_add(vf_maskz_loadu(mk, r + i * ldr + c), o);  // residual + product, as h + f(h)
+            vf_mask_storeu(y + i * ldy + c, mk, o);
         }
 }
 
@@ -178,9 +188,15 @@ void plinear_chunk(const void* vctx, int64_t c) {
             float* ym = j->y + m * j->ldy + n0;
             const float* rm = j->r ? j->r + m * j->ldr + n0 : NULL;
 #define PT(MTc, BF) ptile(MTc, BF, p, xm, ym, b, rm, j->K, j->ldx, j->ldy, j->ldr, ncols, next + 64 * l0, l1 - l0)
+#if PMT == 8
 #define TILE(BF) switch (j->M - m < PMT ? j->M - m : PMT) { \
             case 8: PT(8, BF); break; case 7: PT(7, BF); break; case 6: PT(6, BF); break; case 5: PT(5, BF); break; \
             case 4: PT(4, BF); break; case 3: PT(3, BF); break; case 2: PT(2, BF); break; default: PT(1, BF); break; }
+#elif PMT == 2
+#define TILE(BF) switch (j->M - m < PMT ? j->M - m : PMT) { case 2: PT(2, BF); break; default: PT(1, BF); break; }
+#else
+#define TILE(BF) { PT(1, BF); }
+#endif
             if (j->bf16) TILE(1) else TILE(0)
 #undef TILE
 #undef PT
@@ -216,33 +232,33 @@ static void argmax_row(const void* vctx, int64_t r) {
     const argmax_t* a = (const argmax_t*)vctx;
     const float* row = a->x + r * a->ld;
     int64_t N = a->N, k = 0;
-    __m512 best = _mm512_set1_ps(-INFINITY);
-    __m512i bidx = _mm512_setzero_si512(), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i step = _mm512_set1_epi32(16);
-    __mmask16 nan = 0;
+    vf best = vf_set1(-INFINITY);
+    vi bidx = vi_set1(0), idx = vi_iota();
+    const vi step = vi_set1(16);
+    vmask nan = 0;
     for (; k + 16 <= N; k += 16) {
-        __m512 v = _mm512_loadu_ps(row + k);
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  // strict: a lane keeps its first maximum
-        best = _mm512_mask_mov_ps(best, gt, v);
-        bidx = _mm512_mask_mov_epi32(bidx, gt, idx);
-        idx = _mm512_add_epi32(idx, step);
+        vf v = vf_loadu(row + k);
+        nan |= vf_cmp(v, v, _CMP_UNORD_Q);
+        vmask gt = vf_cmp(v, best, _CMP_GT_OQ);  // strict: a lane keeps its first maximum
+        best = vf_mask_mov(best, gt, v);
+        bidx = vi_mask_mov(bidx, gt, idx);
+        idx = vi_add(idx, step);
     }
     if (k < N) {
-        __mmask16 mk = (__mmask16)((1u << (N - k)) - 1);
-        __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mk, row + k);
-        nan |= _mm512_mask_cmp_ps_mask(mk, v, v, _CMP_UNORD_Q);
-        __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-        best = _mm512_mask_mov_ps(best, gt, v);
-        bidx = _mm512_mask_mov_epi32(bidx, gt, idx);
+        vmask mk = vmask_first(N - k);
+        vf v = vf_mask_loadu(vf_set1(-INFINITY), mk, row + k);
+        nan |= mk & vf_cmp(v, v, _CMP_UNORD_Q);
+        vmask gt = vf_cmp(v, best, _CMP_GT_OQ);
+        best = vf_mask_mov(best, gt, v);
+        bidx = vi_mask_mov(bidx, gt, idx);
     }
     if (nan) {
         for (int64_t j = 0; j < N; j++)
             if (row[j] != row[j]) { a->out[r] = j; return; }
     }
-    float m = _mm512_reduce_max_ps(best);
-    __mmask16 at = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);  // lanes holding the maximum
-    a->out[r] = (int64_t)(uint32_t)_mm512_mask_reduce_min_epu32(at, bidx);   // the first of them
+    float m = vf_reduce_max(best);
+    vmask at = vf_cmp(best, vf_set1(m), _CMP_EQ_OQ);  // lanes holding the maximum
+    a->out[r] = (int64_t)vi_mask_reduce_min_u32(at, bidx);   // the first of them
 }
 
 void argmax_rows_f32(const float* x, int64_t* out, int64_t M, int64_t N, int64_t ld, int threads) {
@@ -263,9 +279,9 @@ void attn_item(const void* vctx, int64_t item) {
     int64_t ctx = a->ctx[t], nnew = a->nnew[t], nkeys = ctx + nnew;
     uint64_t bits = (uint64_t)a->mask[t];
     const int32_t* table = a->bt + a->seq[t] * a->bt_w;
-    __m512 acc[MAX_G][MAX_D / 16];
+    vf acc[MAX_G][MAX_D / 16];
     float m[MAX_G], l[MAX_G];
-    for (int64_t g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.f; for (int64_t v = 0; v < nv; v++) acc[g][v] = _mm512_setzero_ps(); }
+    for (int64_t g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.f; for (int64_t v = 0; v < nv; v++) acc[g][v] = vf_zero(); }
     const float* qrow = a->q + t * a->ldq + kvh * G * D;
     for (int64_t j0 = 0; j0 < nkeys; j0 += 16) {
         int64_t n = nkeys - j0 < 16 ? nkeys - j0 : 16;
@@ -285,32 +301,32 @@ void attn_item(const void* vctx, int64_t item) {
             float s[16];
             for (int64_t jj = 0; jj < 16; jj++) {
                 if (!((vis >> jj) & 1u)) { s[jj] = -INFINITY; continue; }
-                __m512 d = _mm512_setzero_ps();
-                for (int64_t v = 0; v < nv; v++) d = _mm512_fmadd_ps(_mm512_loadu_ps(qg + v * 16), _mm512_loadu_ps(kp[jj] + v * 16), d);
-                s[jj] = _mm512_reduce_add_ps(d) * a->scale;
+                vf d = vf_zero();
+                for (int64_t v = 0; v < nv; v++) d = vf_fmadd(vf_loadu(qg + v * 16), vf_loadu(kp[jj] + v * 16), d);
+                s[jj] = vf_reduce_add(d) * a->scale;
             }
-            __m512 sv = _mm512_loadu_ps(s);
-            float tile_max = _mm512_mask_reduce_max_ps((__mmask16)vis, sv);
+            vf sv = vf_loadu(s);
+            float tile_max = vf_mask_reduce_max((vmask)vis, sv);
             float m_new = m[g] > tile_max ? m[g] : tile_max;
             float alpha = m[g] == -INFINITY ? 0.f : expf(m[g] - m_new);
-            __m512 p = _mm512_maskz_mov_ps((__mmask16)vis, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+            vf p = vf_maskz_mov((vmask)vis, vf_exp(vf_sub(sv, vf_set1(m_new))));
             float pj[16];
-            _mm512_storeu_ps(pj, p);
-            l[g] = l[g] * alpha + _mm512_reduce_add_ps(p);
-            __m512 va = _mm512_set1_ps(alpha);
-            for (int64_t v = 0; v < nv; v++) acc[g][v] = _mm512_mul_ps(acc[g][v], va);
+            vf_storeu(pj, p);
+            l[g] = l[g] * alpha + vf_reduce_add(p);
+            vf va = vf_set1(alpha);
+            for (int64_t v = 0; v < nv; v++) acc[g][v] = vf_mul(acc[g][v], va);
             for (int64_t jj = 0; jj < 16; jj++) {
                 if (!((vis >> jj) & 1u)) continue;
-                __m512 pb = _mm512_set1_ps(pj[jj]);
-                for (int64_t v = 0; v < nv; v++) acc[g][v] = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vp[jj] + v * 16), acc[g][v]);
+                vf pb = vf_set1(pj[jj]);
+                for (int64_t v = 0; v < nv; v++) acc[g][v] = vf_fmadd(pb, vf_loadu(vp[jj] + v * 16), acc[g][v]);
             }
             m[g] = m_new;
         }
     }
     float* orow = a->out + (t * a->Hq + kvh * G) * D;
     for (int64_t g = 0; g < G; g++) {
-        __m512 inv = _mm512_set1_ps(l[g] > 0.f ? 1.f / l[g] : 0.f);
-        for (int64_t v = 0; v < nv; v++) _mm512_storeu_ps(orow + g * D + v * 16, _mm512_mul_ps(acc[g][v], inv));
+        vf inv = vf_set1(l[g] > 0.f ? 1.f / l[g] : 0.f);
+        for (int64_t v = 0; v < nv; v++) vf_storeu(orow + g * D + v * 16, vf_mul(acc[g][v], inv));
     }
 }
 

@@ -1,9 +1,7 @@
 // What kernels/cpu_decode.c shares with the fused decoder layer (kernels/cpu_layer.c): the thread pool, the
-// packed-panel linear's work items and the paged attention's, and a vector exp. Internal to the library.
+// packed-panel linear's work items and the paged attention's; the vectors are cpu_simd.h's. Internal to the library.
 #pragma once
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
+#include "cpu_simd.h"
 
 #define INTERNAL __attribute__((visibility("hidden")))
 
@@ -13,7 +11,11 @@ INTERNAL void parallel_run(work_fn fn, const void* ctx, int64_t nchunks, int thr
 
 // The packed-panel linear: y = x w^T (+ b) (+ r), r a residual [M, N] (row stride ldr) or NULL.
 #define PNV 3  // weight vectors a panel: 48 columns
-#define PMT 8  // x rows a tile: 8 x 3 accumulators + 3 weight vectors + 1 broadcast, of 32 registers
+#if defined(__AVX512F__)
+#define PMT 8  // x rows a tile: 8 x 3 accumulators + 3 weight vectors + 1 broadcast, of 32 zmm registers
+#elif !defined(PMT)
+#define PMT 2  // AVX2: a vector is two ymm; 2 x 3 x 2 accumulators + the weights' 6 + 1 broadcast, of 16 ymm registers
+#endif
 #define PANEL (16 * PNV)
 typedef struct {
     const float* x;
@@ -47,19 +49,3 @@ typedef struct {
     const int64_t* blocks;
 } prefill_attn_t;
 INTERNAL void prefill_attn_block(const void* ctx, int64_t item);  // item = block * Hkv + kv head
-
-static inline __m512 exp512(__m512 x) {  // Cephes expf on [-87, 88]
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-    p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}

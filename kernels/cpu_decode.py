@@ -1,4 +1,4 @@
-"""Native fp32 kernels for decode-sized steps on x86-64 CPUs (AVX-512): decode, verification, drafting.
+"""Native fp32 kernels for decode-sized steps on x86-64 CPUs (AVX-512, or AVX2 with FMA): decode, verification, drafting.
 
     from eagleray.kernels import cpu_decode
     y = cpu_decode.linear(x, w, b)          # x [M, K], w [N, K], b [N] or None -> [M, N]; M small
@@ -23,8 +23,9 @@ not depend on the rest of the batch either; a row sees its sequence's cached key
 bit mask allows (a draft tree, up to 64 new tokens per sequence); a causal row is simply its cached
 keys up to itself (prefill of any length, unpadded).
 
-The C source is compiled once per machine with the system C compiler (``cc -O3 -mavx512f -pthread``)
-into ``$EAGLERAY_HOME/kernels/`` and loaded with ctypes; no build step at install time. The reference
+The C source is compiled once per machine with the system C compiler (``cc -O3 -mavx512f -mfma``, or ``-mavx2
+-mfma`` on a CPU without AVX-512: :mod:`~eagleray.kernels.cpu_decode_build`) into ``$EAGLERAY_HOME/kernels/`` and
+loaded with ctypes; no build step at install time. On AVX2 a tile is 2 rows (16 ymm registers) where AVX-512's is 8. The reference
 of the linear is :func:`torch.nn.functional.linear` (``linear_reference``), of the attention
 ``paged_attention_reference``, of the argmax ``torch.argmax`` (``argmax_reference``); tests compare each pair.
 """
@@ -358,7 +359,7 @@ def _active() -> bool:
         return True
     try:
         _load()
-        logger.info("CPU linear: native AVX-512 kernel (%s)", library_path())
+        logger.info("CPU linear: native kernel (%s)", library_path())
         return True
     except KernelBuildError as err:
         _why_not = str(err).splitlines()[0]

@@ -1,4 +1,4 @@
-// eagleray: a Llama decoder layer of a decode-sized forward (decode, verification) in one call, fp32, AVX-512; also
+// eagleray: a Llama decoder layer of a decode-sized forward (decode, verification) in one call, fp32, AVX-512 or AVX2; also
 // the EAGLE-3 draft's layer (a second input and norm).
 //
 // For T rows h [T, H]: x = RMSNorm(h) -> qkv = x Wqkv^T -> RoPE on q, k (cos/sin [T, D] given) -> k, v written to
@@ -48,16 +48,15 @@ static void norm_row(const void* vctx, int64_t t) {
     const float* x = n->x + t * n->H;
     float* y = n->y + t * n->ldy;
     int64_t H = n->H, k = 0;
-    __m512 ss = _mm512_setzero_ps();
-    for (; k + 16 <= H; k += 16) { __m512 v = _mm512_loadu_ps(x + k); ss = _mm512_fmadd_ps(v, v, ss); }
-    __mmask16 tail = (__mmask16)((1u << (H - k)) - 1);
-    if (k < H) { __m512 v = _mm512_maskz_loadu_ps(tail, x + k); ss = _mm512_fmadd_ps(v, v, ss); }
-    __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + n->eps));
+    vf ss = vf_zero();
+    for (; k + 16 <= H; k += 16) { vf v = vf_loadu(x + k); ss = vf_fmadd(v, v, ss); }
+    vmask tail = vmask_first(H - k);
+    if (k < H) { vf v = vf_maskz_loadu(tail, x + k); ss = vf_fmadd(v, v, ss); }
+    vf r = vf_set1(1.0f / sqrtf(vf_reduce_add(ss) / (float)H + n->eps));
     for (k = 0; k + 16 <= H; k += 16)
-        _mm512_storeu_ps(y + k, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + k), r), _mm512_loadu_ps(n->w + k)));
+        vf_storeu(y + k, vf_mul(vf_mul(vf_loadu(x + k), r), vf_loadu(n->w + k)));
     if (k < H)
-        _mm512_mask_storeu_ps(y + k, tail, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(tail, x + k), r),
-                                                          _mm512_maskz_loadu_ps(tail, n->w + k)));
+        vf_mask_storeu(y + k, tail, vf_mul(vf_mul(vf_maskz_loadu(tail, x + k), r), vf_maskz_loadu(tail, n->w + k)));
 }
 
 // y [T, ldy] (its first H columns) = RMSNorm(x [T, H]).
@@ -94,12 +93,12 @@ static void silu_mul_row(const void* vctx, int64_t t) {
     int64_t I = s->I, i = 0;
     const float *g = s->gu + t * 2 * I, *u = g + I;
     float* a = s->act + t * I;
-    const __m512 one = _mm512_set1_ps(1.0f);
+    const vf one = vf_set1(1.0f);
     for (; i < I; i += 16) {
-        __mmask16 mk = I - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (I - i)) - 1);
-        __m512 x = _mm512_maskz_loadu_ps(mk, g + i);
-        __m512 sig = _mm512_div_ps(x, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-        _mm512_mask_storeu_ps(a + i, mk, _mm512_mul_ps(sig, _mm512_maskz_loadu_ps(mk, u + i)));
+        vmask mk = vmask_first(I - i);
+        vf x = vf_maskz_loadu(mk, g + i);
+        vf sig = vf_div(x, vf_add(one, vf_exp(vf_sub(vf_zero(), x))));
+        vf_mask_storeu(a + i, mk, vf_mul(sig, vf_maskz_loadu(mk, u + i)));
     }
 }
 

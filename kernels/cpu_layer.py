@@ -1,4 +1,4 @@
-"""A Llama decoder layer of a decode-sized forward in one native call (fp32, AVX-512): ``kernels/cpu_layer.c``.
+"""A Llama decoder layer of a decode-sized forward in one native call (fp32, AVX-512 or AVX2): ``kernels/cpu_layer.c``.
 
     from eagleray.kernels import cpu_layer
     params = cpu_layer.LayerParams(in_norm, post_norm, qkv, o, gate_up, down, k_cache, v_cache, eps, eps, scale)

@@ -1,4 +1,4 @@
-// eagleray: a prefill's causal attention on a CPU, fp32, AVX-512 (kernels/cpu_prefill.py; reference:
+// eagleray: a prefill's causal attention on a CPU, fp32, AVX-512 or AVX2 (kernels/cpu_prefill.py; reference:
 // cpu_decode.paged_attention_reference, row by row).
 //
 // A block is up to 16 / G consecutive rows of one sequence (G query heads per kv head), every key of each row already
@@ -18,13 +18,13 @@
 #define PV_DIMS 8  // output dims a pass of the probabilities x values: 8 chains hide the FMA latency, 16 + 8 registers
 
 // s[jj] (lanes: query vectors) = qt . k_jj for the tile's keys kt [TILE][D].
-static inline void tile_scores(const float (*qt)[LANES], const float* kt, int64_t D, __m512 s[TILE]) {
+static inline void tile_scores(const float (*qt)[LANES], const float* kt, int64_t D, vf s[TILE]) {
 #pragma GCC unroll 16
-    for (int jj = 0; jj < TILE; jj++) s[jj] = _mm512_setzero_ps();
+    for (int jj = 0; jj < TILE; jj++) s[jj] = vf_zero();
     for (int64_t d = 0; d < D; d++) {
-        __m512 qd = _mm512_load_ps(qt[d]);
+        vf qd = vf_load(qt[d]);
 #pragma GCC unroll 16
-        for (int jj = 0; jj < TILE; jj++) s[jj] = _mm512_fmadd_ps(qd, _mm512_set1_ps(kt[jj * D + d]), s[jj]);
+        for (int jj = 0; jj < TILE; jj++) s[jj] = vf_fmadd(qd, vf_set1(kt[jj * D + d]), s[jj]);
     }
 }
 
@@ -46,9 +46,9 @@ void prefill_attn_block(const void* vctx, int64_t item) {
         lim[lane] = lane < nq ? (int32_t)a->ctx[t0 + lane / G] : INT32_MAX;  // an unused lane: scores 0, finite
     }
     memset(acc, 0, sizeof(float) * LANES * D);
-    const __m512i limv = _mm512_loadu_si512(lim);
-    const __m512 scale = _mm512_set1_ps(a->scale), neg_inf = _mm512_set1_ps(-INFINITY);
-    __m512 m = neg_inf, l = _mm512_setzero_ps();
+    const vi limv = vi_loadu(lim);
+    const vf scale = vf_set1(a->scale), neg_inf = vf_set1(-INFINITY);
+    vf m = neg_inf, l = vf_zero();
     for (int64_t j0 = 0; j0 < nkeys; j0 += TILE) {
         int64_t nk = nkeys - j0 < TILE ? nkeys - j0 : TILE;
         for (int64_t jj = 0; jj < TILE; jj++) {  // past nk: key j0 again, its probability masked to 0 below
@@ -56,35 +56,35 @@ void prefill_attn_block(const void* vctx, int64_t item) {
             memcpy(kt + jj * D, a->kc + (slot * Hkv + kvh) * D, (size_t)D * sizeof(float));
             memcpy(vt + jj * D, a->vc + (slot * Hkv + kvh) * D, (size_t)D * sizeof(float));
         }
-        __m512 s[TILE];
-        __mmask16 vis[TILE];
+        vf s[TILE];
+        vmask vis[TILE];
         tile_scores((const float (*)[LANES])qt, kt, D, s);
-        __m512 mx = neg_inf;
+        vf mx = neg_inf;
         for (int64_t jj = 0; jj < TILE; jj++) {
-            vis[jj] = jj < nk ? _mm512_cmplt_epi32_mask(_mm512_set1_epi32((int32_t)(j0 + jj)), limv) : 0;
-            s[jj] = _mm512_mask_mul_ps(neg_inf, vis[jj], s[jj], scale);
-            mx = _mm512_max_ps(mx, s[jj]);
+            vis[jj] = jj < nk ? vi_cmplt(vi_set1((int32_t)(j0 + jj)), limv) : 0;
+            s[jj] = vf_mask_mov(neg_inf, vis[jj], vf_mul(s[jj], scale));
+            mx = vf_max(mx, s[jj]);
         }
-        __m512 m_new = _mm512_max_ps(m, mx);  // finite in every lane: key 0 is visible to every row
-        __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m, neg_inf, _CMP_NEQ_OQ), exp512(_mm512_sub_ps(m, m_new)));
-        l = _mm512_mul_ps(l, alpha);
+        vf m_new = vf_max(m, mx);  // finite in every lane: key 0 is visible to every row
+        vf alpha = vf_maskz_mov(vf_cmp(m, neg_inf, _CMP_NEQ_OQ), vf_exp(vf_sub(m, m_new)));
+        l = vf_mul(l, alpha);
         for (int jj = 0; jj < TILE; jj++) {
-            s[jj] = _mm512_maskz_mov_ps(vis[jj], exp512(_mm512_sub_ps(s[jj], m_new)));  // probabilities, 0 if unseen
-            l = _mm512_add_ps(l, s[jj]);
+            s[jj] = vf_maskz_mov(vis[jj], vf_exp(vf_sub(s[jj], m_new)));  // probabilities, 0 if unseen
+            l = vf_add(l, s[jj]);
         }
         for (int64_t d0 = 0; d0 < D; d0 += PV_DIMS) {  // PV_DIMS independent FMA chains (D is a multiple of 16)
-            __m512 ad[PV_DIMS];
-            for (int u = 0; u < PV_DIMS; u++) ad[u] = _mm512_mul_ps(_mm512_load_ps(acc[d0 + u]), alpha);
+            vf ad[PV_DIMS];
+            for (int u = 0; u < PV_DIMS; u++) ad[u] = vf_mul(vf_load(acc[d0 + u]), alpha);
 #pragma GCC unroll 16
             for (int jj = 0; jj < TILE; jj++)
 #pragma GCC unroll 8
-                for (int u = 0; u < PV_DIMS; u++) ad[u] = _mm512_fmadd_ps(s[jj], _mm512_set1_ps(vt[jj * D + d0 + u]), ad[u]);
-            for (int u = 0; u < PV_DIMS; u++) _mm512_store_ps(acc[d0 + u], ad[u]);
+                for (int u = 0; u < PV_DIMS; u++) ad[u] = vf_fmadd(s[jj], vf_set1(vt[jj * D + d0 + u]), ad[u]);
+            for (int u = 0; u < PV_DIMS; u++) vf_store(acc[d0 + u], ad[u]);
         }
         m = m_new;
     }
     float inv[LANES];
-    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));
+    vf_storeu(inv, vf_div(vf_set1(1.f), l));
     for (int64_t lane = 0; lane < nq; lane++) {
         float* o = a->out + ((t0 + lane / G) * a->Hq + kvh * G + lane % G) * D;
         for (int64_t d = 0; d < D; d++) o[d] = acc[d][lane] * inv[lane];

@@ -50,7 +50,7 @@ class EngineConfig(StrictModel):
     )
     cpu_kernels: Literal["auto", "native", "torch"] = Field(
         "auto",
-        description="CPU fp32 linear layers and paged attention of decode/verify/draft steps: the native AVX-512 kernels (kernels/cpu_decode.c) where it builds ('auto'), forced ('native'), or PyTorch/MKL ('torch').",
+        description="CPU fp32 linear layers and paged attention of decode/verify/draft steps: the native kernels (kernels/cpu_decode.c, AVX-512 or AVX2) where it builds ('auto'), forced ('native'), or PyTorch/MKL ('torch').",
     )
     cpu_heap: Literal["auto", "retain", "default"] = Field(
         "auto",
