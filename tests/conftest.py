@@ -17,6 +17,10 @@ _ENV = {
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "DO_NOT_TRACK": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # A Serve proxy has 3 ready checks of this many seconds to start before its controller kills it (and serve.start
+    # fails): 3 x 5 s was too short on a 2-core machine while the other xdist worker ran CPU-bound tests (the
+    # quickstart and the adapt-loop module failed that way once on an AVX2-only EPYC; alone they pass).
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "20",
 }
 for _k, _v in _ENV.items():
     os.environ.setdefault(_k, _v)

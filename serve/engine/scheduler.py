@@ -114,6 +114,8 @@ class Scheduler:
         return True
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return None  # nothing to admit (every decode step at saturation asks)
         seqs: list[Sequence] = []
         decoding = self._decoding_rows()
         tokens, chunk = len(decoding), 0
@@ -151,8 +153,10 @@ class Scheduler:
         forward (vLLM's mixed batches: on a CPU a decode row beside hundreds of prompt rows costs about nothing, where
         a step of its own costs a decode step and stalls while prompts prefill), their next positions' slots taken
         before any prompt's blocks; none if the cache lacks a slot for any of them."""
+        if not self.chunked_prefill:
+            return []
         need = sum(self.blocks.blocks_for(s.num_tokens) - len(s.block_table) for s in self.running)
-        if not self.chunked_prefill or need > self.blocks.num_free:
+        if need > self.blocks.num_free:
             return []
         for seq in self.running:
             self.blocks.ensure(seq, seq.num_tokens)
@@ -168,6 +172,8 @@ class Scheduler:
         return False
 
     def _schedule_decode(self, lookahead: int) -> ScheduledBatch | None:
+        if self._ensure_all(lookahead):
+            return ScheduledBatch(list(self.running), is_prefill=False) if self.running else None
         scheduled: list[Sequence] = []
         for seq in list(self.running):
             if seq not in self.running:
@@ -189,6 +195,20 @@ class Scheduler:
             self.blocks.ensure(seq, need)
             scheduled.append(seq)
         return ScheduledBatch(scheduled, is_prefill=False) if scheduled else None
+
+    def _ensure_all(self, lookahead: int) -> bool:
+        """Every running sequence's slots for ``lookahead`` more positions, if the cache has them all -> whether it
+        did (else nothing is taken, and the sequences are scheduled one by one, preempting from the back)."""
+        bs, growing = self.blocks.block_size, []
+        for seq in self.running:
+            more = (seq.num_tokens - 2 + lookahead + bs) // bs - len(seq.block_table)  # blocks_for(num_tokens - 1 + lookahead)
+            if more > 0:
+                growing.append((seq, more))
+        if sum(more for _, more in growing) > self.blocks.num_free:
+            return False
+        for seq, more in growing:
+            self.blocks.ensure(seq, (len(seq.block_table) + more) * bs)
+        return True
 
     def preempt_all(self) -> None:
         """Send every running sequence back to be recomputed, a partial prompt too (a draft swap: no draft state

@@ -11,6 +11,7 @@ from eagleray.platform.models.graphs import DecodeGraphRunner
 from eagleray.platform.models.llama import LlamaModel
 from eagleray.platform.models.row_graphs import DecodeRows
 from eagleray.serve.engine.tree import DraftTree, tree_rows
+from eagleray.tests.support.interpreter import row_invariant_numpy
 
 from .conftest import NUM_LAYERS
 
@@ -36,6 +37,7 @@ def _slot(b: int, pos: int) -> int:
     return TABLES[b][pos // BLOCK] * BLOCK + pos % BLOCK
 
 
+@row_invariant_numpy
 def test_tree_rows_score_every_node_bitwise_like_plain_decoding_along_its_path(tiny_dir):
     model = LlamaModel.from_dir(tiny_dir, aux_layer_ids=[1, 2, NUM_LAYERS])
     g = torch.Generator().manual_seed(3)

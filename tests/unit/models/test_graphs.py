@@ -10,6 +10,7 @@ from eagleray.platform.models.attention import AttentionMetadata
 from eagleray.platform.models.graphs import DecodeGraphRunner
 from eagleray.platform.models.llama import LlamaModel
 from eagleray.platform.models.row_graphs import DecodeRows
+from eagleray.tests.support.interpreter import row_invariant_numpy
 
 VOCAB = 96  # conftest.SMALL
 BLOCK = 4
@@ -107,6 +108,7 @@ def test_from_config_random_model_runs():
     assert float(model.norm.weight.min()) == 1.0
 
 
+@row_invariant_numpy
 @pytest.mark.parametrize("one_tile", [False, True])
 def test_invariant_rows_score_a_position_alike_alone_in_a_batch_and_in_a_verification(tiny_dirs, monkeypatch, one_tile):
     """The batch-invariant row step (its Triton kernels, interpreted): a position's logits and aux are bitwise the
