@@ -73,6 +73,22 @@ def _reference_row(par, tok, probs, arg, u_acc, e_row, greedy):
     return toks, path
 
 
+def verify_tree_greedy_host(arg: list[int], draft_tokens: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
+    """One greedy tree on the host: the target's argmax of each logit row ``arg`` [N+1] (row 0 = the root's), node
+    tokens [N] (-1 = padded) and parents [N] (-1 = root) as ints -> (tokens: the accepted nodes' then the final argmax,
+    path: the accepted node ids). What :func:`verify_tree_reference` returns for a row at temperature 0, without its
+    softmax and random draws over the vocabulary (12.8 ms of a CPU tree step at batch 1, this walk ~0.1 ms)."""
+    node, row, toks, path = -1, 0, [], []
+    while True:
+        found = next((i for i, (p, t) in enumerate(zip(parents, draft_tokens)) if p == node and t >= 0 and t == arg[row]), -1)
+        if found < 0:
+            toks.append(arg[row])
+            return toks, path
+        toks.append(draft_tokens[found])
+        path.append(found)
+        node, row = found, found + 1
+
+
 def verify_tree_reference(target_logits, draft_tokens, parents, *, temperature, seed):
     """PyTorch/numpy reference with the kernel's float32 arithmetic and random draws."""
     logits = target_logits.float()  # [B, N+1, V]
@@ -300,4 +316,4 @@ def verify_tree(target_logits, draft_tokens, parents, *, temperature, seed, conf
     return tokens, nacc, path
 
 
-__all__ = ["verify_tree", "verify_tree_reference"]
+__all__ = ["verify_tree", "verify_tree_greedy_host", "verify_tree_reference"]

@@ -227,11 +227,16 @@ def tree_step(ctx: SpecContext, seqs: list[Sequence], depth: int, topk: int, num
     else:
         logits, aux = target_verify_forward(ctx, seqs, drafts, trees)
     with ctx.prof.phase("verify"):
-        rows_p = [
-            filter_logits(logits[b], rows.top_k[b].expand(t.size + 1), rows.top_p[b].expand(t.size + 1))
-            for b, t in enumerate(trees)
-        ]  # [M_b+1, V] each
-        verdicts = ctx.verifier.tree(rows_p, trees, rows.temperature, rows.seed)
+        greedy = all(s.params.greedy for s in seqs)  # argmax rows, as plain greedy decoding's (no top-k/top-p)
+        rows_p = (
+            logits
+            if greedy
+            else [
+                filter_logits(logits[b], rows.top_k[b].expand(t.size + 1), rows.top_p[b].expand(t.size + 1))
+                for b, t in enumerate(trees)
+            ]
+        )  # [M_b+1, V] each
+        verdicts = ctx.verifier.tree(rows_p, trees, rows.temperature, rows.seed, greedy)
     ctx.record_times(m0, m1)
     out = []
     for b, (s, tree, (path, toks)) in enumerate(zip(seqs, trees, verdicts)):

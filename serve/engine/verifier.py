@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from eagleray.kernels import cpu_decode
 from eagleray.kernels.verify import (
     t2d_index,
     verify_chain,
@@ -17,6 +18,7 @@ from eagleray.kernels.verify import (
     verify_chain_reduced_reference,
     verify_chain_reference,
     verify_tree,
+    verify_tree_greedy_host,
     verify_tree_reference,
 )
 from eagleray.serve.engine.tree import DraftTree
@@ -75,15 +77,25 @@ class Verifier:
         return verify_chain(target_logits, draft_tokens, None, temperature=temperature, seed=seed, all_greedy=True)
 
     def tree(
-        self, logits: list[torch.Tensor], trees: list[DraftTree], temperature: torch.Tensor, seed: torch.Tensor
+        self,
+        logits: list[torch.Tensor],
+        trees: list[DraftTree],
+        temperature: torch.Tensor,
+        seed: torch.Tensor,
+        all_greedy: bool = False,
     ) -> list[tuple[list[int], list[int]]]:
         """Per sequence logits [M_b+1, V] (filtered) and tree -> (path node ids incl. root 0, emitted tokens).
+        ``all_greedy``: every row's temperature is 0 (the caller knows it on the host): on CPU each tree is walked on
+        the host over its rows' argmaxes (:func:`verify_tree_greedy_host`).
 
         The engine's trees number nodes 1..M with parent 0 = root; the kernels number them 0..N-1 with
         parent -1 = root, so parents shift by one and rows are padded to the largest tree (token -1).
         """
+        dev = logits[0].device
+        if all_greedy and not use_kernel(self.backend, dev):
+            return [self._tree_greedy_host(row, t) for row, t in zip(logits, trees)]
         bsz, n = len(trees), max(t.size for t in trees)
-        dev, vocab = logits[0].device, logits[0].shape[-1]
+        vocab = logits[0].shape[-1]
         p = torch.zeros((bsz, n + 1, vocab), dtype=torch.float32, device=dev)  # [B, N+1, V]
         tokens = torch.full((bsz, n), -1, dtype=torch.int64, device=dev)  # [B, N]
         parents = torch.full((bsz, n), -1, dtype=torch.int64, device=dev)  # [B, N]
@@ -98,3 +110,10 @@ class Verifier:
             k = int(nacc[b])
             result.append(([0] + (path[b, :k] + 1).tolist(), out[b, : k + 1].tolist()))
         return result
+
+    @staticmethod
+    def _tree_greedy_host(logits: torch.Tensor, tree: DraftTree) -> tuple[list[int], list[int]]:
+        """logits [M+1, V] of one tree (engine numbering) -> (path incl. root 0, emitted tokens)."""
+        arg = cpu_decode.argmax_last(logits).tolist()  # [M+1]
+        toks, path = verify_tree_greedy_host(arg, tree.tokens.tolist(), [p - 1 for p in tree.parents.tolist()])
+        return [0] + [i + 1 for i in path], toks

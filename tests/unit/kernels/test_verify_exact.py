@@ -16,6 +16,7 @@ from eagleray.kernels.verify import (
     verify_chain_reduced_reference,
     verify_chain_reference,
     verify_tree,
+    verify_tree_greedy_host,
     verify_tree_reference,
 )
 
@@ -150,6 +151,32 @@ def test_tree_greedy_exact():
     assert nacc.tolist() == [2, 0]
     assert tokens[0, :3].tolist() == [5, 8, 11] and tokens[1, :1].tolist() == [5]
     assert path[0, :2].tolist() == [1, 5] and (path[1] == -1).all()
+
+
+def test_tree_greedy_host_walk_equals_the_reference_at_temperature_zero():
+    """The CPU engine's greedy tree verification (a walk over the rows' argmaxes) returns what the reference does at
+    T=0: random trees with repeated sibling tokens, a padded node, paths of every length."""
+    bsz = 200
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(bsz, len(PARENTS) + 1, 6, generator=g)  # 6 tokens: siblings often repeat, paths often accepted
+    draft = torch.randint(0, 6, (bsz, len(PARENTS)), generator=g)
+    draft[::5, 2] = -1  # a padded node
+    arg_rows = logits.argmax(-1)  # [B, N+1]
+    draft[::7, 0], draft[::7, 3], draft[::7, 6] = arg_rows[::7, 0], arg_rows[::7, 1], arg_rows[::7, 4]  # 0 -> 3 -> 6 accepted
+    parents = torch.tensor(PARENTS).expand(bsz, -1).contiguous()
+    temp, seed = _zeros(bsz)
+    tokens, nacc, path = verify_tree_reference(logits, draft, parents, temperature=temp, seed=seed)
+    arg = logits.argmax(-1).tolist()
+    lengths = set()
+    for b in range(bsz):
+        toks, pth = verify_tree_greedy_host(arg[b], draft[b].tolist(), PARENTS)
+        k = int(nacc[b])
+        assert (toks, pth) == (tokens[b, : k + 1].tolist(), path[b, :k].tolist()), f"row {b}"
+        lengths.add(k)
+    assert lengths >= {0, 1, 2, 3}, "the trees exercise accepted paths of several lengths"
+    # the hand-computed case of test_tree_greedy_exact
+    assert verify_tree_greedy_host([5, 2, 8, 0, 0, 0, 11, 0, 0], [4, 5, 6, 7, 9, 8, 1, 3], PARENTS) == ([5, 8, 11], [1, 5])
+    assert verify_tree_greedy_host([5, 2, 8, 0, 0, 0, 11, 0, 0], [4, 6, 6, 7, 9, 8, -1, 3], PARENTS) == ([5], [])
 
 
 @pytest.mark.parametrize("config", [None, LaunchConfig(block_v=8, warps=1, recover_block_v=8, recover_warps=1)])
