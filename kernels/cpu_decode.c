@@ -192,10 +192,8 @@ void plinear_chunk(const void* vctx, int64_t c) {
 #define TILE(BF) switch (j->M - m < PMT ? j->M - m : PMT) { \
             case 8: PT(8, BF); break; case 7: PT(7, BF); break; case 6: PT(6, BF); break; case 5: PT(5, BF); break; \
             case 4: PT(4, BF); break; case 3: PT(3, BF); break; case 2: PT(2, BF); break; default: PT(1, BF); break; }
-#elif PMT == 2
+#else  // PMT == 2
 #define TILE(BF) switch (j->M - m < PMT ? j->M - m : PMT) { case 2: PT(2, BF); break; default: PT(1, BF); break; }
-#else
-#define TILE(BF) { PT(1, BF); }
 #endif
             if (j->bf16) TILE(1) else TILE(0)
 #undef TILE

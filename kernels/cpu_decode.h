@@ -13,7 +13,7 @@ INTERNAL void parallel_run(work_fn fn, const void* ctx, int64_t nchunks, int thr
 #define PNV 3  // weight vectors a panel: 48 columns
 #if defined(__AVX512F__)
 #define PMT 8  // x rows a tile: 8 x 3 accumulators + 3 weight vectors + 1 broadcast, of 32 zmm registers
-#elif !defined(PMT)
+#else
 #define PMT 2  // AVX2 (a vector: two ymm): 12 accumulators + 2 broadcasts + a weight vector's halves, of 16 ymm registers
 #endif
 #define PANEL (16 * PNV)

@@ -12,6 +12,7 @@ so concurrent builders never load a partial library), opened with ctypes, its fu
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform as std_platform
@@ -89,14 +90,19 @@ def isa() -> str:
         raise KernelBuildError(
             f"the native CPU kernels need x86-64 with AVX-512 or AVX2; this machine is {std_platform.machine()}"
         )
+    return choose_isa(cpu_flags(), os.environ.get(ISA_ENV))
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The words of /proc/cpuinfo (read once a process: the flags do not change)."""
     try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError as err:
         raise KernelBuildError(f"cannot read /proc/cpuinfo to check for AVX-512 or AVX2 ({err})") from err
-    return choose_isa(flags, os.environ.get(ISA_ENV))
 
 
-def choose_isa(flags: set[str], wanted: str | None) -> str:
+def choose_isa(flags: frozenset[str] | set[str], wanted: str | None) -> str:
     """The best of ``ISA_FLAGS`` that CPU ``flags`` (/proc/cpuinfo's words) allow, or ``wanted`` if they allow it."""
     have = [name for name, need in (("avx512", {"avx512f", "fma"}), ("avx2", {"avx2", "fma"})) if need <= flags]
     if wanted is not None:

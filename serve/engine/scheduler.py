@@ -153,13 +153,8 @@ class Scheduler:
         forward (vLLM's mixed batches: on a CPU a decode row beside hundreds of prompt rows costs about nothing, where
         a step of its own costs a decode step and stalls while prompts prefill), their next positions' slots taken
         before any prompt's blocks; none if the cache lacks a slot for any of them."""
-        if not self.chunked_prefill:
+        if not self.chunked_prefill or not self._ensure_all(1):
             return []
-        need = sum(self.blocks.blocks_for(s.num_tokens) - len(s.block_table) for s in self.running)
-        if need > self.blocks.num_free:
-            return []
-        for seq in self.running:
-            self.blocks.ensure(seq, seq.num_tokens)
         return list(self.running)
 
     def _release_partial(self) -> bool:
@@ -199,15 +194,16 @@ class Scheduler:
     def _ensure_all(self, lookahead: int) -> bool:
         """Every running sequence's slots for ``lookahead`` more positions, if the cache has them all -> whether it
         did (else nothing is taken, and the sequences are scheduled one by one, preempting from the back)."""
-        bs, growing = self.blocks.block_size, []
+        growing = []  # (sequence, positions, blocks it lacks)
         for seq in self.running:
-            more = (seq.num_tokens - 2 + lookahead + bs) // bs - len(seq.block_table)  # blocks_for(num_tokens - 1 + lookahead)
+            need = seq.num_tokens - 1 + lookahead
+            more = self.blocks.blocks_for(need) - len(seq.block_table)
             if more > 0:
-                growing.append((seq, more))
-        if sum(more for _, more in growing) > self.blocks.num_free:
+                growing.append((seq, need, more))
+        if sum(more for _, _, more in growing) > self.blocks.num_free:
             return False
-        for seq, more in growing:
-            self.blocks.ensure(seq, (len(seq.block_table) + more) * bs)
+        for seq, need, _ in growing:
+            self.blocks.ensure(seq, need)
         return True
 
     def preempt_all(self) -> None:

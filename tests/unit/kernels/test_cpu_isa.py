@@ -67,16 +67,9 @@ def test_every_instruction_set_compiles(isa, tmp_path):
         assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-3000:]}"
 
 
-def _default_isa() -> str | None:
-    env = {k: v for k, v in os.environ.items() if k != build.ISA_ENV}
-    code = "from eagleray.kernels import cpu_decode_build as b; print(b.isa())"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
 @pytest.mark.skipif(build.unsupported() is not None, reason=f"native CPU kernels: {build.unsupported()}")
 def test_the_avx2_build_passes_the_kernel_suite_on_an_avx512_cpu(tmp_path):
-    if _default_isa() != "avx512":
+    if build.choose_isa(build.cpu_flags(), None) != "avx512":
         pytest.skip("this CPU's default build is AVX2: the kernel suite runs on it already")
     here = Path(__file__).parent
     env = {**os.environ, build.ISA_ENV: "avx2", "EAGLERAY_HOME": str(tmp_path)}
