@@ -3,42 +3,37 @@
 - :class:`AdaptivePolicy` picks each decode step's draft length k (0 = a plain step) from measured
   costs: for a batch of B sequences, the predicted speedup of a chain of k drafts is
 
-      speedup(B, k) = E(k) * t_plain(B) / (t_verify(B, k) + t_draft(B, k) + t_join(B))
+      speedup(B, k) = E(k) * t_plain(B) / max(t_plain(B), t_verify(B, k) + t_draft(B, k) + t_join(B))
       E(k) = 1 + sum_{i<k} a_i          a_i = P(the first i+1 drafts are accepted), measured per position
 
-  with t_plain (a whole plain step), t_verify(B, k) (the rest of a speculative step after drafting: target
-  forward + verification of k+1 tokens and the step's host work, so that it compares with t_plain; about flat
-  in k while the step is memory-bound on a GPU, less so on a CPU) and t_draft(B, k) (the whole drafting of k
-  tokens: the catch-up forward plus k-1 chain forwards and their launches; a catch-up over plain steps' tokens is
-  not counted), and t_join(B, k) (the draft's catch-up over the prompts of sequences that joined - the draft's
-  prefill, a cost of speculating at all; on the H200 it made SmolLM2's speculative steps at 32-64 sequences 25-30%
-  dearer than the policy predicted). A sequence's catch-up is paid once, its tokens over its life, so the join time
-  is a cost per token emitted (sequences join as others finish, after a number of tokens): t_join(B, k) = (catch-up
-  seconds per prompt position x prompt positions joined per token emitted, :mod:`~eagleray.serve.engine.join_cost`)
-  * B * E(k). Averaged over speculative steps instead, the catch-up a rare
-  probe pays for a thousand plain steps' joins counted as the cost of every speculative step (10.6 ms at 64
-  SmolLM2 sequences on the H200, where a plain step costs 3.2), and the policy never speculated again. Per token
-  emitted since the 32 speculative steps before (the rate's window until then), the first steps after four
-  512-token prompts joined on the CPU charged their whole catch-up to their own few tokens (40 ms a token where the
-  sequences' lives made it 0.7), and at 4 sequences the policy decoded plain for the rest of the run (7 speculative
-  steps of 500).
-  t_verify and t_draft are measured per batch-size bucket and per k as the median of the last ``RECENT`` steps
-  (one whole step that took 59 ms, where plain steps take 1.2, made a moving average predict 30x for an untrained
-  draft on the H200, and it speculated at 0.69x). Drafting is not k times a
-  per-token cost: a step's fixed part (staging, the catch-up's replay) divided by k made one k=1 forward cost
-  0.24 ms a token against 0.11 at k=4 on the H200, and the policy kept k=1 where k=4 paid 1.28x. An unmeasured
-  k lies on the line between the measured k around it; below every measured k, on the line from k = 0 (a plain
-  step's cost for t_verify, nothing for t_draft) to the smallest measured one; above, the largest's; t_verify
-  between two measured k takes the cheaper (optimistic: the k is tried, then its measurement decides). It speculates with the best k when that beats plain by ``margin``, else decodes plain
-  and probes k_max now and then (the interval doubles after every probe that does not pay, up to
-  ``max_probe_interval``, and stretches by the bucket's cost ratio of a speculative to a plain step),
-  so a draft that starts to pay is noticed and one that does not costs about one step in
-  ``max_probe_interval``. While it speculates with k < k_max, every ``probe_interval``-th speculative
-  step drafts k_max (a tail probe): positions past k are measured only by steps that draft them, so an
-  early underestimate of the tail would otherwise hold k low for good. Once the measured acceptance
-  bounds every speedup below 1 + ``margin``, a batch size not seen yet starts plain instead of being
-  measured with speculative steps, and probes come only every ``max_probe_interval`` steps. A tree
-  drafts a fixed topology: k is 0 or the tree.
+  with t_plain (a whole plain step), t_verify(B, k) (the rest of a speculative step after drafting: target forward +
+  verification of k+1 tokens and the step's host work, so that it compares with t_plain; about flat in k while the step
+  is memory-bound on a GPU, less so on a CPU) and t_draft(B, k) (the whole drafting of k tokens: the catch-up forward
+  plus k-1 chain forwards and their launches; a catch-up over plain steps' tokens is not counted), and t_join(B, k)
+  (the draft's catch-up over the prompts of sequences that joined - the draft's prefill, a cost of speculating at all;
+  on the H200 it made SmolLM2's speculative steps at 32-64 sequences 25-30% dearer than the policy predicted). A
+  sequence's catch-up is paid once, its tokens over its life, so the join time is a cost per token emitted (sequences
+  join as others finish, after a number of tokens): t_join(B, k) = (catch-up seconds per prompt position x prompt
+  positions joined per token emitted, :mod:`~eagleray.serve.engine.join_cost`) * B * E(k). Averaged over speculative
+  steps instead, the catch-up a rare probe pays for a thousand plain steps' joins counted as the cost of every
+  speculative step (10.6 ms at 64 SmolLM2 sequences on the H200, where a plain step costs 3.2), and the policy never
+  speculated again. A speculative step costs at least a plain step (it runs the target over the same tokens, and
+  drafts): a measurement below is noise. t_verify and t_draft are measured per batch-size bucket and per k as the
+  median of the last ``RECENT`` steps (one whole step that took 59 ms, where plain steps take 1.2, made a moving
+  average predict 30x for an untrained draft on the H200, and it speculated at 0.69x). Drafting is not k times a
+  per-token cost: a step's fixed part (staging, the catch-up's replay) divided by k made one k=1 forward cost 0.24 ms a
+  token against 0.11 at k=4 on the H200, and the policy kept k=1 where k=4 paid 1.28x. An unmeasured k lies on the line
+  between the measured k around it; below every measured k, on the line from k = 0 (a plain step's cost for t_verify,
+  nothing for t_draft) to the smallest measured one; above, the largest's; t_verify between two measured k takes the
+  cheaper (optimistic: the k is tried, then its measurement decides). It speculates with the best k when that beats
+  plain by ``margin``, else decodes plain and probes k_max now and then (the interval doubles after every probe that
+  does not pay, up to ``max_probe_interval``, and stretches by the bucket's cost ratio of a speculative to a plain
+  step), so a draft that starts to pay is noticed and one that does not costs about one step in ``max_probe_interval``.
+  While it speculates with k < k_max, every ``probe_interval``-th speculative step drafts k_max (a tail probe):
+  positions past k are measured only by steps that draft them, so an early underestimate of the tail would otherwise
+  hold k low for good. Once the measured acceptance bounds every speedup below 1 + ``margin``, a batch size not seen
+  yet starts plain instead of being measured with speculative steps, and probes come only every ``max_probe_interval``
+  steps. A tree drafts a fixed topology: k is 0 or the tree.
 
   Before any acceptance is known a bucket is measured with k=1 steps (position 0 bounds every later position, and
   k=1 verifies the fewest rows), and a hopeless draft is probed with k=1; E(k) bounds each a_i by the ones before it.
@@ -260,11 +255,16 @@ class AdaptivePolicy:
         of 16 unlucky steps froze a low mean (no step at k measured it again), and the champion decoded plain 14,104
         of 17,240 steps on the H200 (0.96x; k=4 steps measured 1.37x)."""
         c = self.costs[bucket(batch)]
-        return self.expected_tokens(k) * c.plain / self._step_cost(c, k, batch)
+        return self.expected_tokens(k) * c.plain / self._spec_cost(c, self._step_cost(c, k, batch))
 
     @staticmethod
     def _measured(c: _Costs) -> bool:
         return c.plain is not None and bool(c.verify_by_k) and bool(c.draft_by_k)
+
+    @staticmethod
+    def _spec_cost(c: _Costs, seconds: float) -> float:
+        """At least a plain step's (module doc): under load a draft accepting nothing measured 1.25x, and was kept."""
+        return max(seconds, c.plain)
 
     def _step_cost(self, c: _Costs, k: int, batch: int) -> float:
         """t_verify(k) + t_draft(k) + t_join(k): the seconds of a speculative step of ``batch`` sequences drafting k."""
@@ -342,10 +342,8 @@ class AdaptivePolicy:
         rates = [sum(n > i for n in accepted) / len(accepted) for i in range(min(k, self.k_max))] if accepted else []
         for i, rate in enumerate(rates):
             self._observe_accept(i, rate, len(accepted))
-        step_pays = (
-            c.plain is not None
-            and (1 + sum(rates)) * c.plain / (verify_seconds + draft_seconds + self._join_cost(c, k, batch)) > 1 + self.margin
-        )
+        seconds = verify_seconds + draft_seconds + self._join_cost(c, k, batch)
+        step_pays = c.plain is not None and (1 + sum(rates)) * c.plain / self._spec_cost(c, seconds) > 1 + self.margin
         if step_pays or self.best(batch)[0] > 0:
             self._probe_interval = self.min_probe_interval  # it pays (again): keep measuring it
             if step_pays:

@@ -487,3 +487,12 @@ def test_the_probe_intervals_cost_scale_is_scored_again_with_the_buckets_decisio
         policy.observe_plain(8, 0.0025)  # t_plain's median moves to 2.5 ms
     assert [policy.choose(8) for _ in range(REDECIDE)] == [0] * REDECIDE
     assert c.probe_ratio == pytest.approx(2.0)
+
+
+def test_a_speculative_step_measured_cheaper_than_plain_does_not_make_a_draft_that_accepts_nothing_pay():
+    """Under load a few slow plain steps raise t_plain's median (not refreshed while speculating) above the speculative
+    step's measured cost; a draft accepting nothing then predicted 1.25x and was speculated with for most of a run."""
+    policy = AdaptivePolicy(k_max=3, probe_interval=8)
+    chosen = _drive(policy, 200, batch=4, plain=0.010, verify=0.007, draft=0.0005, accepted=lambda k: [0] * 4)
+    assert policy._hopeless() and policy.best(4) == (0, 1.0)
+    assert sum(k > 0 for k in chosen) <= 6, f"{chosen}"
