@@ -1,13 +1,16 @@
 // eagleray CPU kernels for decode-sized steps (decode, verification, drafting) in fp32, AVX-512 or AVX2 (cpu_simd.h).
 //
 // linear: y = x w^T + b, y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]); x [M, K] (row stride ldx),
-// y [M, N] (row stride ldy), the weight packed once as panels of 48 output columns (p[panel][k][j] =
-// w[panel * 48 + j][k]). A register tile of 8 x rows by 48 columns (24 accumulators): per k, three
-// weight vectors and one broadcast x value per row (an outer product), so no horizontal sums. Each
-// y[m, n] is one FMA chain over k = 0..K-1 in order whatever M, the tile or the thread count is, so a
-// token's logits are bitwise the same when it is decoded alone or verified beside k others. Each
-// panel is streamed from memory once per call (the next one prefetched into L2 during this one) and
-// reused from L2 by every tile of 8 rows.
+// y [M, N] (row stride ldy), the weight packed once as panels of PANEL output columns (p[panel][k][j] =
+// w[panel * PANEL + j][k]; cpu_decode.h: 48 on AVX-512, 16 on AVX2). A register tile of up to PMT x rows by the
+// panel's columns: per k, the panel's weight vectors and one broadcast x value per row (an outer product), so no
+// horizontal sums. AVX-512: 8 rows x 48 columns (24 accumulators). AVX2: up to 6 rows x 16 columns (12 accumulators of
+// its 16 registers), the rows shared evenly by the tiles (8 rows as 4 + 4), so that a verification's 2-6 rows stream
+// a contiguous panel once, in one tile (2 rows x 48 columns, the AVX2 tile before: 5 rows 27.1 -> 25.0 ms a SmolLM2
+// step's linears, 8 rows 29.4 -> 25.9). Each y[m, n] is one FMA chain over k = 0..K-1 in order whatever M, the tile
+// or the thread count is, so a token's logits are bitwise the same when it is decoded alone or verified beside k
+// others. Each panel is streamed from memory once per call (the next one prefetched into L2 during this one) and
+// reused from L2 by every other tile.
 // Built and loaded by kernels/cpu_decode.py; reference: torch.nn.functional.linear.
 #define _GNU_SOURCE
 #include "cpu_decode.h"
@@ -133,23 +136,13 @@ static inline __attribute__((always_inline)) void ptile(const int MT, const int 
     for (int i = 0; i < MT; i++) for (int v = 0; v < PNV; v++) acc[i][v] = vf_zero();
     int64_t kq = K / 4, pf_acc = 0;
     const char* pfl = pf;
-#if defined(__AVX512F__)  // the panel's k-th weight vectors loaded once, then a row at a time
-#define KSTEP(kk) do { \
+#define KSTEP(kk) do { /* the panel's k-th weight vectors loaded once, then a row at a time */ \
         vf wv[PNV]; \
         for (int v = 0; v < PNV; v++) wv[v] = pload(BF, p, (kk) * PANEL + 16 * v); \
         for (int i = 0; i < MT; i++) { \
             vf xb = vf_set1(x[i * ldx + (kk)]); \
             for (int v = 0; v < PNV; v++) acc[i][v] = vf_fmadd(wv[v], xb, acc[i][v]); \
         } } while (0)
-#else  // AVX2 (16 registers): the rows' broadcasts first, then a weight vector at a time
-#define KSTEP(kk) do { \
-        vf xb[PMT]; \
-        for (int i = 0; i < MT; i++) xb[i] = vf_set1(x[i * ldx + (kk)]); \
-        for (int v = 0; v < PNV; v++) { \
-            vf wv = pload(BF, p, (kk) * PANEL + 16 * v); \
-            for (int i = 0; i < MT; i++) acc[i][v] = vf_fmadd(wv, xb[i], acc[i][v]); \
-        } } while (0)
-#endif
     for (int64_t q = 0; q < kq; q++) {
         for (pf_acc += pf_lines; /* Bresenham: pf_lines spread over kq steps, no division */ pf_acc >= kq && kq > 0; pf_acc -= kq) { _mm_prefetch(pfl, _MM_HINT_T1); pfl += 64; }
         int64_t k = 4 * q;
@@ -169,6 +162,17 @@ static inline __attribute__((always_inline)) void ptile(const int MT, const int 
         }
 }
 
+// Rows of tile t of `tiles` at row m of M: PMT while that many are left (AVX-512), or the rows left shared evenly by
+// the tiles left (AVX2: 8 rows as 4 + 4, not 6 + 2, whose 2-row tile is FMA-latency-bound on its 4 accumulators).
+static inline int64_t tile_rows(int64_t M, int64_t m, int64_t t, int64_t tiles) {
+#if PMT == 8
+    (void)t, (void)tiles;
+    return M - m < PMT ? M - m : PMT;
+#else
+    return (M - m + (tiles - t) - 1) / (tiles - t);
+#endif
+}
+
 // Panels [c * per_chunk, ...) of one claim: each is read from memory once, by its first tile, and from
 // L2 by the others; the claim's next panel is prefetched a slice per tile meanwhile (a claim holds
 // consecutive panels so that the prefetch lands in the L2 of the core that will use it).
@@ -182,18 +186,21 @@ void plinear_chunk(const void* vctx, int64_t c) {
         const float* b = j->b ? j->b + n0 : NULL;
         int64_t lines = pi + 1 < p1 ? panel_lines : 0;
         const char* next = p + j->K * PANEL * esz;
-        for (int64_t t = 0, m = 0; m < j->M; m += PMT, t++) {
+        for (int64_t t = 0, m = 0, rows; m < j->M; m += rows, t++) {
+            rows = tile_rows(j->M, m, t, tiles);
             int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
             const float* xm = j->x + m * j->ldx;
             float* ym = j->y + m * j->ldy + n0;
             const float* rm = j->r ? j->r + m * j->ldr + n0 : NULL;
 #define PT(MTc, BF) ptile(MTc, BF, p, xm, ym, b, rm, j->K, j->ldx, j->ldy, j->ldr, ncols, next + 64 * l0, l1 - l0)
 #if PMT == 8
-#define TILE(BF) switch (j->M - m < PMT ? j->M - m : PMT) { \
+#define TILE(BF) switch (rows) { \
             case 8: PT(8, BF); break; case 7: PT(7, BF); break; case 6: PT(6, BF); break; case 5: PT(5, BF); break; \
             case 4: PT(4, BF); break; case 3: PT(3, BF); break; case 2: PT(2, BF); break; default: PT(1, BF); break; }
-#else  // PMT == 2
-#define TILE(BF) switch (j->M - m < PMT ? j->M - m : PMT) { case 2: PT(2, BF); break; default: PT(1, BF); break; }
+#else  // PMT == 6 (AVX2)
+#define TILE(BF) switch (rows) { \
+            case 6: PT(6, BF); break; case 5: PT(5, BF); break; \
+            case 4: PT(4, BF); break; case 3: PT(3, BF); break; case 2: PT(2, BF); break; default: PT(1, BF); break; }
 #endif
             if (j->bf16) TILE(1) else TILE(0)
 #undef TILE

@@ -10,11 +10,12 @@ typedef void (*work_fn)(const void* ctx, int64_t chunk);
 INTERNAL void parallel_run(work_fn fn, const void* ctx, int64_t nchunks, int threads);
 
 // The packed-panel linear: y = x w^T (+ b) (+ r), r a residual [M, N] (row stride ldr) or NULL.
-#define PNV 3  // weight vectors a panel: 48 columns
 #if defined(__AVX512F__)
+#define PNV 3  // weight vectors a panel: 48 columns
 #define PMT 8  // x rows a tile: 8 x 3 accumulators + 3 weight vectors + 1 broadcast, of 32 zmm registers
 #else
-#define PMT 2  // AVX2 (a vector: two ymm): 12 accumulators + 2 broadcasts + a weight vector's halves, of 16 ymm registers
+#define PNV 1  // AVX2 (a vector: two ymm): panels of 16 columns, contiguous (three passes over 48-column panels: slower)
+#define PMT 6  // 6 rows x 2 ymm accumulators + a weight vector's halves + 1 broadcast, of 16 ymm registers
 #endif
 #define PANEL (16 * PNV)
 typedef struct {

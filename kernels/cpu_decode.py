@@ -10,8 +10,8 @@
 MKL's GEMV reaches about 10 GB/s of weight streaming on the 2-core CI machine, a third of its memory
 bandwidth, and its GEMM loses efficiency at the 5-64 rows of verification; a decode step is little but
 streaming the weights once. ``linear`` keeps each weight in a packed layout (panels of 48 output
-columns, made on first use and kept on the tensor, :mod:`~eagleray.kernels.cpu_panels`) and computes 8 rows x 48 columns
-per register tile as outer products (one weight vector load, one broadcast per row and k): near the
+columns, 16 on AVX2, made on first use and kept on the tensor, :mod:`~eagleray.kernels.cpu_panels`) and computes 8 rows
+x 48 columns (AVX2: up to 6 x 16) per register tile as outer products (one weight vector load, one broadcast per row and k): near the
 memory bound at M = 1-8 and ~85% of the FMA peak per core from M = 16 (BENCHMARKS.md). Every output is
 one FMA chain over k in order, so a token's logits do not depend on how many rows share the call
 (batch-invariant: greedy speculative output stays bitwise equal to plain output). The packed copy
@@ -25,7 +25,7 @@ keys up to itself (prefill of any length, unpadded).
 
 The C source is compiled once per machine with the system C compiler (``cc -O3 -mavx512f -mfma``, or ``-mavx2
 -mfma`` on a CPU without AVX-512: :mod:`~eagleray.kernels.cpu_decode_build`) into ``$EAGLERAY_HOME/kernels/`` and
-loaded with ctypes; no build step at install time. On AVX2 a tile is 2 rows (16 ymm registers) where AVX-512's is 8. The reference
+loaded with ctypes; no build step at install time. The reference
 of the linear is :func:`torch.nn.functional.linear` (``linear_reference``), of the attention
 ``paged_attention_reference``, of the argmax ``torch.argmax`` (``argmax_reference``); tests compare each pair.
 """
@@ -66,7 +66,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     lib = _load()
     m, k = x.shape
     n = w.shape[0]
-    p = cpu_panels.packed(w)  # [N / 48, K, 48] fp32, or bf16 where w's values are all bf16 values
+    p = cpu_panels.packed(w)  # [N / P, K, P] (P = 48, AVX2 16) fp32, or bf16 where w's values are all bf16 values
     y = torch.empty((m, n), dtype=torch.float32)  # [M, N]
     lib.linear_packed_f32(
         x.data_ptr(),

@@ -1,7 +1,7 @@
 """The native linear's weight layout (:func:`eagleray.kernels.cpu_decode.linear`, the fused layer's products): panels
 of the kernel's column count, made once per weight and kept on the tensor.
 
-    p = cpu_panels.packed(w)        # [ceil(N / 48), K, 48]: fp32, or bf16 where every value of w is a bf16 value
+    p = cpu_panels.packed(w)        # [ceil(N / P), K, P] (P: 48, AVX2 16): fp32, or bf16 where every value of w is a bf16 value
     cpu_panels.forget_packed(w)     # made again on next use
 
 A weight whose fp32 values are all bf16 values (a draft saved in bf16 and loaded as fp32) is packed in bf16: the kernel
