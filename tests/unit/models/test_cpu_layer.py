@@ -154,6 +154,24 @@ def test_tensor_parallel_and_unfused_layers_keep_pytorch(native):
     )
 
 
+def test_the_kept_kernel_weights_follow_changes_that_register_nothing(native, calls, monkeypatch):
+    """Without a registration (the cheap check: the kept tensors' versions and storages) a weight changed in place and
+    one whose ``.data`` is replaced (which does not bump its version either) are packed again."""
+    model = fused_model()
+    kv, kv_torch = _prefilled(model), _prefilled(model)
+    _forward(model, kv, [1, 1, 1])  # the handles are made and kept
+    epoch = native_layer._EPOCH[0]
+    with torch.no_grad():
+        model.layers[0].self_attn.qkv.weight.mul_(0.9)
+    w = model.layers[1].mlp.gate_up.weight
+    version = w._version
+    w.data = w.detach().clone() * 0.8
+    assert (w._version, native_layer._EPOCH[0]) == (version, epoch), "neither the version nor a registration tells"
+    fused = _forward(model, kv, [2, 2, 2])
+    _pytorch_layers(monkeypatch)
+    torch.testing.assert_close(fused, _forward(model, kv_torch, [2, 2, 2]), atol=1e-4, rtol=1e-4)
+
+
 def test_the_kept_kernel_weights_follow_a_weight_changed_in_place_a_replaced_weight_and_a_new_cache(native, calls, monkeypatch):
     """A layer's packed kernel weights are kept between forwards and made again when what they were made from changes;
     each change below, if missed, leaves the native forward on stale weights or writing another cache's K/V."""
