@@ -59,4 +59,5 @@ def row_keys(query_lens: list[int], context_lens: list[int], tree_masks) -> cpu_
             ctx.append(c)
             nnew.append(q)
             mask.append(bits - (1 << 64) if bits >= 1 << 63 else bits)
-    return cpu_decode.RowKeys(*(torch.tensor(x, dtype=torch.int64) for x in (seq, ctx, nnew, mask)))
+    keys = torch.tensor((seq, ctx, nnew, mask), dtype=torch.int64)  # [4, T]: one tensor made, its rows the four
+    return cpu_decode.RowKeys(*keys)
