@@ -6,9 +6,10 @@
 // panel's columns: per k, the panel's weight vectors and one broadcast x value per row (an outer product), so no
 // horizontal sums. AVX-512: 8 rows x 48 columns (24 accumulators). AVX2: up to 6 rows x 16 columns (12 accumulators of
 // its 16 registers), the rows shared evenly by the tiles (8 rows as 4 + 4), so that a verification's 2-6 rows stream
-// a contiguous panel once, in one tile (2 rows x 48 columns, the AVX2 tile before: 5 rows 27.1 -> 25.0 ms a SmolLM2
-// step's linears, 8 rows 29.4 -> 25.9). Each y[m, n] is one FMA chain over k = 0..K-1 in order whatever M, the tile
-// or the thread count is, so a token's logits are bitwise the same when it is decoded alone or verified beside k
+// a contiguous panel once, in one tile, and 1 or 2 rows take 3 or 2 adjacent panels at once (panel_group). Against the
+// AVX2 tile before (2 rows x 48 columns), a SmolLM2 step's linears: 1 row 21.6 -> 17.4-19.7 ms, 5 rows 26.9 ->
+// 23.8-24.4, 8 rows 29.2 -> 25.3-26.2, 16 rows 40.9 -> 32.8-33.8. Each y[m, n] is one FMA chain over k = 0..K-1 in order
+// whatever M, the tile or the thread count is, so a token's logits are bitwise the same when it is decoded alone or verified beside k
 // others. Each panel is streamed from memory once per call (the next one prefetched into L2 during this one) and
 // reused from L2 by every other tile.
 // Built and loaded by kernels/cpu_decode.py; reference: torch.nn.functional.linear.
@@ -128,20 +129,23 @@ static inline __attribute__((always_inline)) vf pload(const int BF, const void* 
     return vf_loadu((const float*)p + at);
 }
 
-static inline __attribute__((always_inline)) void ptile(const int MT, const int BF, const void* p, const float* x,
-                                                        float* y, const float* b, const float* r, int64_t K,
-                                                        int64_t ldx, int64_t ldy, int64_t ldr, int64_t ncols,
-                                                        const char* pf, int64_t pf_lines) {
-    vf acc[PMT][PNV];
-    for (int i = 0; i < MT; i++) for (int v = 0; v < PNV; v++) acc[i][v] = vf_zero();
+// NV weight vectors of 16 columns each, vstride elements apart: a panel's PNV vectors (AVX-512: 16 apart), or on AVX2
+// the one vector of NV adjacent panels (K * PANEL apart), which are adjacent columns of y too.
+#define NVMAX 3
+static inline __attribute__((always_inline)) void ptile(const int MT, const int NV, const int BF, const void* p,
+                                                        int64_t vstride, const float* x, float* y, const float* b,
+                                                        const float* r, int64_t K, int64_t ldx, int64_t ldy,
+                                                        int64_t ldr, int64_t ncols, const char* pf, int64_t pf_lines) {
+    vf acc[PMT][NVMAX];
+    for (int i = 0; i < MT; i++) for (int v = 0; v < NV; v++) acc[i][v] = vf_zero();
     int64_t kq = K / 4, pf_acc = 0;
     const char* pfl = pf;
-#define KSTEP(kk) do { /* the panel's k-th weight vectors loaded once, then a row at a time */ \
-        vf wv[PNV]; \
-        for (int v = 0; v < PNV; v++) wv[v] = pload(BF, p, (kk) * PANEL + 16 * v); \
+#define KSTEP(kk) do { /* the k-th weight vectors loaded once, then a row at a time */ \
+        vf wv[NVMAX]; \
+        for (int v = 0; v < NV; v++) wv[v] = pload(BF, p, (kk) * PANEL + vstride * v); \
         for (int i = 0; i < MT; i++) { \
             vf xb = vf_set1(x[i * ldx + (kk)]); \
-            for (int v = 0; v < PNV; v++) acc[i][v] = vf_fmadd(wv[v], xb, acc[i][v]); \
+            for (int v = 0; v < NV; v++) acc[i][v] = vf_fmadd(wv[v], xb, acc[i][v]); \
         } } while (0)
     for (int64_t q = 0; q < kq; q++) {
         for (pf_acc += pf_lines; /* Bresenham: pf_lines spread over kq steps, no division */ pf_acc >= kq && kq > 0; pf_acc -= kq) { _mm_prefetch(pfl, _MM_HINT_T1); pfl += 64; }
@@ -151,7 +155,7 @@ static inline __attribute__((always_inline)) void ptile(const int MT, const int 
     for (int64_t k = 4 * kq; k < K; k++) KSTEP(k);
 #undef KSTEP
     for (int i = 0; i < MT; i++)
-        for (int v = 0; v < PNV; v++) {
+        for (int v = 0; v < NV; v++) {
             int64_t c = 16 * v, left = ncols - c;
             if (left <= 0) break;
             vmask mk = vmask_first(left);
@@ -173,34 +177,53 @@ static inline int64_t tile_rows(int64_t M, int64_t m, int64_t t, int64_t tiles) 
 #endif
 }
 
+// Panels a tile of `rows` rows spans, of `left` left in the claim: one (AVX-512: its 48 columns; AVX2 tiles of 3-6
+// rows), or on AVX2 up to 3 adjacent 16-column panels for 1 row and 2 for 2 rows: more accumulator chains and one tile
+// prologue for several panels (1 row: 22.0 -> 17.4-19.7 ms a SmolLM2 step's linears on the 2-core EPYC).
+static inline int64_t panel_group(int64_t rows, int64_t left) {
+#if PMT == 8
+    (void)rows, (void)left;
+    return 1;
+#else
+    int64_t most = rows == 1 ? 3 : rows == 2 ? 2 : 1;
+    return left < most ? left : most;
+#endif
+}
+
 // Panels [c * per_chunk, ...) of one claim: each is read from memory once, by its first tile, and from
-// L2 by the others; the claim's next panel is prefetched a slice per tile meanwhile (a claim holds
+// L2 by the others; the claim's next panels are prefetched a slice per tile meanwhile (a claim holds
 // consecutive panels so that the prefetch lands in the L2 of the core that will use it).
 void plinear_chunk(const void* vctx, int64_t c) {
     const plinear_t* j = (const plinear_t*)vctx;
     int64_t p0 = c * j->per_chunk, p1 = p0 + j->per_chunk < j->npanels ? p0 + j->per_chunk : j->npanels;
     int64_t esz = j->bf16 ? 2 : 4, tiles = (j->M + PMT - 1) / PMT, panel_lines = j->K * PANEL * esz / 64;
-    for (int64_t pi = p0; pi < p1; pi++) {
-        int64_t n0 = pi * PANEL, ncols = j->N - n0 < PANEL ? j->N - n0 : PANEL;
+    int64_t vstride = PNV > 1 ? 16 : j->K * PANEL;  // elements between a tile's weight vectors
+    for (int64_t pi = p0, group; pi < p1; pi += group) {
+        group = panel_group(tile_rows(j->M, 0, 0, tiles), p1 - pi);
+        int64_t n0 = pi * PANEL, ncols = j->N - n0 < group * PANEL ? j->N - n0 : group * PANEL;
         const char* p = (const char*)j->p + pi * j->K * PANEL * esz;
         const float* b = j->b ? j->b + n0 : NULL;
-        int64_t lines = pi + 1 < p1 ? panel_lines : 0;
-        const char* next = p + j->K * PANEL * esz;
+        int64_t after = p1 - pi - group, lines = (after < group ? after : group) * panel_lines;
+        const char* next = p + group * j->K * PANEL * esz;
         for (int64_t t = 0, m = 0, rows; m < j->M; m += rows, t++) {
             rows = tile_rows(j->M, m, t, tiles);
             int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
             const float* xm = j->x + m * j->ldx;
             float* ym = j->y + m * j->ldy + n0;
             const float* rm = j->r ? j->r + m * j->ldr + n0 : NULL;
-#define PT(MTc, BF) ptile(MTc, BF, p, xm, ym, b, rm, j->K, j->ldx, j->ldy, j->ldr, ncols, next + 64 * l0, l1 - l0)
+#define PT(MTc, NVc, BF) \
+    ptile(MTc, NVc, BF, p, vstride, xm, ym, b, rm, j->K, j->ldx, j->ldy, j->ldr, ncols, next + 64 * l0, l1 - l0)
 #if PMT == 8
 #define TILE(BF) switch (rows) { \
-            case 8: PT(8, BF); break; case 7: PT(7, BF); break; case 6: PT(6, BF); break; case 5: PT(5, BF); break; \
-            case 4: PT(4, BF); break; case 3: PT(3, BF); break; case 2: PT(2, BF); break; default: PT(1, BF); break; }
-#else  // PMT == 6 (AVX2)
-#define TILE(BF) switch (rows) { \
-            case 6: PT(6, BF); break; case 5: PT(5, BF); break; \
-            case 4: PT(4, BF); break; case 3: PT(3, BF); break; case 2: PT(2, BF); break; default: PT(1, BF); break; }
+            case 8: PT(8, PNV, BF); break; case 7: PT(7, PNV, BF); break; case 6: PT(6, PNV, BF); break; \
+            case 5: PT(5, PNV, BF); break; case 4: PT(4, PNV, BF); break; case 3: PT(3, PNV, BF); break; \
+            case 2: PT(2, PNV, BF); break; default: PT(1, PNV, BF); break; }
+#else  // PMT == 6 (AVX2): a group of panels for 1-2 rows
+#define TILE(BF) switch (rows * 4 + group) { \
+            case 6 * 4 + 1: PT(6, 1, BF); break; case 5 * 4 + 1: PT(5, 1, BF); break; \
+            case 4 * 4 + 1: PT(4, 1, BF); break; case 3 * 4 + 1: PT(3, 1, BF); break; \
+            case 2 * 4 + 2: PT(2, 2, BF); break; case 2 * 4 + 1: PT(2, 1, BF); break; \
+            case 1 * 4 + 3: PT(1, 3, BF); break; case 1 * 4 + 2: PT(1, 2, BF); break; default: PT(1, 1, BF); break; }
 #endif
             if (j->bf16) TILE(1) else TILE(0)
 #undef TILE

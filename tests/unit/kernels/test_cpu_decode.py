@@ -30,7 +30,9 @@ def _data(m: int, n: int, k: int, seed: int = 0):
 
 @native
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 40, 64, 128])
-@pytest.mark.parametrize("n,k", [(96, 64), (101, 576), (7, 37), (960, 576), (576, 1536), (49, 3)])
+@pytest.mark.parametrize(
+    "n,k", [(96, 64), (101, 576), (7, 37), (960, 576), (576, 1536), (49, 3), (277, 64)]
+)  # 277: AVX2 groups of 3 panels, the last with the tail
 def test_matches_torch(m, n, k):
     x, w, b = _data(m, n, k)
     torch.testing.assert_close(cpu_decode.linear(x, w, b), cpu_decode.linear_reference(x, w, b), atol=1e-4, rtol=1e-5)
