@@ -168,7 +168,7 @@ def _weights(layer, cache) -> cpu_layer.LayerWeights | None:
     registered anywhere since (:data:`_EPOCH`): the kept weight tensors' versions and storages and the cache's storage
     (4 us a layer on the 2-core CPU); after a registration, the layer's weights fetched through its modules again and
     their whole :func:`_stamp` compared (23 us: the fetch was 17 of them, and every plain step paid it in each of
-    SmolLM2's 30 layers, 3.5% of its decode tok/s)."""
+    SmolLM2's 30 layers: plain decoding at batch 1 38.3 -> 40.4 tok/s without it)."""
     kept = getattr(layer, _WEIGHTS, None)  # (handle, stamp, tensors, marks, epoch)
     if kept is not None and kept[4] == _EPOCH[0] and _marks(kept[2], cache) == kept[3]:
         return kept[0]
