@@ -165,23 +165,25 @@ def _ruled_weights(layer, h: torch.Tensor, attn, cache, key: str, rule) -> cpu_l
 def _weights(layer, cache) -> cpu_layer.LayerWeights | None:
     """The layer's kernel weights (kept on it while what they were made from holds), or None where
     :func:`layer_reason` says no. Checked in every forward of every layer, cheaply while no parameter or module was
-    registered anywhere since (:data:`_EPOCH`): the kept weight tensors' versions and storages and the cache's storage
-    (4 us a layer on the 2-core CPU); after a registration, the layer's weights fetched through its modules again and
-    their whole :func:`_stamp` compared (23 us: the fetch was 17 of them, and every plain step paid it in each of
-    SmolLM2's 30 layers: plain decoding at batch 1 38.3 -> 40.4 tok/s without it)."""
-    kept = getattr(layer, _WEIGHTS, None)  # (handle, stamp, tensors, marks, epoch)
-    if kept is not None and kept[4] == _EPOCH[0] and _marks(kept[2], cache) == kept[3]:
+    registered anywhere since (:data:`_EPOCH`): the kept weight tensors' :func:`_marks` (4 us a layer on the 2-core
+    CPU); after a registration, the layer's weights fetched through its modules again and their marks compared
+    (23 us: the fetch was 17 of them, and every plain step paid it in each of SmolLM2's 30 layers: plain
+    decoding at batch 1 38.3 -> 40.4 tok/s without it). An inference tensor has no version: a change to one in place is
+    not seen (as :mod:`eagleray.kernels.weight_cache`); nor is a parameter or module replaced other than through
+    PyTorch's registration (``module._parameters[name] = p``)."""
+    kept = getattr(layer, _WEIGHTS, None)  # (handle, tensors, marks, epoch)
+    if kept is not None and kept[3] == _EPOCH[0] and _marks(kept[1], cache) == kept[2]:
         return kept[0]
     if kept is not None and layer.self_attn.qkv is not None and layer.mlp.gate_up is not None:
-        stamp = _stamp(layer, cache)
-        if stamp == kept[1]:
-            setattr(layer, _WEIGHTS, (*kept[:3], _marks(kept[2], cache), _EPOCH[0]))
+        tensors = _tensors(layer)  # the same storages at the same versions: the same contiguous weights
+        if _marks(tensors, cache) == kept[2]:
+            setattr(layer, _WEIGHTS, (kept[0], tensors, kept[2], _EPOCH[0]))  # cheap checks again, on these tensors
             return kept[0]
     if layer_reason(layer, cache) is not None:
         return None
     held = cpu_layer.layer_weights(_params(layer, cache))
     tensors = _tensors(layer)
-    setattr(layer, _WEIGHTS, (held, _stamp(layer, cache), tensors, _marks(tensors, cache), _EPOCH[0]))  # held keeps them
+    setattr(layer, _WEIGHTS, (held, tensors, _marks(tensors, cache), _EPOCH[0]))  # held keeps the tensors alive
     return held
 
 
@@ -189,7 +191,7 @@ _EPOCH = [0]  # parameters and modules registered in this process (torch's globa
 
 
 def _registered(*_) -> None:
-    _EPOCH[0] += 1  # a weight or module may have been replaced: every kept stamp is compared whole once
+    _EPOCH[0] += 1  # a weight or module may have been replaced: every kept layer compares its weights whole once
 
 
 torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
@@ -202,21 +204,12 @@ def _tensors(layer) -> tuple:
 
 
 def _marks(tensors: tuple, cache) -> tuple:
-    """Each kept weight's version and storage (a change in place, or its ``.data`` replaced), the cache's storage."""
+    """Each weight's version and storage (a change in place, or its ``.data`` replaced), the cache's storage."""
     return (
         *((None if w.is_inference() else w._version, w.data_ptr()) for w in tensors),
         cache[0].data_ptr(),
         cache[1].data_ptr(),
     )
-
-
-def _stamp(layer, cache) -> tuple:
-    """What a kept handle was made from: each weight the same tensor at the same storage and version (a weight changed
-    in place is packed again), and the same cache storage. An inference tensor has no version: a change to one in
-    place is not seen (as :mod:`eagleray.kernels.weight_cache`); nor is a parameter or module replaced other than
-    through PyTorch's registration (``module._parameters[name] = p``)."""
-    marks = tuple((id(w), w.data_ptr(), None if w.is_inference() else w._version) for w in _tensors(layer))
-    return marks + (cache[0].data_ptr(), cache[1].data_ptr())
 
 
 def _params(layer, cache) -> cpu_layer.LayerParams:
