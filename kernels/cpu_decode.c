@@ -4,14 +4,13 @@
 // y [M, N] (row stride ldy), the weight packed once as panels of PANEL output columns (p[panel][k][j] =
 // w[panel * PANEL + j][k]; cpu_decode.h: 48 on AVX-512, 16 on AVX2). A register tile of up to PMT x rows by the
 // panel's columns: per k, the panel's weight vectors and one broadcast x value per row (an outer product), so no
-// horizontal sums. AVX-512: 8 rows x 48 columns (24 accumulators). AVX2: up to 6 rows x 16 columns (12 accumulators of
-// its 16 registers), the rows shared evenly by the tiles (8 rows as 4 + 4), so that a verification's 2-6 rows stream
-// a contiguous panel once, in one tile, and 1 or 2 rows take 3 or 2 adjacent panels at once (panel_group). Against the
-// AVX2 tile before (2 rows x 48 columns), a SmolLM2 step's linears: 1 row 21.6 -> 17.4-19.7 ms, 5 rows 26.9 ->
-// 23.8-24.4, 8 rows 29.2 -> 25.3-26.2, 16 rows 40.9 -> 32.8-33.8. Each y[m, n] is one FMA chain over k = 0..K-1 in order
-// whatever M, the tile or the thread count is, so a token's logits are bitwise the same when it is decoded alone or verified beside k
-// others. Each panel is streamed from memory once per call (the next one prefetched into L2 during this one) and
-// reused from L2 by every other tile.
+// horizontal sums. AVX-512: 8 rows x 48 columns (24 accumulators). AVX2 (16-column panels, at most 12 accumulators of
+// the 16 ymm registers): a verification's or a draft's few rows (M <= 6) in tiles of 1 row over 3 adjacent panels or
+// 2-3 rows over 2; more rows in tiles of up to 6 over one panel, the rows shared evenly (8 as 4 + 4) (tile_count,
+// panel_group). Each y[m, n] is one FMA chain over k = 0..K-1 in order whatever M, the tile or the thread
+// count is, so a token's logits are bitwise the same when it is decoded alone or verified beside k others. Each panel
+// is streamed from memory once per call (the next ones prefetched into L2 during this one: prefetch_stride) and reused
+// from L2 by every other tile.
 // Built and loaded by kernels/cpu_decode.py; reference: torch.nn.functional.linear.
 #define _GNU_SOURCE
 #include "cpu_decode.h"
@@ -135,11 +134,13 @@ static inline __attribute__((always_inline)) vf pload(const int BF, const void* 
 static inline __attribute__((always_inline)) void ptile(const int MT, const int NV, const int BF, const void* p,
                                                         int64_t vstride, const float* x, float* y, const float* b,
                                                         const float* r, int64_t K, int64_t ldx, int64_t ldy,
-                                                        int64_t ldr, int64_t ncols, const char* pf, int64_t pf_lines) {
+                                                        int64_t ldr, int64_t ncols, const char* pf, int64_t pf_lines,
+                                                        int64_t pf_stride) {
     vf acc[PMT][NVMAX];
     for (int i = 0; i < MT; i++) for (int v = 0; v < NV; v++) acc[i][v] = vf_zero();
     int64_t kq = K / 4, pf_acc = 0;
     const char* pfl = pf;
+    pf_lines = (pf_lines + pf_stride - 1) / pf_stride;  // the lines prefetched: every pf_stride-th
 #define KSTEP(kk) do { /* the k-th weight vectors loaded once, then a row at a time */ \
         vf wv[NVMAX]; \
         for (int v = 0; v < NV; v++) wv[v] = pload(BF, p, (kk) * PANEL + vstride * v); \
@@ -148,7 +149,7 @@ static inline __attribute__((always_inline)) void ptile(const int MT, const int 
             for (int v = 0; v < NV; v++) acc[i][v] = vf_fmadd(wv[v], xb, acc[i][v]); \
         } } while (0)
     for (int64_t q = 0; q < kq; q++) {
-        for (pf_acc += pf_lines; /* Bresenham: pf_lines spread over kq steps, no division */ pf_acc >= kq && kq > 0; pf_acc -= kq) { _mm_prefetch(pfl, _MM_HINT_T1); pfl += 64; }
+        for (pf_acc += pf_lines; /* Bresenham: pf_lines spread over kq steps, no division */ pf_acc >= kq && kq > 0; pf_acc -= kq) { _mm_prefetch(pfl, _MM_HINT_T1); pfl += 64 * pf_stride; }
         int64_t k = 4 * q;
         KSTEP(k); KSTEP(k + 1); KSTEP(k + 2); KSTEP(k + 3);
     }
@@ -166,6 +167,18 @@ static inline __attribute__((always_inline)) void ptile(const int MT, const int 
         }
 }
 
+// Tiles a row block of M rows takes: AVX-512 tiles of up to PMT rows; AVX2 tiles of up to 3 rows for a
+// verification's or a draft's few rows (M <= 6: a 3-row tile over 2 panels keeps 12 accumulators and streams two
+// panels, where one 6-row tile streamed one), else of up to PMT.
+static inline int64_t tile_count(int64_t M) {
+#if PMT == 8
+    return (M + PMT - 1) / PMT;
+#else
+    int64_t most = M <= 6 ? 3 : PMT;
+    return (M + most - 1) / most;
+#endif
+}
+
 // Rows of tile t of `tiles` at row m of M: PMT while that many are left (AVX-512), or the rows left shared evenly by
 // the tiles left (AVX2: 8 rows as 4 + 4, not 6 + 2, whose 2-row tile is FMA-latency-bound on its 4 accumulators).
 static inline int64_t tile_rows(int64_t M, int64_t m, int64_t t, int64_t tiles) {
@@ -177,16 +190,31 @@ static inline int64_t tile_rows(int64_t M, int64_t m, int64_t t, int64_t tiles) 
 #endif
 }
 
-// Panels a tile of `rows` rows spans, of `left` left in the claim: one (AVX-512: its 48 columns; AVX2 tiles of 3-6
-// rows), or on AVX2 up to 3 adjacent 16-column panels for 1 row and 2 for 2 rows: more accumulator chains and one tile
-// prologue for several panels (1 row: 22.0 -> 17.4-19.7 ms a SmolLM2 step's linears on the 2-core EPYC).
+// Panels a tile of `rows` rows spans, of `left` left in the claim: one (AVX-512: its 48 columns; AVX2 tiles of 4-6
+// rows), or on AVX2 up to 3 adjacent 16-column panels for 1 row and 2 for 2-3 rows: more accumulator chains and memory
+// streams, one tile prologue for several panels.
 static inline int64_t panel_group(int64_t rows, int64_t left) {
 #if PMT == 8
     (void)rows, (void)left;
     return 1;
 #else
-    int64_t most = rows == 1 ? 3 : rows == 2 ? 2 : 1;
+    int64_t most = rows == 1 ? 3 : rows <= 3 ? 2 : 1;
     return left < most ? left : most;
+#endif
+}
+
+// Every how many lines of the next panels a tile prefetches into L2: AVX-512 every line. AVX2 with one or two tiles a
+// panel group, one line per 4 KB page: the L2 stream prefetcher, which stops at a page's end, fetches the rest, and
+// software prefetches of every line held the fill buffers that the streams need (on the 2-core EPYC, a SmolLM2 step's
+// linears at 1 / 2 / 3 / 5 rows: 16.9 / 20.1 / 23.4 / 23.1 ms with every line prefetched, 14.4-14.9 / 15.0-15.5 /
+// 16.8-17.1 / 21.0-22.0 with this and the 3-row tiles). With more tiles the later ones, reading the group from L2,
+// leave the streams too little to do: every line.
+static inline int64_t prefetch_stride(int64_t tiles) {
+#if PMT == 8
+    (void)tiles;
+    return 1;
+#else
+    return tiles <= 2 ? 64 : 1;
 #endif
 }
 
@@ -196,7 +224,7 @@ static inline int64_t panel_group(int64_t rows, int64_t left) {
 void plinear_chunk(const void* vctx, int64_t c) {
     const plinear_t* j = (const plinear_t*)vctx;
     int64_t p0 = c * j->per_chunk, p1 = p0 + j->per_chunk < j->npanels ? p0 + j->per_chunk : j->npanels;
-    int64_t esz = j->bf16 ? 2 : 4, tiles = (j->M + PMT - 1) / PMT, panel_lines = j->K * PANEL * esz / 64;
+    int64_t esz = j->bf16 ? 2 : 4, tiles = tile_count(j->M), panel_lines = j->K * PANEL * esz / 64;
     int64_t vstride = PNV > 1 ? 16 : j->K * PANEL;  // elements between a tile's weight vectors
     for (int64_t pi = p0, group; pi < p1; pi += group) {
         group = panel_group(tile_rows(j->M, 0, 0, tiles), p1 - pi);
@@ -205,6 +233,7 @@ void plinear_chunk(const void* vctx, int64_t c) {
         const float* b = j->b ? j->b + n0 : NULL;
         int64_t after = p1 - pi - group, lines = (after < group ? after : group) * panel_lines;
         const char* next = p + group * j->K * PANEL * esz;
+        int64_t stride = prefetch_stride(tiles);
         for (int64_t t = 0, m = 0, rows; m < j->M; m += rows, t++) {
             rows = tile_rows(j->M, m, t, tiles);
             int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
@@ -212,7 +241,7 @@ void plinear_chunk(const void* vctx, int64_t c) {
             float* ym = j->y + m * j->ldy + n0;
             const float* rm = j->r ? j->r + m * j->ldr + n0 : NULL;
 #define PT(MTc, NVc, BF) \
-    ptile(MTc, NVc, BF, p, vstride, xm, ym, b, rm, j->K, j->ldx, j->ldy, j->ldr, ncols, next + 64 * l0, l1 - l0)
+    ptile(MTc, NVc, BF, p, vstride, xm, ym, b, rm, j->K, j->ldx, j->ldy, j->ldr, ncols, next + 64 * l0, l1 - l0, stride)
 #if PMT == 8
 #define TILE(BF) switch (rows) { \
             case 8: PT(8, PNV, BF); break; case 7: PT(7, PNV, BF); break; case 6: PT(6, PNV, BF); break; \
@@ -222,7 +251,7 @@ void plinear_chunk(const void* vctx, int64_t c) {
 #define TILE(BF) switch (rows * 4 + group) { \
             case 6 * 4 + 1: PT(6, 1, BF); break; case 5 * 4 + 1: PT(5, 1, BF); break; \
             case 4 * 4 + 1: PT(4, 1, BF); break; case 3 * 4 + 1: PT(3, 1, BF); break; \
-            case 2 * 4 + 2: PT(2, 2, BF); break; case 2 * 4 + 1: PT(2, 1, BF); break; \
+            case 3 * 4 + 2: PT(3, 2, BF); break; case 2 * 4 + 2: PT(2, 2, BF); break; case 2 * 4 + 1: PT(2, 1, BF); break; \
             case 1 * 4 + 3: PT(1, 3, BF); break; case 1 * 4 + 2: PT(1, 2, BF); break; default: PT(1, 1, BF); break; }
 #endif
             if (j->bf16) TILE(1) else TILE(0)
