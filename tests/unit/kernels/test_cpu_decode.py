@@ -29,10 +29,10 @@ def _data(m: int, n: int, k: int, seed: int = 0):
 
 
 @native
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 40, 64, 128])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 8, 13, 40, 64, 128])
 @pytest.mark.parametrize(
     "n,k", [(96, 64), (101, 576), (7, 37), (960, 576), (576, 1536), (49, 3), (277, 64)]
-)  # 277: AVX2 groups of 3 panels, the last with the tail
+)  # 277: AVX2 groups of 3 (1 row) or 2 (2-3 rows) panels, the last with the tail
 def test_matches_torch(m, n, k):
     x, w, b = _data(m, n, k)
     torch.testing.assert_close(cpu_decode.linear(x, w, b), cpu_decode.linear_reference(x, w, b), atol=1e-4, rtol=1e-5)
@@ -45,7 +45,7 @@ def test_each_row_is_bitwise_the_same_whatever_else_is_in_the_batch(threads, fre
     cpu_decode.set_threads(threads)
     x, w, b = _data(70, 203, 577)  # panel tail (203 % 48), k tail (577 % 4), tiles of 8 rows with a tail
     full = cpu_decode.linear(x, w, b)  # [70, 203]
-    for m in (1, 2, 5, 8, 9, 16, 17, 40, 64):
+    for m in (1, 2, 3, 4, 5, 6, 8, 9, 16, 17, 40, 64):  # AVX2: 1-6 rows in tiles of 1-3 over 3 or 2 panels
         part = cpu_decode.linear(x[:m], w, b)
         assert torch.equal(part, full[:m]), f"rows differ when the batch has {m} rows"
     for r in (7, 8, 15, 63, 69):  # each position of a tile, alone
