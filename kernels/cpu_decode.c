@@ -167,14 +167,18 @@ static inline __attribute__((always_inline)) void ptile(const int MT, const int 
         }
 }
 
-// Tiles a row block of M rows takes: AVX-512 tiles of up to PMT rows; AVX2 tiles of up to 3 rows for a
-// verification's or a draft's few rows (M <= 6: a 3-row tile over 2 panels keeps 12 accumulators and streams two
-// panels, where one 6-row tile streamed one), else of up to PMT.
+// A block of at most FEW_ROWS rows (a verification's or a draft's rows, a small batch's decode) on AVX2: tiles of up
+// to 3 rows (2-3 rows over 2 adjacent panels: 12 accumulators, two panel streams, where one 6-row tile streamed one
+// panel), the next panels prefetched one line a page (prefetch_stride).
+#define FEW_ROWS 6
+
+// Tiles a row block of M rows takes: AVX-512 tiles of up to PMT rows; AVX2 tiles of up to 3 rows for at most FEW_ROWS
+// rows, else of up to PMT.
 static inline int64_t tile_count(int64_t M) {
 #if PMT == 8
     return (M + PMT - 1) / PMT;
 #else
-    int64_t most = M <= 6 ? 3 : PMT;
+    int64_t most = M <= FEW_ROWS ? 3 : PMT;
     return (M + most - 1) / most;
 #endif
 }
@@ -203,18 +207,18 @@ static inline int64_t panel_group(int64_t rows, int64_t left) {
 #endif
 }
 
-// Every how many lines of the next panels a tile prefetches into L2: AVX-512 every line. AVX2 with one or two tiles a
-// panel group, one line per 4 KB page: the L2 stream prefetcher, which stops at a page's end, fetches the rest, and
-// software prefetches of every line held the fill buffers that the streams need (on the 2-core EPYC, a SmolLM2 step's
-// linears at 1 / 2 / 3 / 5 rows: 16.9 / 20.1 / 23.4 / 23.1 ms with every line prefetched, 14.4-14.9 / 15.0-15.5 /
-// 16.8-17.1 / 21.0-22.0 with this and the 3-row tiles). With more tiles the later ones, reading the group from L2,
-// leave the streams too little to do: every line.
-static inline int64_t prefetch_stride(int64_t tiles) {
+// Every how many lines of the next panels a tile prefetches into L2: AVX-512 every line. AVX2, at most FEW_ROWS rows:
+// one line per 4 KB page; the L2 stream prefetcher, which stops at a page's end, fetches the rest, and software
+// prefetches of every line held the fill buffers that the streams need (on the 2-core EPYC, `bench cpu-linear --impls
+// native`, a SmolLM2 step's linears at 1 / 2 / 3 / 5 rows: 17.0 / 20.1-20.4 / 23.3-23.5 / 22.8-23.2 ms with every line
+// prefetched and 6-row tiles, 14.4-14.8 / 15.0-15.4 / 16.2-16.7 / 20.9-21.5 with this and the 3-row tiles). More rows:
+// every line (two tiles of 4 over one panel, 8 rows: 24.3-25.1 ms, against 29.0-30.3 one line a page).
+static inline int64_t prefetch_stride(int64_t M) {
 #if PMT == 8
-    (void)tiles;
+    (void)M;
     return 1;
 #else
-    return tiles <= 2 ? 64 : 1;
+    return M <= FEW_ROWS ? 64 : 1;
 #endif
 }
 
@@ -233,7 +237,7 @@ void plinear_chunk(const void* vctx, int64_t c) {
         const float* b = j->b ? j->b + n0 : NULL;
         int64_t after = p1 - pi - group, lines = (after < group ? after : group) * panel_lines;
         const char* next = p + group * j->K * PANEL * esz;
-        int64_t stride = prefetch_stride(tiles);
+        int64_t stride = prefetch_stride(j->M);
         for (int64_t t = 0, m = 0, rows; m < j->M; m += rows, t++) {
             rows = tile_rows(j->M, m, t, tiles);
             int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
