@@ -201,7 +201,7 @@ def _promote(candidate: str, args: argparse.Namespace, mlflow: MlflowConfig) -> 
         max_tokens=32,
         min_tau_gain=0.0,
         min_speedup=1.0,
-        num_speculative_tokens=4,  # the best chain length at batch 1 for the shipped champion on the 2-core CPU (BENCHMARKS.md)
+        num_speculative_tokens=2,  # the best chain length at batch 1 for the shipped champion on the 2-core CPU (BENCHMARKS.md)
         mlflow=mlflow,
     )
     result = promote(cfg)
