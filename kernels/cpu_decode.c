@@ -167,13 +167,10 @@ static inline __attribute__((always_inline)) void ptile(const int MT, const int 
         }
 }
 
-// A block of at most FEW_ROWS rows (a verification's or a draft's rows, a small batch's decode) on AVX2: tiles of up
-// to 3 rows (2-3 rows over 2 adjacent panels: 12 accumulators, two panel streams, where one 6-row tile streamed one
-// panel), the next panels prefetched one line a page (prefetch_stride).
+// Tiles a row block of M rows takes: AVX-512 tiles of up to PMT rows. AVX2: at most FEW_ROWS rows (a verification's,
+// a draft's, a small batch's) in tiles of up to 3 (2-3 rows over 2 adjacent panels: 12 accumulators and two panel
+// streams, where one 6-row tile streamed one panel), more in tiles of up to PMT.
 #define FEW_ROWS 6
-
-// Tiles a row block of M rows takes: AVX-512 tiles of up to PMT rows; AVX2 tiles of up to 3 rows for at most FEW_ROWS
-// rows, else of up to PMT.
 static inline int64_t tile_count(int64_t M) {
 #if PMT == 8
     return (M + PMT - 1) / PMT;
@@ -208,11 +205,9 @@ static inline int64_t panel_group(int64_t rows, int64_t left) {
 }
 
 // Every how many lines of the next panels a tile prefetches into L2: AVX-512 every line. AVX2, at most FEW_ROWS rows:
-// one line per 4 KB page; the L2 stream prefetcher, which stops at a page's end, fetches the rest, and software
-// prefetches of every line held the fill buffers that the streams need (on the 2-core EPYC, `bench cpu-linear --impls
-// native`, a SmolLM2 step's linears at 1 / 2 / 3 / 5 rows: 17.0 / 20.1-20.4 / 23.3-23.5 / 22.8-23.2 ms with every line
-// prefetched and 6-row tiles, 14.4-14.8 / 15.0-15.4 / 16.2-16.7 / 20.9-21.5 with this and the 3-row tiles). More rows:
-// every line (two tiles of 4 over one panel, 8 rows: 24.3-25.1 ms, against 29.0-30.3 one line a page).
+// one line per 4 KB page, the L2 stream prefetcher (which stops at a page's end) fetching the rest: a prefetch of every
+// line held the fill buffers the streams need (1 / 3 / 5 rows 17.0 / 23.4 / 23.0 -> 14.6 / 16.4 / 21.2 ms a SmolLM2
+// step's linears with the 3-row tiles, BENCHMARKS.md). More rows: every line (8 rows as 4 + 4: 24.7 ms, 29.7 one a page).
 static inline int64_t prefetch_stride(int64_t M) {
 #if PMT == 8
     (void)M;
