@@ -41,17 +41,17 @@ def run(argv: list[str] | None = None) -> dict:
     p.add_argument("--impls", default="native,torch", help="comma-separated, of native and torch")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    every = {"native": cpu_decode.linear, "torch": torch.nn.functional.linear}
+    wanted = args.impls.split(",")
+    if any(name not in every for name in wanted):
+        raise EaglerayError(f"--impls {args.impls!r}: name native and/or torch\n    fix: --impls native,torch")
+    impls = {name: every[name] for name in wanted}
     torch.set_num_threads(args.threads)
     cpu_decode.set_threads(args.threads)
     cpu_decode.configure("native")
     g = torch.Generator().manual_seed(0)
     weights = [(name, torch.randn(n, k, generator=g) * k**-0.5) for name, (n, k, count) in SHAPES.items() for _ in range(count)]
     gbytes = sum(w.numel() for _, w in weights) * 4 / 1e9
-    every = {"native": cpu_decode.linear, "torch": torch.nn.functional.linear}
-    wanted = args.impls.split(",")
-    if not wanted or any(name not in every for name in wanted):
-        raise EaglerayError(f"--impls {args.impls!r}: name native and/or torch\n    fix: --impls native,torch")
-    impls = {name: every[name] for name in wanted}
     records = []
     for m in [int(r) for r in args.rows.split(",")]:
         xs = {k: torch.randn(m, k, generator=g) for _, k, _ in SHAPES.values()}
