@@ -189,6 +189,24 @@ def test_a_replica_whose_writer_cannot_write_refuses_to_start(capture_server, tm
         CaptureClient(CaptureConfig(path=str(afile / "traffic"), writer=writer), {}, ServeMetrics("tiny"))
 
 
+def _wait_dead(actor, seconds: float = 30.0) -> None:
+    """Until a call on ``actor`` fails with RayActorError (the CI's 2 loaded cores once served one call after the kill)."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            ray.get(actor.ready.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass  # dying: ask again
+        assert time.monotonic() < deadline, f"the killed capture writer actor still answers after {seconds:.0f} s"
+        time.sleep(0.1)
+
+
 def test_the_actor_writer_stores_rows_and_a_dead_one_fails_the_capture_not_serving(capture_server, tmp_path):
     import asyncio
 
@@ -201,12 +219,16 @@ def test_the_actor_writer_stores_rows_and_a_dead_one_fails_the_capture_not_servi
     host = ActorHost(CaptureConfig(path=str(tmp_path), writer="actor"), META)
     assert host.ready() is None
 
-    async def go():
+    async def store():
         assert await host.add(captured(0), "v1") == {"stored": True}
         assert (await host.flush())["rows"] == 1
-        ray.kill(host.actor)
+
+    async def store_after_death():
         with pytest.raises(CaptureWriteFailed, match="capture writer actor"):
             await host.add(captured(1), "v1")
 
-    asyncio.run(go())
+    asyncio.run(store())
+    ray.kill(host.actor)
+    _wait_dead(host.actor)  # ray.kill is asynchronous: a call sent before the actor is gone can still be served
+    asyncio.run(store_after_death())
     assert [r["prompt_id"] for r in rows_on_disk(tmp_path)] == ["req-0"]
