@@ -225,6 +225,7 @@ void plinear_chunk(const void* vctx, int64_t c) {
     int64_t p0 = c * j->per_chunk, p1 = p0 + j->per_chunk < j->npanels ? p0 + j->per_chunk : j->npanels;
     int64_t esz = j->bf16 ? 2 : 4, tiles = tile_count(j->M), panel_lines = j->K * PANEL * esz / 64;
     int64_t vstride = PNV > 1 ? 16 : j->K * PANEL;  // elements between a tile's weight vectors
+    int64_t stride = prefetch_stride(j->M);
     for (int64_t pi = p0, group; pi < p1; pi += group) {
         group = panel_group(tile_rows(j->M, 0, 0, tiles), p1 - pi);
         int64_t n0 = pi * PANEL, ncols = j->N - n0 < group * PANEL ? j->N - n0 : group * PANEL;
@@ -232,7 +233,6 @@ void plinear_chunk(const void* vctx, int64_t c) {
         const float* b = j->b ? j->b + n0 : NULL;
         int64_t after = p1 - pi - group, lines = (after < group ? after : group) * panel_lines;
         const char* next = p + group * j->K * PANEL * esz;
-        int64_t stride = prefetch_stride(j->M);
         for (int64_t t = 0, m = 0, rows; m < j->M; m += rows, t++) {
             rows = tile_rows(j->M, m, t, tiles);
             int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
