@@ -53,11 +53,9 @@
 from __future__ import annotations
 
 import logging
-import statistics
-from collections import deque
-from dataclasses import dataclass, field
 
 from eagleray.serve.engine.join_cost import JoinCost
+from eagleray.serve.engine.policy_costs import Costs, add_wall, at_k, bucket
 
 logger = logging.getLogger(__name__)
 
@@ -65,57 +63,8 @@ PRIOR = 2.0  # the optimistic prior (every draft accepted) counts as this many v
 EVIDENCE = 16  # verified sequences before acceptance follows the measured rate and may be judged hopeless
 MEASURE_SEQS = 8  # while acceptance is unknown, a larger step speculates on this many of its sequences
 ACCEPT_WINDOW = 64  # after EVIDENCE, a_i is a moving average over about this many verified sequences
-RECENT = 9  # a cost is the median of this many latest steps
-REDECIDE = 8  # plain choices between two scorings of every k while none pays (a speculative step rescores at once)
+REDECIDE = 32  # plain choices between two scorings of every k while none pays (a speculative step rescores at once)
 PLAIN_REFRESH = 32  # while speculating, one plain step in this many keeps a bucket's t_plain current
-
-
-def _at_k(table: dict[int, float], k: int, at_zero: float | None, between: str = "line") -> float:
-    """A cost measured per k, at ``k``: measured; between two measured k, on the line joining them (``between``
-    "line") or the cheaper of the two ("min": an optimistic guess, so that the k gets tried and measured); below
-    every measured k, on the line from ``at_zero`` (the cost at k = 0; None: the smallest measured k's); above
-    every measured k, the largest's."""
-    if k in table:
-        return table[k]
-    lower = [j for j in table if j < k]
-    upper = [j for j in table if j > k]
-    if not upper:
-        return table[max(lower)]
-    hi = min(upper)
-    if lower and between == "min":
-        return min(table[max(lower)], table[hi])
-    lo, at_lo = (max(lower), table[max(lower)]) if lower else (0, at_zero if at_zero is not None else table[hi])
-    return at_lo + (table[hi] - at_lo) * (k - lo) / (hi - lo)
-
-
-def bucket(batch: int) -> int:
-    """Batch-size bucket of the cost tables: the next power of two."""
-    return 1 << max(batch - 1, 0).bit_length()
-
-
-@dataclass
-class _Costs:
-    """Moving averages (seconds per step) of one batch-size bucket."""
-
-    plain: float | None = None
-    verify_by_k: dict[int, float] = field(default_factory=dict)  # target forward + verification, per draft length k
-    draft_by_k: dict[int, float] = field(default_factory=dict)  # the whole drafting of k tokens (or of the tree)
-    plain_steps: int = 0
-    spec_steps: int = 0
-    recent: dict[tuple, deque] = field(default_factory=dict)  # the latest seconds of each cost above
-    decision: tuple[int, float] | None = None  # the last (k, predicted speedup) of best(), kept while k = 0
-    decision_age: int = 0  # choices since
-    probe_ratio: float | None = None  # a probe's cost in plain steps (the probe interval's scale), kept with decision
-    since_plain: int = 0  # speculative choices since the last plain step (PLAIN_REFRESH)
-    chosen: dict[int, int] = field(default_factory=dict)  # decode steps chosen at each k (0: plain), for reports
-    wall: dict[int, list] = field(default_factory=dict)  # k -> [steps, sequences, tokens, seconds]: the run's sums
-    predicted: list = field(default_factory=lambda: [0, 0.0])  # [speculative decisions, sum of their predictions]
-
-    def update(self, key: tuple, seconds: float) -> float:
-        """Record a step's ``seconds`` for the cost ``key`` -> the median of its latest ``RECENT``."""
-        window = self.recent.setdefault(key, deque(maxlen=RECENT))
-        window.append(seconds)
-        return statistics.median(window)
 
 
 class AdaptivePolicy:
@@ -140,7 +89,7 @@ class AdaptivePolicy:
         self.accept = [1.0] * k_max  # a_i, optimistic until measured
         self._seen = [0] * k_max  # sequences verified at position i while counting (up to EVIDENCE)
         self._hits = [0.0] * k_max  # of those, the ones whose first i+1 drafts were accepted
-        self.costs: dict[int, _Costs] = {}
+        self.costs: dict[int, Costs] = {}
         self.joins = JoinCost()  # t_join's rate (the engine tells it of prefills and finished sequences)
         self.k = k_max  # the choice for the last bucket decided
         self.speculating = True
@@ -157,11 +106,16 @@ class AdaptivePolicy:
         if not self.adaptive:
             return self.k_max
         c = self._bucket(batch)
+        if c.decision_age < REDECIDE and self._since_probe + 1 < c.quiet_due:  # a kept plain decision, no probe due
+            self._since_probe += 1  # (_plain_or_probe): counted off, not scored
+            c.decision_age += 1
+            c.chosen[0] += 1
+            return 0
         k = self._choose(c, batch)
         c.chosen[k] = c.chosen.get(k, 0) + 1
         return k
 
-    def _choose(self, c: _Costs, batch: int) -> int:
+    def _choose(self, c: Costs, batch: int) -> int:
         if c.spec_steps < 2 and not self._hopeless():
             return self._measure_k()  # measure this bucket's speculation costs (and acceptance) first
         if c.plain_steps < 2 or c.spec_steps < 2:
@@ -182,7 +136,7 @@ class AdaptivePolicy:
                 return self.k_max
             self._set(k)
             return k
-        return self._plain_or_probe(c, batch)
+        return self._plain_or_probe(c, batch, kept=True)
 
     def _measure_k(self) -> int:
         """The k a measuring step drafts: k_max, or 1 before any acceptance is known. Position 0's acceptance bounds
@@ -198,21 +152,21 @@ class AdaptivePolicy:
             return MEASURE_SEQS
         return batch
 
-    def _decide(self, c: _Costs, batch: int) -> tuple[int, float]:
+    def _decide(self, c: Costs, batch: int) -> tuple[int, float]:
         """:meth:`best`, kept while it says plain until ``REDECIDE`` plain steps pass or a speculative step is
         observed (new costs, new acceptance): scoring every k took longer than the rest of a plain step's choosing."""
         if c.decision is None or c.decision[0] > 0 or c.decision_age >= REDECIDE:
-            c.decision, c.decision_age, c.probe_ratio = self.best(batch), 0, None
+            c.decision, c.decision_age, c.probe_ratio, c.quiet_due = self.best(batch), 0, None, 0.0
         c.decision_age += 1
         return c.decision
 
-    def _bucket(self, batch: int) -> _Costs:
-        """The cost tables of ``batch``'s bucket (made the first time: a _Costs built every step as a setdefault
+    def _bucket(self, batch: int) -> Costs:
+        """The cost tables of ``batch``'s bucket (made the first time: a Costs built every step as a setdefault
         default cost more than the rest of choosing)."""
         b = bucket(batch)
         c = self.costs.get(b)
         if c is None:
-            c = self.costs[b] = _Costs()
+            c = self.costs[b] = Costs()
         return c
 
     def _hopeless(self) -> bool:
@@ -220,19 +174,26 @@ class AdaptivePolicy:
         so E(k_max) bounds the speedup. A new bucket then starts plain (and probes) instead of measuring."""
         return self._seen[0] >= EVIDENCE and self.expected_tokens(self.k_max) < 1 + self.margin
 
-    def _plain_or_probe(self, c: _Costs, batch: int) -> int:
-        """A plain step, or a probe of k_max once the (cost-scaled, doubling) probe interval has passed."""
+    def _plain_or_probe(self, c: Costs, batch: int, kept: bool = False) -> int:
+        """A plain step, or a probe of k_max once the (cost-scaled, doubling) probe interval has passed. ``kept``: the
+        bucket's plain decision is kept (:meth:`_decide`), so the choices up to its rescoring or the next probe are
+        plain whatever plain steps observe: :meth:`choose` counts them off without scoring (``quiet_due``, the
+        probe's due count, is forgotten with the decision when a speculative step is observed). Choosing took 6.4 µs a plain step on the
+        dev CPU, a cost the plain engine does not pay (the H100's adaptive engine with an untrained draft: 0.97x)."""
         self._set(0)
         self._since_probe += 1
         hopeless = self._hopeless()
         interval = self.max_probe_interval if hopeless else self._probe_interval  # a draft never accepted: rarely
-        if self._since_probe >= interval * self._probe_ratio(c, batch):
+        due = interval * self._probe_ratio(c, batch)
+        if self._since_probe >= due:
             self._since_probe = 0
             self._probe_interval = min(self._probe_interval * 2, self.max_probe_interval)
             return 1 if self.can_lower_k and hopeless else self.k_max  # a hopeless draft: is position 0 accepted now?
+        if kept:
+            c.quiet_due = due
         return 0
 
-    def _probe_ratio(self, c: _Costs, batch: int) -> float:
+    def _probe_ratio(self, c: Costs, batch: int) -> float:
         """A probe costing r plain steps loses ~r - 1: probe r times less often. Scored with the bucket's decision (every
         REDECIDE plain choices, or new costs): every plain step it was ~5 of its choosing's 9 µs (dev CPU)."""
         if self._measured(c) and c.probe_ratio is None:
@@ -245,7 +206,11 @@ class AdaptivePolicy:
         if c is None or not self._measured(c):
             return 0, 1.0
         ks = range(1, self.k_max + 1) if self.can_lower_k else [self.k_max]
-        scored = [(self.predicted_speedup(batch, k), k) for k in ks]
+        plain, join, tokens = c.plain, self.joins.per_token * batch, self._expected_all()
+        scored = []  # predicted_speedup of each k, its terms computed once (scoring every k took 27 µs, dev CPU)
+        for k in ks:
+            step = self._verify_cost(c, k) + at_k(c.draft_by_k, k, 0.0) + join * tokens[k]
+            scored.append((tokens[k] * plain / max(step, plain), k))
         speedup, k = max(scored)
         return (k, speedup) if speedup > 1 + self.margin else (0, 1.0)
 
@@ -258,38 +223,42 @@ class AdaptivePolicy:
         return self.expected_tokens(k) * c.plain / self._spec_cost(c, self._step_cost(c, k, batch))
 
     @staticmethod
-    def _measured(c: _Costs) -> bool:
+    def _measured(c: Costs) -> bool:
         return c.plain is not None and bool(c.verify_by_k) and bool(c.draft_by_k)
 
     @staticmethod
-    def _spec_cost(c: _Costs, seconds: float) -> float:
+    def _spec_cost(c: Costs, seconds: float) -> float:
         """At least a plain step's (module doc): under load a draft accepting nothing measured 1.25x, and was kept."""
         return max(seconds, c.plain)
 
-    def _step_cost(self, c: _Costs, k: int, batch: int) -> float:
+    def _step_cost(self, c: Costs, k: int, batch: int) -> float:
         """t_verify(k) + t_draft(k) + t_join(k): the seconds of a speculative step of ``batch`` sequences drafting k."""
-        return self._verify_cost(c, k) + _at_k(c.draft_by_k, k, 0.0) + self._join_cost(c, k, batch)
+        return self._verify_cost(c, k) + at_k(c.draft_by_k, k, 0.0) + self._join_cost(c, k, batch)
 
-    def _join_cost(self, c: _Costs, k: int, batch: int) -> float:
+    def _join_cost(self, c: Costs, k: int, batch: int) -> float:
         """t_join: the catch-up over joined prompts that a step emitting batch * E(k) tokens pays, on average."""
         return self.joins.per_token * batch * self.expected_tokens(k)
 
     @staticmethod
-    def _verify_cost(c: _Costs, k: int) -> float:
+    def _verify_cost(c: Costs, k: int) -> float:
         """t_verify at k (see :func:`_at_k`), from a plain step's cost at k = 0: verifying fewer rows is expected
         cheaper (with only k_max probed, taking its cost for every k kept the shorter chains untried); between two
         measured k the cheaper (on a CPU verifying 2 tokens can cost less than 1: another kernel path)."""
-        return _at_k(c.verify_by_k, k, c.plain, between="min")
+        return at_k(c.verify_by_k, k, c.plain, between="min")
 
     def expected_tokens(self, k: int) -> float:
         """E(k) = 1 + sum of a_i over the first k positions (tokens per verification step), each a_i bounded by the
         ones before it (the first i+1 drafts are accepted only if the first i are): a position not measured yet keeps
         its optimistic prior only up to what the positions before it measured."""
-        total, bound = 1.0, 1.0
-        for a in self.accept[:k]:
+        return self._expected_all()[k]
+
+    def _expected_all(self) -> list[float]:
+        """[E(0), E(1), .., E(k_max)] (:meth:`expected_tokens`)."""
+        out, bound = [1.0], 1.0
+        for a in self.accept:
             bound = min(bound, a)
-            total += bound
-        return total
+            out.append(out[-1] + bound)
+        return out
 
     def _set(self, k: int) -> None:
         speculating = k > 0
@@ -301,12 +270,8 @@ class AdaptivePolicy:
 
     # ------------------------------------------------------------------ observe
     def observe_plain(self, batch: int, seconds: float) -> None:
-        c = self._bucket(batch)
-        c.plain = c.update(("plain",), seconds)
-        c.plain_steps += 1
+        self._bucket(batch).observe_plain(batch, seconds)
         self.joins.emitted(batch)
-        c.since_plain = 0
-        _add_wall(c, 0, batch, batch, seconds)
 
     def observe_spec_wall(
         self, batch: int, k: int, draft: float, lag: float, accepted: list[int], join: tuple[float, int], seconds: float
@@ -331,6 +296,7 @@ class AdaptivePolicy:
         c = self._bucket(batch)
         for other in self.costs.values():  # new costs and acceptance: every kept plain decision is stale
             other.decision = other.probe_ratio = None
+            other.quiet_due = 0.0
         self.joins.caught_up(join_seconds, join_positions)
         self.joins.emitted(len(accepted) + sum(accepted))
         c.verify_by_k[k] = c.update(("verify", k), verify_seconds)
@@ -338,7 +304,7 @@ class AdaptivePolicy:
         c.spec_steps += 1
         if accepted:
             tokens = len(accepted) + sum(accepted)
-            _add_wall(c, k, len(accepted), tokens, verify_seconds + draft_seconds + self.joins.per_token * tokens)
+            add_wall(c, k, len(accepted), tokens, verify_seconds + draft_seconds + self.joins.per_token * tokens)
         rates = [sum(n > i for n in accepted) / len(accepted) for i in range(min(k, self.k_max))] if accepted else []
         for i, rate in enumerate(rates):
             self._observe_accept(i, rate, len(accepted))
@@ -387,12 +353,3 @@ class AdaptivePolicy:
         from eagleray.serve.engine.policy_report import snapshot
 
         return snapshot(self)
-
-
-def _add_wall(c: _Costs, k: int, seqs: int, tokens: int, seconds: float) -> None:
-    """The run's sums of the steps at k: steps, sequences, tokens emitted, wall seconds (the report's measured side)."""
-    w = c.wall.setdefault(k, [0, 0, 0, 0.0])
-    w[0] += 1
-    w[1] += seqs
-    w[2] += tokens
-    w[3] += seconds

@@ -8,7 +8,7 @@ sequences); the k of the run (``k_run``, the k most steps took) is the one to pr
 
 from __future__ import annotations
 
-from eagleray.serve.engine.policy import _at_k
+from eagleray.serve.engine.policy_costs import at_k
 
 
 def snapshot(policy) -> dict:
@@ -17,7 +17,7 @@ def snapshot(policy) -> dict:
         k, speedup = policy.best(b)
         at = k or policy.k_max
         verify = round(policy._verify_cost(c, at) * 1e3, 3) if c.verify_by_k else None
-        draft = round(_at_k(c.draft_by_k, at, 0.0) * 1e3, 3) if c.draft_by_k else None
+        draft = round(at_k(c.draft_by_k, at, 0.0) * 1e3, 3) if c.draft_by_k else None
         join = round(policy._join_cost(c, at, b) * 1e3, 3)
         decided, summed = c.predicted
         out[b] = {

@@ -97,7 +97,7 @@ def test_waiting_for_requests_is_no_steps_cost(target, tokenizer, random_draft):
             engine.step()
         clock.now += 100.0  # the engine waits for the next request
     costs = engine.policy.costs[1]
-    assert costs.plain_steps >= 8 and max(costs.recent[("plain",)]) < 1.0
+    assert costs.plain_steps >= 8 and max(costs.plain_recent) < 1.0
 
 
 def _drive(policy, steps, plain, verify=0.0025, draft=0.0005, batch=32, accepted=1):
