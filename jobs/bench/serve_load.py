@@ -42,6 +42,7 @@ SERVERS = (
     "eagleray-2k",
     "eagleray-3k",
     "eagleray-4k",
+    "eagleray-nowave",
     "eagleray-direct",
     "eagleray-champion-direct",
     "eagleray-2k-direct",
@@ -53,6 +54,7 @@ PLAIN = {  # the plain eagleray servers: the config without a draft, with these 
     "eagleray-2k": {"max_num_batched_tokens": 2048},  # a prefill step's budget as vLLM's API server on a CPU (A/B)
     "eagleray-3k": {"max_num_batched_tokens": 3072},  # budgets between: TTFT against TPOT with chunked prefill
     "eagleray-4k": {"max_num_batched_tokens": 4096},
+    "eagleray-nowave": {"wave_prefill_tokens": 0},  # a large wave of prompts prefills together (A/B of the default)
     "eagleray-direct": {},  # loaded on serving.direct_port (the replica's own HTTP server), not the proxy's port
     "eagleray-2k-direct": {"max_num_batched_tokens": 2048},  # both: TTFT bought with the direct port's TPOT margin
 }
@@ -211,6 +213,7 @@ MODES = {
     "eagleray-2k": "plain, max_num_batched_tokens 2048",
     "eagleray-3k": "plain, max_num_batched_tokens 3072",
     "eagleray-4k": "plain, max_num_batched_tokens 4096",
+    "eagleray-nowave": "plain, wave_prefill_tokens 0",
     "eagleray-direct": "plain, direct_port (Ray Serve's direct ingress)",
     "eagleray-2k-direct": "plain, max_num_batched_tokens 2048, direct_port",
     "vllm": "plain",

@@ -23,6 +23,11 @@ class EngineConfig(StrictModel):
         None,
         description="Split a prompt that does not fit the step's token budget (max_num_batched_tokens, less the prompts admitted before it): its first tokens fill the step, the rest continue in later steps, and between two of its chunks the running sequences take a decode step, so a long prompt never stalls them for more than one budget's prefill. Off: a step admits whole prompts only (one longer than the budget prefills alone). None: on on CPU; off on CUDA, where a prompt's chunk boundaries would depend on the prompts beside it and greedy speculation's bitwise equality with plain decoding (bf16) depends on a sequence's prefill path alone.",
     )
+    wave_prefill_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="When the prompts waiting for the free slots hold more than this many tokens to prefill together, they prefill one prompt a step (each answers as soon as its own prompt is in; no decode rows beside them) until every prompt of that wave has joined, and the running sequences then take a decode step; at or under it they prefill together, within max_num_batched_tokens. On a CPU a prompt's prefill costs its tokens alone or batched, so batching a large wave only delays the first answers: on the 2-core CPU under vLLM's load generator with 8 clients and 512-token prompts the median TTFT went from 8.0 to 4.7 s for a TPOT of 118 against 62 ms (vLLM serve: 5.1-5.4 s, 129-130 ms; BENCHMARKS.md 2026-12-08), while 4 clients' waves (2,160 tokens) keep one step and their TPOT. 0: off. None: 4096 on CPU; off on CUDA, where a short prefill costs about a step whatever its size.",
+    )
     join_wait_steps: int | None = Field(
         None,
         ge=0,

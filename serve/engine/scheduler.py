@@ -24,7 +24,7 @@ from eagleray.platform.errors import EaglerayError
 from eagleray.serve.engine.block_manager import BlockManager
 from eagleray.serve.engine.config import EngineConfig
 from eagleray.serve.engine.sequence import Sequence, SequenceStatus
-from eagleray.serve.engine.startup import chunked_prefill, join_wait_steps
+from eagleray.serve.engine.startup import chunked_prefill, join_wait_steps, wave_prefill_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         join_wait_steps: int = 0,
         chunked_prefill: bool = False,
+        wave_tokens: int = 0,
     ):
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
@@ -74,6 +75,8 @@ class Scheduler:
         self.join_wait_steps = join_wait_steps  # engine.join_wait_steps: decode steps free slots may wait for company
         self.join_min = max(1, max_num_seqs // 8)  # free slots worth a prefill step of their own at saturation
         self.held_steps = 0  # decode steps the free slots have waited so far
+        self.wave_tokens = wave_tokens  # engine.wave_prefill_tokens (0: off)
+        self.wave_left = 0  # prompts of a wave too large for one step still to join, one a step (0: no such wave)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -81,8 +84,12 @@ class Scheduler:
     @classmethod
     def for_engine(cls, block_manager: BlockManager, config: EngineConfig, device: torch.device) -> Scheduler:
         """The engine's scheduler, ``engine.join_wait_steps`` resolved for ``device`` (:func:`startup.join_wait_steps`)."""
-        wait, chunked = join_wait_steps(config, device), chunked_prefill(config, device)
-        return cls(block_manager, config.max_num_seqs, config.max_num_batched_tokens, wait, chunked)
+        wait, chunked, wave = (
+            join_wait_steps(config, device),
+            chunked_prefill(config, device),
+            wave_prefill_tokens(config, device),
+        )
+        return cls(block_manager, config.max_num_seqs, config.max_num_batched_tokens, wait, chunked, wave)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -114,12 +121,18 @@ class Scheduler:
         return True
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
-        if not self.waiting or len(self.running) >= self.max_num_seqs:
+        if not self.waiting:
+            self.wave_left = 0  # a wave's member left the queue (aborted): the wave is over
+            return None
+        if len(self.running) >= self.max_num_seqs:
             return None  # nothing to admit (every decode step at saturation asks)
+        if not self.wave_left:
+            self.wave_left = self._large_wave()
+        one = self.wave_left > 0  # a large wave: one prompt this step, no decode rows
         seqs: list[Sequence] = []
-        decoding = self._decoding_rows()
+        decoding = [] if one else self._decoding_rows()
         tokens, chunk = len(decoding), 0
-        while self.waiting and len(self.running) + len(seqs) < self.max_num_seqs:
+        while self.waiting and len(self.running) + len(seqs) < self.max_num_seqs and not (one and seqs):
             seq = self.waiting[0]
             fresh = not seq.block_table  # a partial prompt holds its blocks and its cached count
             if fresh:
@@ -145,8 +158,20 @@ class Scheduler:
             return None
         batch = ScheduledBatch(decoding + seqs, is_prefill=True, chunk=chunk, decoding=len(decoding))
         self.running.extend(batch.joining)
-        self.yield_to_decode = bool(chunk)
+        if one and batch.joining:
+            self.wave_left -= 1
+        self.yield_to_decode = bool(chunk) or (one and not self.wave_left)  # after a large wave, a decode step
         return batch
+
+    def _large_wave(self) -> int:
+        """The prompts the free slots admit now, if their uncached tokens exceed ``wave_tokens`` (they then join one
+        a step: on a CPU a prompt's prefill costs its tokens alone or batched, and batched, every prompt of the wave
+        waits for all) -> how many; else 0 (they prefill together, within the budget)."""
+        if not self.wave_tokens:
+            return 0
+        free = self.max_num_seqs - len(self.running)
+        wave = [s for _, s in zip(range(free), self.waiting)]
+        return len(wave) if len(wave) > 1 and sum(s.num_tokens - s.num_cached for s in wave) > self.wave_tokens else 0
 
     def _decoding_rows(self) -> list[Sequence]:
         """With chunked prefill, the running sequences, a token of the budget each, to decode in a prefill step's
