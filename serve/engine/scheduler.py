@@ -7,7 +7,9 @@ step's forward (a token of the budget each), and the first prompt that does not 
 first tokens and stays first in line, holding its blocks, for the rest (a *partial* prompt); the running sequences
 take a decode step between two of its chunks. A decode step reserves ``lookahead`` cache positions per sequence (1 for plain
 decoding, k+1 or the tree size for speculation); when the cache is short, the newest running
-sequence is preempted (its blocks freed, recomputed later). At saturation (a queue beyond the free slots) free slots
+sequence is preempted (its blocks freed, recomputed later). A wave of waiting prompts whose tokens exceed
+``engine.wave_prefill_tokens`` (CPU) joins one prompt a step, with no decode rows beside it, each answered as soon as its
+own prompt is in; the running sequences take a decode step after the wave. At saturation (a queue beyond the free slots) free slots
 may wait a few decode steps for company (``engine.join_wait_steps``): sequences that finish at different steps, as
 speculation makes them, then join in one prefill step instead of one step each.
 """

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 PREFILL_REPLAY_ROWS = 256  # prompt rows one replay of the row step scores (engine.prefill_rows, capped)
 JOIN_WAIT_STEPS_CUDA = 8  # engine.join_wait_steps on CUDA (see there)
-WAVE_PREFILL_TOKENS_CPU = 4096  # engine.wave_prefill_tokens on CPU (see there)
+WAVE_PREFILL_TOKENS_CPU = 2048  # engine.wave_prefill_tokens on CPU (see there)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 # mmap threshold: the first of these the C library takes (some glibc cap it at 32 MiB); a KV cache stays mapped
 HEAP_MMAP_THRESHOLDS = (256 << 20, 32 << 20)
@@ -35,7 +35,7 @@ def join_wait_steps(config: EngineConfig, device: torch.device) -> int:
 
 
 def wave_prefill_tokens(config: EngineConfig, device: torch.device) -> int:
-    """``engine.wave_prefill_tokens`` resolved: as set, else 4096 on CPU and 0 (off) on CUDA."""
+    """``engine.wave_prefill_tokens`` resolved: as set, else 2048 on CPU and 0 (off) on CUDA."""
     if config.wave_prefill_tokens is not None:
         return config.wave_prefill_tokens
     return 0 if device.type == "cuda" else WAVE_PREFILL_TOKENS_CPU
