@@ -85,7 +85,8 @@ class Scheduler:
 
     @classmethod
     def for_engine(cls, block_manager: BlockManager, config: EngineConfig, device: torch.device) -> Scheduler:
-        """The engine's scheduler, ``engine.join_wait_steps`` resolved for ``device`` (:func:`startup.join_wait_steps`)."""
+        """The engine's scheduler, ``engine.join_wait_steps``, ``chunked_prefill`` and ``wave_prefill_tokens`` resolved
+        for ``device`` (:mod:`startup`)."""
         wait, chunked, wave = (
             join_wait_steps(config, device),
             chunked_prefill(config, device),

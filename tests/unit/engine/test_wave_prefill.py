@@ -110,3 +110,15 @@ def test_greedy_outputs_are_the_same_with_waves_one_prompt_a_step(target, tokeni
         if wave:
             assert engine.metrics.prefill.steps >= len(prompts)  # one prompt a step
     assert runs[0] == runs[8]
+
+
+def test_the_wave_threshold_default_is_per_device():
+    import torch
+
+    from eagleray.serve.engine import EngineConfig
+    from eagleray.serve.engine.startup import WAVE_PREFILL_TOKENS_CPU
+
+    bm = BlockManager(8, 4)
+    assert Scheduler.for_engine(bm, EngineConfig(), torch.device("cpu")).wave_tokens == WAVE_PREFILL_TOKENS_CPU > 0
+    assert Scheduler.for_engine(bm, EngineConfig(), torch.device("cuda")).wave_tokens == 0
+    assert Scheduler.for_engine(bm, EngineConfig(wave_prefill_tokens=7), torch.device("cuda")).wave_tokens == 7
