@@ -241,7 +241,7 @@ class AdaptivePolicy:
 
     @staticmethod
     def _verify_cost(c: Costs, k: int) -> float:
-        """t_verify at k (see :func:`_at_k`), from a plain step's cost at k = 0: verifying fewer rows is expected
+        """t_verify at k (see :func:`~eagleray.serve.engine.policy_costs.at_k`), from a plain step's cost at k = 0: verifying fewer rows is expected
         cheaper (with only k_max probed, taking its cost for every k kept the shorter chains untried); between two
         measured k the cheaper (on a CPU verifying 2 tokens can cost less than 1: another kernel path)."""
         return at_k(c.verify_by_k, k, c.plain, between="min")
