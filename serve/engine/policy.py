@@ -250,7 +250,7 @@ class AdaptivePolicy:
         """E(k) = 1 + sum of a_i over the first k positions (tokens per verification step), each a_i bounded by the
         ones before it (the first i+1 drafts are accepted only if the first i are): a position not measured yet keeps
         its optimistic prior only up to what the positions before it measured."""
-        return self._expected_all()[k]
+        return self._expected_all()[min(k, self.k_max)]  # a tree's k is its depth, k_max
 
     def _expected_all(self) -> list[float]:
         """[E(0), E(1), .., E(k_max)] (:meth:`expected_tokens`)."""
