@@ -16,6 +16,7 @@ speculation makes them, then join in one prefill step instead of one step each.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -173,7 +174,7 @@ class Scheduler:
         if not self.wave_tokens:
             return 0
         free = self.max_num_seqs - len(self.running)
-        wave = [s for _, s in zip(range(free), self.waiting)]
+        wave = list(itertools.islice(self.waiting, free))
         return len(wave) if len(wave) > 1 and sum(s.num_tokens - s.num_cached for s in wave) > self.wave_tokens else 0
 
     def _decoding_rows(self) -> list[Sequence]:
